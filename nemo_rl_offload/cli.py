@@ -1,0 +1,106 @@
+"""``nemo-rl-offload``: the command line. Thin: parse arguments, call the package, print.
+
+Exit codes: 0 success, 2 a mistake in what the user gave (printed as one line per problem on
+stderr, never a traceback), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from nemo_rl_offload.errors import UserInputError
+
+EXIT_USER_ERROR = 2
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_show(item) for item in value) + "]"
+    if hasattr(value, "name") and not isinstance(value, str):  # enums such as CudaGraphModule
+        return str(value.name)
+    return str(value)
+
+
+def _print_report(report: Any, recipe_path: str, out: TextIO, err: TextIO) -> None:
+    for line in report.errors:
+        print(line, file=err)
+    for line in report.warnings:
+        print(line if line.startswith("warning:") else f"warning: {line}", file=err)
+    if not report.ok:
+        return
+    caps = report.caps
+    print(f"recipe: {recipe_path} (algorithm: {report.algorithm})", file=out)
+    print(
+        f"megatron-core {caps.megatron_version or 'not installed'}, Transformer Engine "
+        f"{caps.te_version or 'not installed'}",
+        file=out,
+    )
+    for section in report.sections:
+        print(
+            f"{section.where}: offload settings (transformer_impl {section.transformer_impl})",
+            file=out,
+        )
+        width = max(len(name) for name in section.offload) if section.offload else 0
+        for name, (value, source) in section.offload.items():
+            print(f"  {name:<{width}}  {_show(value):<24} # {source}", file=out)
+    if report.worker_env:
+        env = " ".join(f"{key}={value}" for key, value in sorted(report.worker_env.items()))
+        print(f"worker environment: {env}", file=out)
+    for note in report.notes:
+        print(f"note: {note}", file=out)
+    print("valid", file=out)
+
+
+def _cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from nemo_rl_offload.preflight import load_and_check
+
+    report = load_and_check(args.config, args.overrides)
+    _print_report(report, args.config, out, err)
+    return 0 if report.ok else EXIT_USER_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nemo-rl-offload",
+        description="RL post-training on Megatron-core with fine-grained activation offloading.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    validate = commands.add_parser(
+        "validate",
+        help="check a recipe (schema, offload rules, Megatron's checks) and print its settings",
+        description="Check a recipe and print the resolved offload settings. Exit 0 when valid, "
+        "2 with one line per problem on stderr.",
+    )
+    validate.add_argument("--config", required=True, help="recipe YAML file")
+    validate.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra-style overrides: key=value, +key=value (add), ++key=value (set or add), ~key",
+    )
+    validate.set_defaults(handler=_cmd_validate)
+    return parser
+
+
+def main(
+    argv: Sequence[str] | None = None, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args, out, err)
+    except UserInputError as exc:
+        for line in exc.problems:
+            print(line, file=err)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Model architectures by name, as plain data, so that validation can reason about a model
+(is it MoE? how big is an expert's input?) without importing torch or megatron.
+
+``policy.model_name`` is either a preset name below or a local Hugging Face model directory;
+:func:`architecture_for` turns either into an :class:`Architecture`: TransformerConfig fields
+plus the few GPTModel arguments that are not TransformerConfig fields.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nemo_rl_offload.errors import UserInputError
+
+# Shared by every Llama-style preset: pre-norm RMSNorm, SwiGLU MLP, RoPE, no biases.
+_LLAMA_STYLE: dict[str, Any] = {
+    "normalization": "RMSNorm",
+    "gated_linear_unit": True,
+    "activation": "silu",  # not a TransformerConfig field: the model builder maps it to F.silu
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "layernorm_epsilon": 1e-5,
+}
+
+_MOE_STYLE: dict[str, Any] = {
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 1e-3,
+    "moe_token_dispatcher_type": "alltoall",
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a model is: TransformerConfig fields (``transformer``) and GPTModel arguments."""
+
+    name: str
+    transformer: dict[str, Any]
+    vocab_size: int
+    max_position_embeddings: int
+    rotary_base: int = 10000
+    share_embeddings_and_output_weights: bool = False
+    hf_directory: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_moe_experts(self) -> int | None:
+        return self.transformer.get("num_moe_experts")
+
+
+PRESETS: dict[str, Architecture] = {
+    # Trains on 2 CPU cores in seconds; byte-level vocabulary (256 bytes + specials, padded).
+    "tiny-dense": Architecture(
+        name="tiny-dense",
+        transformer={
+            **_LLAMA_STYLE,
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 176,
+        },
+        vocab_size=384,
+        max_position_embeddings=512,
+    ),
+    "tiny-moe": Architecture(
+        name="tiny-moe",
+        transformer={
+            **_LLAMA_STYLE,
+            **_MOE_STYLE,
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_query_groups": 2,
+            "ffn_hidden_size": 176,
+            "num_moe_experts": 4,
+            "moe_router_topk": 2,
+            "moe_ffn_hidden_size": 96,
+        },
+        vocab_size=384,
+        max_position_embeddings=512,
+    ),
+    # The 1.3B Llama-like model measured in shared/measurements/RESULTS.md.
+    "llama-1b": Architecture(
+        name="llama-1b",
+        transformer={
+            **_LLAMA_STYLE,
+            "num_layers": 16,
+            "hidden_size": 2048,
+            "num_attention_heads": 16,
+            "num_query_groups": 8,
+            "ffn_hidden_size": 5504,
+        },
+        vocab_size=32000,
+        max_position_embeddings=8192,
+        rotary_base=500000,
+    ),
+    # ~0.95B parameters in all, ~0.25B active per token (16 experts, top-2).
+    "moe-1b": Architecture(
+        name="moe-1b",
+        transformer={
+            **_LLAMA_STYLE,
+            **_MOE_STYLE,
+            "num_layers": 16,
+            "hidden_size": 1024,
+            "num_attention_heads": 16,
+            "num_query_groups": 8,
+            "ffn_hidden_size": 2816,
+            "num_moe_experts": 16,
+            "moe_router_topk": 2,
+            "moe_ffn_hidden_size": 1024,
+        },
+        vocab_size=32000,
+        max_position_embeddings=8192,
+        rotary_base=500000,
+    ),
+}
+
+
+def _from_hf_config(directory: Path) -> Architecture:
+    """Read the architecture of a local Hugging Face model directory from its config.json."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise UserInputError(f"{config_path}: missing; a Hugging Face model directory needs one")
+    try:
+        hf = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserInputError(f"{config_path}: not valid JSON ({exc})") from exc
+    missing = [
+        key
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+        if key not in hf
+    ]
+    if missing:
+        raise UserInputError(f"{config_path}: missing {', '.join(missing)}")
+    heads = hf["num_attention_heads"]
+    transformer: dict[str, Any] = {
+        **_LLAMA_STYLE,
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": hf.get("num_key_value_heads", heads),
+        "ffn_hidden_size": hf.get("intermediate_size", 4 * hf["hidden_size"]),
+        "layernorm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "add_qkv_bias": bool(hf.get("attention_bias", False)) or hf.get("model_type") == "qwen2",
+    }
+    if hf.get("head_dim"):
+        transformer["kv_channels"] = hf["head_dim"]
+    if hf.get("model_type") in ("qwen3", "qwen3_moe"):
+        transformer["qk_layernorm"] = True
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if experts:
+        transformer.update(
+            _MOE_STYLE,
+            num_moe_experts=experts,
+            moe_router_topk=hf.get("num_experts_per_tok", 2),
+            moe_ffn_hidden_size=hf.get("moe_intermediate_size", transformer["ffn_hidden_size"]),
+        )
+    return Architecture(
+        name=str(directory),
+        transformer=transformer,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        rotary_base=int(hf.get("rope_theta", 10000)),
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        hf_directory=str(directory),
+    )
+
+
+def architecture_for(
+    model_name: str, *, base_dir: Path | None = None, where: str = "policy.model_name"
+) -> Architecture:
+    """The architecture named by ``policy.model_name``: a preset or a local HF directory.
+
+    A relative directory is looked up from ``base_dir`` (the working directory by default).
+    """
+    if model_name in PRESETS:
+        return PRESETS[model_name]
+    candidate = Path(model_name).expanduser()
+    if not candidate.is_absolute() and base_dir is not None:
+        candidate = base_dir / candidate
+    if candidate.is_dir():
+        return _from_hf_config(candidate)
+    close = difflib.get_close_matches(model_name, PRESETS, n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise UserInputError(
+        f"{where}: '{model_name}' is neither a preset nor a local directory; "
+        f"{hint}presets: {', '.join(sorted(PRESETS))} (model hubs are not reached: "
+        "download a Hugging Face model to a directory and give its path)"
+    )

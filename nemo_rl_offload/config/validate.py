@@ -1,0 +1,136 @@
+"""Schema validation of a loaded recipe, reported as ``dotted.path: message (got: value)``.
+
+pydantic validates the TypedDicts of :mod:`nemo_rl_offload.config.schema`; this module turns its
+errors into lines a user can act on: the YAML path of the key, what is wrong, the value found, and
+for an unknown key the closest known one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import types
+import typing
+from typing import Any, get_args, get_origin, get_type_hints
+
+from pydantic import TypeAdapter, ValidationError
+
+from nemo_rl_offload.config.schema import MASTER_CONFIGS
+from nemo_rl_offload.errors import UserInputError
+
+_MAX_SHOWN = 60
+
+
+def detect_algorithm(recipe: dict[str, Any]) -> str:
+    """Which algorithm a recipe is for: the one algorithm section it has (sft, dpo, grpo or
+    distillation), as in NeMo-RL where each recipe has exactly one."""
+    present = [name for name in MASTER_CONFIGS if name in recipe]
+    if len(present) == 1:
+        return present[0]
+    if not present:
+        raise UserInputError(
+            "recipe: no algorithm section; add one of "
+            + ", ".join(MASTER_CONFIGS)
+            + " (e.g. 'grpo:' with its settings)"
+        )
+    raise UserInputError(
+        f"recipe: several algorithm sections ({', '.join(present)}); keep exactly one"
+    )
+
+
+def show_value(value: Any) -> str:
+    """A value the way a YAML user writes it, shortened when long."""
+    if value is None:
+        text = "null"
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = repr(value)
+    else:
+        text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
+
+
+@functools.cache
+def _adapter(algorithm: str) -> TypeAdapter:
+    return TypeAdapter(MASTER_CONFIGS[algorithm])
+
+
+def _typed_dict_members(tp: Any) -> list[type]:
+    """The TypedDict classes a (possibly Optional / NotRequired / container) type leads to."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return [member for arg in get_args(tp) for member in _typed_dict_members(arg)]
+    if origin in (typing.NotRequired, typing.Required):
+        return _typed_dict_members(get_args(tp)[0])
+    if typing.is_typeddict(tp):
+        return [tp]
+    return []
+
+
+def _keys_at(root: type, path: tuple[str | int, ...]) -> list[str]:
+    """Known keys of the section at ``path`` (a chain of keys from the master config)."""
+    candidates: list[type] = [root]
+    for key in path:
+        following: list[type] = []
+        for cls in candidates:
+            hints = get_type_hints(cls)
+            if isinstance(key, str) and key in hints:
+                following += _typed_dict_members(hints[key])
+        candidates = following
+    return sorted({key for cls in candidates for key in get_type_hints(cls)})
+
+
+def _data_path(recipe: Any, loc: tuple[Any, ...]) -> tuple[str | int, ...]:
+    """The part of pydantic's ``loc`` that names real keys: it also holds union branch names
+    (``int``, ``typed-dict``...), which are skipped; a missing key, last in ``loc``, is kept."""
+    path: list[str | int] = []
+    node = recipe
+    for index, key in enumerate(loc):
+        if (
+            isinstance(node, dict)
+            and key in node
+            or isinstance(node, list)
+            and isinstance(key, int)
+            and 0 <= key < len(node)
+        ):
+            path.append(key)
+            node = node[key]
+        elif index == len(loc) - 1 and isinstance(node, dict) and isinstance(key, str):
+            path.append(key)
+    return tuple(path)
+
+
+def _line(algorithm: str, recipe: dict[str, Any], error: dict[str, Any]) -> str:
+    path = _data_path(recipe, tuple(error["loc"]))
+    dotted = ".".join(str(part) for part in path) or "recipe"
+    kind = error["type"]
+    value = error.get("input")
+    if kind == "extra_forbidden":
+        known = _keys_at(MASTER_CONFIGS[algorithm], path[:-1])
+        close = difflib.get_close_matches(str(path[-1]), known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "known keys: " + ", ".join(known)
+        return f"{dotted}: unknown key; {hint}"
+    if kind == "missing":
+        return f"{dotted}: required key is missing"
+    if kind == "list_type" and isinstance(value, str):
+        return (
+            f"{dotted}: must be a list, not a single string (got: {show_value(value)}); "
+            f"write [{value}]"
+        )
+    message = error["msg"]
+    return f"{dotted}: {message[0].lower()}{message[1:]} (got: {show_value(value)})"
+
+
+def schema_problems(recipe: dict[str, Any], algorithm: str) -> list[str]:
+    """Every schema violation of ``recipe`` as one line each (empty when it is valid)."""
+    try:
+        _adapter(algorithm).validate_python(recipe)
+    except ValidationError as exc:
+        lines: list[str] = []
+        for error in exc.errors():
+            line = _line(algorithm, recipe, error)
+            if line not in lines:
+                lines.append(line)
+        return lines
+    return []

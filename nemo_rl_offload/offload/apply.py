@@ -1,0 +1,192 @@
+"""Apply a validated ``policy.megatron_cfg`` to Megatron-core's TransformerConfig.
+
+One function decides what every TransformerConfig field ends up as, and where that value came
+from (:func:`effective_settings`); the offload rules read the same answer, so what is checked is
+exactly what is applied. Layers, later winning:
+
+1. the model's architecture (a preset or a local HF directory: ``<where>.model_name``);
+2. ``<where>.precision`` (bf16 / fp16 / params_dtype);
+3. NeMo-RL's ``activation_checkpointing`` switch, which turns the ``recompute_*`` keys on;
+4. ``megatron_cfg.model_overrides`` (any TransformerConfig field);
+5. the named ``megatron_cfg`` keys (a named key that disagrees with model_overrides is a
+   conflict, reported by the rules).
+
+Unset offload knobs are not passed, so Megatron's defaults stay in force; an explicit
+``fine_grained_activation_offloading: false`` clears the module list too, so nothing enabled
+elsewhere (model_overrides) survives it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_rl_offload.config.model_presets import Architecture
+
+# megatron_cfg keys that are TransformerConfig fields of the same name.
+FGO_KEYS = (
+    "fine_grained_activation_offloading",
+    "offload_modules",
+    "min_offloaded_tensor_size",
+    "activation_offload_fraction",
+    "delay_offload_until_cuda_graph",
+    "delta_offload_bytes_across_pp_ranks",
+    "fine_grained_offloading_max_inflight_offloads",
+)
+CUDA_GRAPH_KEYS = ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps")
+RECOMPUTE_KEYS = (
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_modules",
+)
+DIRECT_TRANSFORMER_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "sequence_parallel",
+    "pipeline_dtype",
+    "moe_router_dtype",
+    "moe_router_load_balancing_type",
+    "moe_router_bias_update_rate",
+    "moe_permute_fusion",
+    "apply_rope_fusion",
+    "bias_activation_fusion",
+    *FGO_KEYS,
+    *CUDA_GRAPH_KEYS,
+)
+# NeMo-RL's defaults for the recompute keys once activation_checkpointing is on.
+RECOMPUTE_DEFAULTS: dict[str, Any] = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+}
+_DTYPE_FIELDS = ("params_dtype", "pipeline_dtype")
+# Architecture entries that are not TransformerConfig fields.
+_NOT_TRANSFORMER_FIELDS = ("activation",)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A TransformerConfig value and the dotted recipe path it came from."""
+
+    value: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class EffectiveSettings:
+    settings: dict[str, Setting]
+    # (field, named-key path, model_overrides path) where the two disagree.
+    conflicts: list[tuple[str, str, str]]
+    # recompute_* keys given while activation_checkpointing is off (NeMo-RL ignores them).
+    ignored_recompute_keys: list[str]
+
+    def value(self, name: str, default: Any = None) -> Any:
+        setting = self.settings.get(name)
+        return default if setting is None else setting.value
+
+    def source(self, name: str, fallback: str) -> str:
+        setting = self.settings.get(name)
+        return fallback if setting is None else setting.source
+
+
+def resolve_transformer_impl(requested: str | None, te_installed: bool) -> str:
+    """``auto`` (the default) means Transformer Engine when it is installed, else Megatron's local
+    layer spec."""
+    if requested in (None, "auto"):
+        return "transformer_engine" if te_installed else "local"
+    return requested
+
+
+def effective_settings(
+    policy_cfg: dict[str, Any],
+    architecture: Architecture | None,
+    *,
+    where: str = "policy",
+    te_installed: bool,
+) -> EffectiveSettings:
+    """Every TransformerConfig field the recipe decides, with where it was decided."""
+    megatron_cfg = policy_cfg.get("megatron_cfg") or {}
+    prefix = f"{where}.megatron_cfg"
+    settings: dict[str, Setting] = {}
+
+    if architecture is not None:
+        for name, value in architecture.transformer.items():
+            settings[name] = Setting(value, f"{where}.model_name")
+
+    precision = policy_cfg.get("precision")
+    if precision in ("bfloat16", "float16", "float32"):
+        source = f"{where}.precision"
+        settings["bf16"] = Setting(precision == "bfloat16", source)
+        settings["fp16"] = Setting(precision == "float16", source)
+        settings["params_dtype"] = Setting(precision, source)
+
+    ignored: list[str] = []
+    if megatron_cfg.get("activation_checkpointing") is True:
+        for name, value in RECOMPUTE_DEFAULTS.items():
+            settings[name] = Setting(value, f"{prefix}.activation_checkpointing")
+        for name in RECOMPUTE_KEYS:
+            if megatron_cfg.get(name) is not None:
+                settings[name] = Setting(megatron_cfg[name], f"{prefix}.{name}")
+    else:
+        ignored = [name for name in RECOMPUTE_KEYS if megatron_cfg.get(name) is not None]
+
+    overrides = megatron_cfg.get("model_overrides") or {}
+    if isinstance(overrides, dict):
+        for name, value in overrides.items():
+            settings[name] = Setting(value, f"{prefix}.model_overrides.{name}")
+
+    conflicts: list[tuple[str, str, str]] = []
+    for name in DIRECT_TRANSFORMER_KEYS:
+        if name not in megatron_cfg:
+            continue
+        value = megatron_cfg[name]
+        if isinstance(overrides, dict) and name in overrides and overrides[name] != value:
+            conflicts.append((name, f"{prefix}.{name}", f"{prefix}.model_overrides.{name}"))
+        settings[name] = Setting(value, f"{prefix}.{name}")
+
+    if megatron_cfg.get("fine_grained_activation_offloading") is False:
+        settings["offload_modules"] = Setting([], f"{prefix}.fine_grained_activation_offloading")
+    elif settings.get("offload_modules") is not None and settings["offload_modules"].value is None:
+        settings["offload_modules"] = Setting([], settings["offload_modules"].source)
+    if "cuda_graph_modules" in settings and settings["cuda_graph_modules"].value is None:
+        settings["cuda_graph_modules"] = Setting([], settings["cuda_graph_modules"].source)
+
+    impl_source = f"{prefix}.transformer_impl"
+    settings["transformer_impl"] = Setting(
+        resolve_transformer_impl(megatron_cfg.get("transformer_impl"), te_installed),
+        impl_source,
+    )
+    return EffectiveSettings(settings, conflicts, ignored)
+
+
+def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:
+    """Keyword arguments for TransformerConfig: plain values, dtype names turned into torch
+    dtypes and the activation name into its function."""
+    import torch
+    import torch.nn.functional as F
+
+    kwargs = {
+        name: setting.value
+        for name, setting in effective.settings.items()
+        if name not in _NOT_TRANSFORMER_FIELDS
+    }
+    for name in _DTYPE_FIELDS:
+        if isinstance(kwargs.get(name), str):
+            kwargs[name] = getattr(torch, kwargs[name])
+    activation = effective.value("activation")
+    if activation is not None:
+        kwargs["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation]
+    return kwargs
+
+
+def build_transformer_config(effective: EffectiveSettings) -> Any:
+    """Megatron-core's TransformerConfig for these settings (imports megatron-core)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(**transformer_config_kwargs(effective))

@@ -1,0 +1,148 @@
+"""What the installed megatron-core and Transformer Engine support: facts, not rules.
+
+The offload rules take a :class:`Capabilities` as input, so tests can ask "what if Transformer
+Engine 2.10 were installed?" without installing it. :func:`detect` reads the real machine.
+
+Known offload module names come from the installed megatron-core when it tells them: version
+0.19 keeps them in a local set inside ``TransformerConfig.__post_init__`` and prints them when
+given an unknown name, so we ask it once with a probe name and read its answer. If that fails
+(a future version words it differently, or megatron-core is missing) we fall back to a table
+by version.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import re
+from dataclasses import dataclass
+
+# offload_modules accepted by each megatron-core minor version (from its TransformerConfig).
+OFFLOAD_MODULES_BY_VERSION: dict[str, frozenset[str]] = {
+    "0.15": frozenset(
+        {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"}
+    ),
+    "0.19": frozenset(
+        {
+            "attn_norm",
+            "qkv_linear",
+            "core_attn",
+            "attn_proj",
+            "mlp_norm",
+            "expert_fc1",
+            "moe_act",
+            "fused_group_mlp",
+        }
+    ),
+}
+# Transformer Engine from this version on changed its offload API; Megatron's FGO needs the old
+# one, selected by NVTE_CPU_OFFLOAD_V1=1 in every worker.
+TE_OFFLOAD_V1_ENV_FROM = (2, 10)
+MOE_OFFLOAD_MODULES = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
+
+
+def _version_tuple(version: str | None) -> tuple[int, ...]:
+    if not version:
+        return ()
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    megatron_version: str | None
+    te_version: str | None
+    offload_module_names: frozenset[str]
+    offload_module_names_source: str  # "megatron-core" (asked it) or "version table"
+
+    @property
+    def has_transformer_engine(self) -> bool:
+        return self.te_version is not None
+
+    @property
+    def te_needs_offload_v1_env(self) -> bool:
+        # An installed TE of unknown version gets the variable too: older TE ignores it.
+        version = _version_tuple(self.te_version)
+        return self.has_transformer_engine and (not version or version >= TE_OFFLOAD_V1_ENV_FROM)
+
+
+def _names_from_megatron() -> frozenset[str] | None:
+    """Ask the installed TransformerConfig which offload module names it allows."""
+    try:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except Exception:  # megatron-core missing or broken: the version table answers instead
+        return None
+    try:
+        TransformerConfig(
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=1,
+            fine_grained_activation_offloading=True,
+            offload_modules=["__nemo_rl_offload_probe__"],
+        )
+    except (AssertionError, ValueError) as exc:
+        match = re.search(r"Allowed modules are:\s*(\{.*?\})", str(exc))
+        if match:
+            try:
+                return frozenset(ast.literal_eval(match.group(1)))
+            except (ValueError, SyntaxError):
+                return None
+    return None
+
+
+def _names_from_table(megatron_version: str | None) -> frozenset[str]:
+    minor = ".".join(str(p) for p in _version_tuple(megatron_version)[:2])
+    if minor in OFFLOAD_MODULES_BY_VERSION:
+        return OFFLOAD_MODULES_BY_VERSION[minor]
+    return OFFLOAD_MODULES_BY_VERSION[max(OFFLOAD_MODULES_BY_VERSION, key=_version_tuple)]
+
+
+@functools.cache
+def detect() -> Capabilities:
+    """The capabilities of this Python environment (cached: it imports megatron-core once)."""
+    megatron_version = _installed_version("megatron-core")
+    te_version = _installed_version("transformer-engine") or _installed_version(
+        "transformer_engine"
+    )
+    if te_version is None and importlib.util.find_spec("transformer_engine") is not None:
+        te_version = "unknown"
+    names = _names_from_megatron()
+    source = "megatron-core"
+    if names is None:
+        names, source = _names_from_table(megatron_version), "version table"
+    return Capabilities(megatron_version, te_version, names, source)
+
+
+@functools.cache
+def transformer_config_fields() -> frozenset[str] | None:
+    """Field names of the installed TransformerConfig, or None when megatron-core is missing."""
+    try:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except Exception:
+        return None
+    return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
+
+
+@functools.cache
+def transformer_config_defaults() -> dict[str, object]:
+    """Default values of the installed TransformerConfig's simple fields ({} without megatron)."""
+    try:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except Exception:
+        return {}
+    defaults: dict[str, object] = {}
+    for f in dataclasses.fields(TransformerConfig):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return defaults

@@ -1,0 +1,491 @@
+"""Every compatibility rule of fine-grained activation offloading (FGO), in one place.
+
+Each rule reads the settings as :func:`nemo_rl_offload.offload.apply.effective_settings` resolves
+them (so what is checked is what will be applied) and reports a complete line:
+``dotted.path: what is wrong; how to fix it``. All rules run every time and all findings are
+returned together, so a user fixes a recipe in one pass. Rules agree with megatron-core's own
+TransformerConfig checks (tests/unit/offload/test_megatron_agreement.py proves it case by case):
+whatever Megatron rejects is rejected here first, with the fix; some things Megatron accepts
+silently but that cannot work (expert offload on a dense model) are rejected here too.
+
+Types were already checked by the schema; a rule skips a value of the wrong type rather than
+reporting it twice.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_rl_offload.config.model_presets import Architecture
+from nemo_rl_offload.offload import apply
+from nemo_rl_offload.offload.capabilities import (
+    MOE_OFFLOAD_MODULES,
+    Capabilities,
+    transformer_config_fields,
+)
+
+LOCAL_GRAPH_OFFLOAD_MODULES = MOE_OFFLOAD_MODULES
+DEFAULT_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024
+DEFAULT_CUDA_GRAPH_WARMUP_STEPS = 3
+# megatron-core 0.19 without Transformer Engine: selective recompute of these modules fails with
+# NameError FP8GlobalStateManager (measured on an H100, shared/measurements/RESULTS.md run 4).
+RECOMPUTE_NEEDS_TE = frozenset({"layernorm", "mlp"})
+
+
+@dataclass
+class Findings:
+    """What the rules found. ``worker_env`` holds variables every policy worker must get."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def extend(self, other: Findings) -> None:
+        self.errors += other.errors
+        self.warnings += other.warnings
+        self.worker_env.update(other.worker_env)
+        self.notes += other.notes
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _names(value: Any) -> list[str]:
+    """A list of module names, or [] when the value is not such a list (the schema reports it)."""
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    return []
+
+
+def _fmt(names: Any) -> str:
+    return "[" + ", ".join(sorted(names)) + "]"
+
+
+@dataclass
+class _Context:
+    """What every rule needs: the effective settings and where each came from."""
+
+    where: str
+    megatron_cfg: dict[str, Any]
+    effective: apply.EffectiveSettings
+    architecture: Architecture | None
+    caps: Capabilities
+    policy_cfg: dict[str, Any]
+    gpus_per_node: Any
+    findings: Findings = field(default_factory=Findings)
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.where}.megatron_cfg"
+
+    def path(self, name: str) -> str:
+        return self.effective.source(name, f"{self.prefix}.{name}")
+
+    def value(self, name: str, default: Any = None) -> Any:
+        return self.effective.value(name, default)
+
+    def error(self, line: str) -> None:
+        self.findings.errors.append(line)
+
+    def warn(self, line: str) -> None:
+        self.findings.warnings.append(line)
+
+    @property
+    def fgo_on(self) -> bool:
+        return self.value("fine_grained_activation_offloading") is True
+
+    @property
+    def modules(self) -> list[str]:
+        return _names(self.value("offload_modules"))
+
+    @property
+    def is_moe(self) -> bool:
+        experts = self.value("num_moe_experts")
+        return _is_int(experts) and experts > 1
+
+
+def check_policy(
+    policy_cfg: dict[str, Any],
+    *,
+    where: str,
+    architecture: Architecture | None,
+    caps: Capabilities,
+    gpus_per_node: Any = None,
+) -> Findings:
+    """Run every rule on one policy section (``policy`` or ``teacher``)."""
+    megatron_cfg = policy_cfg.get("megatron_cfg")
+    if not isinstance(megatron_cfg, dict):
+        return Findings()  # the schema reports the missing or malformed section
+    effective = apply.effective_settings(
+        policy_cfg, architecture, where=where, te_installed=caps.has_transformer_engine
+    )
+    ctx = _Context(where, megatron_cfg, effective, architecture, caps, policy_cfg, gpus_per_node)
+    for rule in _RULES:
+        rule(ctx)
+    return ctx.findings
+
+
+# ------------------------------------------------------------------------------------ rules
+
+
+def _backend(ctx: _Context) -> None:
+    if ctx.megatron_cfg.get("enabled") is False:
+        ctx.error(
+            f"{ctx.prefix}.enabled: false selects NeMo-RL's DTensor backend, which "
+            "nemo_rl_offload does not have; set it to true"
+        )
+        if ctx.fgo_on:
+            ctx.error(
+                f"{ctx.path('fine_grained_activation_offloading')}: fine-grained activation "
+                f"offloading needs the Megatron backend; set {ctx.prefix}.enabled=true"
+            )
+    requested = ctx.megatron_cfg.get("transformer_impl")
+    if requested == "transformer_engine" and not ctx.caps.has_transformer_engine:
+        ctx.error(
+            f"{ctx.prefix}.transformer_impl: transformer_engine, but Transformer Engine is not "
+            "installed; use auto or local (Megatron's local layer spec)"
+        )
+
+
+def _overrides(ctx: _Context) -> None:
+    for name, named_path, override_path in ctx.effective.conflicts:
+        ctx.error(f"{named_path}: disagrees with {override_path}; set {name} in one place only")
+    overrides = ctx.megatron_cfg.get("model_overrides")
+    known = transformer_config_fields()
+    if not isinstance(overrides, dict) or known is None:
+        return
+    for name in overrides:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            ctx.error(
+                f"{ctx.prefix}.model_overrides.{name}: not a TransformerConfig field of "
+                f"megatron-core {ctx.caps.megatron_version}; {hint}remove it"
+            )
+
+
+def _module_list(ctx: _Context) -> None:
+    raw = ctx.value("offload_modules")
+    path = ctx.path("offload_modules")
+    if not ctx.fgo_on:
+        if ctx.modules:
+            ctx.warn(
+                f"warning: {path}: ignored because fine_grained_activation_offloading is off; "
+                f"set {ctx.prefix}.fine_grained_activation_offloading=true to use it"
+            )
+        return
+    known = ctx.caps.offload_module_names
+    if raw is None or raw == []:
+        ctx.error(
+            f"{path}: fine-grained activation offloading is on but no modules are listed; "
+            f"list at least one of {_fmt(known)}, e.g. [core_attn, attn_proj]"
+        )
+        return
+    modules = ctx.modules
+    for name in modules:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            ctx.error(
+                f"{path}: unknown module '{name}'; {hint}megatron-core "
+                f"{ctx.caps.megatron_version} offloads {_fmt(known)}"
+            )
+    duplicates = sorted({name for name in modules if modules.count(name) > 1})
+    if duplicates:
+        ctx.warn(f"warning: {path}: {_fmt(duplicates)} listed more than once; list each once")
+
+
+def _module_dependencies(ctx: _Context) -> None:
+    if not ctx.fgo_on:
+        return
+    modules = set(ctx.modules)
+    path = ctx.path("offload_modules")
+    if "attn_proj" in modules and "core_attn" not in modules:
+        ctx.error(
+            f"{path}: 'attn_proj' needs 'core_attn' (attn_proj's input is core attention's "
+            "output, which core attention's backward also needs); add 'core_attn' or remove "
+            "'attn_proj'"
+        )
+    moe_modules = modules & MOE_OFFLOAD_MODULES
+    if moe_modules and not ctx.is_moe:
+        ctx.error(
+            f"{path}: {_fmt(moe_modules)} offload expert activations but the model has no "
+            f"experts (num_moe_experts is unset); remove them, or use a MoE model (a MoE preset "
+            f"such as tiny-moe or moe-1b, or {ctx.prefix}.model_overrides.num_moe_experts)"
+        )
+    if "fused_group_mlp" in modules:
+        if ctx.value("use_transformer_engine_op_fuser") is not True:
+            ctx.error(
+                f"{path}: 'fused_group_mlp' needs Transformer Engine's op fuser; set "
+                f"{ctx.prefix}.model_overrides.use_transformer_engine_op_fuser=true (needs "
+                "Transformer Engine) or offload expert_fc1/moe_act instead"
+            )
+        partial = modules & {"expert_fc1", "moe_act"}
+        if partial:
+            ctx.error(
+                f"{path}: 'fused_group_mlp' already offloads the whole grouped MLP and cannot be "
+                f"combined with {_fmt(partial)}; keep one of the two"
+            )
+    grouped = modules & {"expert_fc1", "moe_act"}
+    if grouped and ctx.is_moe:
+        te_impl = ctx.value("transformer_impl") == "transformer_engine"
+        grouped_gemm = ctx.value("moe_grouped_gemm") is True
+        if not (te_impl and ctx.caps.has_transformer_engine and grouped_gemm):
+            why = (
+                "Transformer Engine is not installed"
+                if not ctx.caps.has_transformer_engine
+                else "transformer_impl is local"
+                if not te_impl
+                else "moe_grouped_gemm is off"
+            )
+            ctx.error(
+                f"{path}: {_fmt(grouped)} are offloaded only inside Transformer Engine's grouped "
+                f"expert MLP, and here {why}: the experts would run as SequentialMLP and offload "
+                f"nothing; use transformer_impl transformer_engine with "
+                f"{ctx.prefix}.model_overrides.moe_grouped_gemm=true, or remove {_fmt(grouped)}"
+            )
+
+
+def _exclusions(ctx: _Context) -> None:
+    if not ctx.fgo_on:
+        return
+    if ctx.value("cpu_offloading") is True:
+        ctx.error(
+            f"{ctx.path('cpu_offloading')}: layer-level cpu_offloading cannot run with "
+            "fine-grained activation offloading; turn one of them off"
+        )
+    moe_modules = set(ctx.modules) & MOE_OFFLOAD_MODULES
+    recompute_modules = _names(ctx.value("recompute_modules"))
+    recomputes_moe = (
+        ctx.value("recompute_granularity") == "selective" and "moe" in recompute_modules
+    ) or ctx.value("moe_layer_recompute") is True
+    if moe_modules and recomputes_moe:
+        source = (
+            ctx.path("moe_layer_recompute")
+            if ctx.value("moe_layer_recompute") is True
+            else ctx.path("recompute_modules")
+        )
+        ctx.error(
+            f"{source}: recomputing the whole 'moe' module makes offloading inside it "
+            f"({_fmt(moe_modules)}) redundant and breaks it; remove 'moe' from recompute_modules "
+            f"or remove {_fmt(moe_modules)} from offload_modules"
+        )
+
+
+def _ranges(ctx: _Context) -> None:
+    fraction = ctx.value("activation_offload_fraction")
+    if _is_number(fraction):
+        if not 0 <= fraction <= 1:
+            ctx.error(
+                f"{ctx.path('activation_offload_fraction')}: must be between 0 and 1 "
+                f"(got: {fraction}); it is the fraction of eligible offload groups to offload"
+            )
+        elif fraction == 0 and ctx.fgo_on:
+            ctx.warn(
+                f"warning: {ctx.path('activation_offload_fraction')}: 0 means nothing will be "
+                "offloaded; raise it or turn fine_grained_activation_offloading off"
+            )
+    for name in ("min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks"):
+        value = ctx.value(name)
+        if _is_int(value) and value < 0:
+            ctx.error(f"{ctx.path(name)}: must be >= 0 (got: {value})")
+    inflight = ctx.value("fine_grained_offloading_max_inflight_offloads")
+    if _is_int(inflight) and inflight < 0:
+        ctx.error(
+            f"{ctx.path('fine_grained_offloading_max_inflight_offloads')}: must be null or an "
+            f"integer >= 0 (got: {inflight})"
+        )
+
+
+def _cuda_graphs(ctx: _Context) -> None:
+    impl = ctx.value("cuda_graph_impl", "none")
+    graph_modules = ctx.value("cuda_graph_modules")
+    graph_modules = graph_modules if isinstance(graph_modules, list) else []
+    impl_path = ctx.path("cuda_graph_impl")
+    if impl == "transformer_engine" and not ctx.caps.has_transformer_engine:
+        ctx.error(
+            f"{impl_path}: transformer_engine CUDA graphs need Transformer Engine, which is not "
+            "installed; use full_iteration (no TE needed) or none"
+        )
+    if impl == "full_iteration" and graph_modules:
+        ctx.error(
+            f"{ctx.path('cuda_graph_modules')}: must be empty with cuda_graph_impl "
+            "full_iteration (the whole forward-backward is one graph); set it to []"
+        )
+    if impl in ("local", "transformer_engine") and ctx.value("recompute_granularity") == "full":
+        ctx.error(
+            f"{ctx.path('recompute_granularity')}: full recompute works only with "
+            f"cuda_graph_impl full_iteration, not {impl}; use selective recompute or "
+            "full_iteration graphs"
+        )
+    if ctx.value("delay_offload_until_cuda_graph") is True and impl == "none":
+        ctx.warn(
+            f"warning: {ctx.path('delay_offload_until_cuda_graph')}: has no effect without CUDA "
+            "graphs (cuda_graph_impl is none)"
+        )
+    if not ctx.fgo_on or impl == "none":
+        return
+    warmup = ctx.value("cuda_graph_warmup_steps", DEFAULT_CUDA_GRAPH_WARMUP_STEPS)
+    if _is_int(warmup) and warmup <= 0:
+        ctx.error(
+            f"{ctx.path('cuda_graph_warmup_steps')}: must be > 0 with CUDA graphs and "
+            "fine-grained offloading (the offload plan is recorded during warm-up); set it to 3"
+        )
+    if "moe" in graph_modules:
+        ctx.error(
+            f"{ctx.path('cuda_graph_modules')}: capturing the whole 'moe' module (token-drop "
+            "MoE) is not supported with activation offloading; use moe_router instead"
+        )
+    if impl == "full_iteration":
+        inflight = ctx.value("fine_grained_offloading_max_inflight_offloads")
+        if not (_is_int(inflight) and inflight >= 0):
+            ctx.error(
+                f"{ctx.path('fine_grained_offloading_max_inflight_offloads')}: must be set to "
+                "an integer >= 0 with full_iteration CUDA graphs (the graphed main stream no "
+                "longer waits for offload copies by itself); set it to 0, 1 or 2"
+            )
+    if impl == "local":
+        unsupported = set(ctx.modules) - LOCAL_GRAPH_OFFLOAD_MODULES
+        if unsupported:
+            ctx.error(
+                f"{ctx.path('offload_modules')}: with cuda_graph_impl local only "
+                f"{_fmt(LOCAL_GRAPH_OFFLOAD_MODULES)} can be offloaded; remove "
+                f"{_fmt(unsupported)} or use full_iteration graphs"
+            )
+        if not graph_modules:
+            ctx.error(
+                f"{ctx.path('cuda_graph_modules')}: whole-layer local CUDA graphs cannot run "
+                "with offloading; list the parts to capture, e.g. [attn, moe_router]"
+            )
+
+
+def _recompute(ctx: _Context) -> None:
+    for name in ctx.effective.ignored_recompute_keys:
+        value = ctx.megatron_cfg.get(name)
+        if name == "recompute_modules" and value or value == "selective":
+            ctx.warn(
+                f"warning: {ctx.prefix}.{name}: ignored because activation_checkpointing is "
+                f"false; set {ctx.prefix}.activation_checkpointing=true to recompute"
+            )
+    if (
+        ctx.value("recompute_granularity") == "selective"
+        and ctx.value("transformer_impl") == "local"
+        and (ctx.caps.megatron_version or "").startswith("0.19")
+    ):
+        broken = set(_names(ctx.value("recompute_modules"))) & RECOMPUTE_NEEDS_TE
+        if broken:
+            ctx.error(
+                f"{ctx.path('recompute_modules')}: selective recompute of {_fmt(broken)} fails "
+                f"without Transformer Engine in megatron-core {ctx.caps.megatron_version} "
+                "(NameError FP8GlobalStateManager); recompute core_attn or moe_act, use "
+                "full recompute, or offload those inputs instead"
+            )
+
+
+def _pipeline(ctx: _Context) -> None:
+    delta = ctx.value("delta_offload_bytes_across_pp_ranks")
+    pp = ctx.value("pipeline_model_parallel_size", 1)
+    if ctx.fgo_on and _is_int(delta) and delta > 0 and pp == 1:
+        ctx.warn(
+            f"warning: {ctx.path('delta_offload_bytes_across_pp_ranks')}: has no effect with "
+            "pipeline_model_parallel_size 1"
+        )
+
+
+def _environment(ctx: _Context) -> None:
+    if not ctx.fgo_on:
+        return
+    if ctx.gpus_per_node == 0:
+        ctx.warn(
+            f"warning: {ctx.path('fine_grained_activation_offloading')}: offloading is GPU-only "
+            "and will not be applied on CPU workers (cluster.gpus_per_node is 0)"
+        )
+    if ctx.caps.te_needs_offload_v1_env:
+        env_vars = ctx.megatron_cfg.get("env_vars") or {}
+        given = env_vars.get("NVTE_CPU_OFFLOAD_V1") if isinstance(env_vars, dict) else None
+        if given is not None and given != "1":
+            ctx.error(
+                f"{ctx.prefix}.env_vars.NVTE_CPU_OFFLOAD_V1: Transformer Engine "
+                f"{ctx.caps.te_version} needs '1' for Megatron's offloading; remove it (it is set "
+                "for you)"
+            )
+        ctx.findings.worker_env["NVTE_CPU_OFFLOAD_V1"] = "1"
+        ctx.findings.notes.append(
+            f"Transformer Engine {ctx.caps.te_version} is installed: NVTE_CPU_OFFLOAD_V1=1 is set "
+            "in every policy worker's environment, as Megatron's offloading needs"
+        )
+
+
+def _offloaded_input_elements(ctx: _Context, tokens: int) -> dict[str, int]:
+    """Rough element counts of each module's offloaded input per micro-batch, to compare with
+    min_offloaded_tensor_size (Megatron skips smaller tensors)."""
+    hidden = ctx.value("hidden_size")
+    heads = ctx.value("num_attention_heads")
+    if not (_is_int(hidden) and _is_int(heads) and heads > 0):
+        return {}
+    head_dim = ctx.value("kv_channels") or hidden // heads
+    tp = ctx.value("tensor_model_parallel_size", 1) or 1
+    norm_tokens = tokens // tp if ctx.value("sequence_parallel") is True else tokens
+    sizes = {
+        "attn_norm": norm_tokens * hidden,
+        "mlp_norm": norm_tokens * hidden,
+        "qkv_linear": tokens * hidden,
+        "core_attn": tokens * heads * head_dim // tp,
+        "attn_proj": tokens * heads * head_dim // tp,
+    }
+    if ctx.is_moe:
+        topk = ctx.value("moe_router_topk", 2)
+        ffn = ctx.value("moe_ffn_hidden_size") or ctx.value("ffn_hidden_size") or 4 * hidden
+        gated = 2 if ctx.value("gated_linear_unit") else 1
+        routed = tokens * topk
+        sizes["expert_fc1"] = routed * hidden
+        sizes["fused_group_mlp"] = routed * hidden
+        sizes["moe_act"] = routed * ffn * gated // (ctx.value("expert_tensor_parallel_size") or tp)
+    return sizes
+
+
+def _tensor_sizes(ctx: _Context) -> None:
+    if not ctx.fgo_on or not ctx.modules:
+        return
+    micro = ctx.policy_cfg.get("train_micro_batch_size")
+    seq = ctx.policy_cfg.get("max_total_sequence_length")
+    cp = ctx.value("context_parallel_size", 1) or 1
+    if not (_is_int(micro) and _is_int(seq) and _is_int(cp) and cp > 0):
+        return
+    tokens = micro * seq // cp
+    minimum = ctx.value("min_offloaded_tensor_size", DEFAULT_MIN_OFFLOADED_TENSOR_SIZE)
+    if not _is_int(minimum):
+        return
+    sizes = _offloaded_input_elements(ctx, tokens)
+    small = {name: sizes[name] for name in ctx.modules if name in sizes and sizes[name] < minimum}
+    if small:
+        listing = ", ".join(f"{name} ~{count:,}" for name, count in sorted(small.items()))
+        ctx.warn(
+            f"warning: {ctx.path('min_offloaded_tensor_size')}: inputs of {listing} elements "
+            f"per micro-batch (at {tokens:,} tokens) fall under the minimum of {minimum:,}, so "
+            f"they will not be offloaded; lower min_offloaded_tensor_size to at most "
+            f"{min(small.values()):,} or drop those modules"
+        )
+
+
+_RULES = (
+    _backend,
+    _overrides,
+    _module_list,
+    _module_dependencies,
+    _exclusions,
+    _ranges,
+    _cuda_graphs,
+    _recompute,
+    _pipeline,
+    _environment,
+    _tensor_sizes,
+)

@@ -1,0 +1,147 @@
+"""Everything checked before a job starts: load, schema, offload rules, Megatron's own checks.
+
+``nemo-rl-offload validate`` prints this report; the training commands run the same checks and
+refuse to start on any error, so a mistake costs seconds, not a Ray cluster start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nemo_rl_offload.config.loader import load_recipe
+from nemo_rl_offload.config.model_presets import Architecture, architecture_for
+from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
+from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.offload import apply, capabilities, rules
+from nemo_rl_offload.offload.capabilities import Capabilities
+
+POLICY_SECTIONS = ("policy", "teacher")
+
+
+@dataclass
+class SectionSettings:
+    """The resolved offload settings of one policy section, for printing."""
+
+    where: str
+    transformer_impl: str
+    # name -> (value, where it came from: a recipe path or "megatron-core default")
+    offload: dict[str, tuple[Any, str]]
+
+
+@dataclass
+class Report:
+    algorithm: str | None
+    recipe: dict[str, Any]
+    caps: Capabilities
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    sections: list[SectionSettings] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def _architecture(
+    section: dict[str, Any], where: str, base_dir: Path | None, report: Report
+) -> Architecture | None:
+    model_name = section.get("model_name")
+    if not isinstance(model_name, str):
+        return None  # the schema reports it
+    try:
+        return architecture_for(model_name, base_dir=base_dir, where=f"{where}.model_name")
+    except UserInputError as exc:
+        report.errors += exc.problems
+        return None
+
+
+def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any, str]]:
+    defaults = capabilities.transformer_config_defaults()
+    resolved: dict[str, tuple[Any, str]] = {}
+    for name in (*apply.FGO_KEYS, *apply.CUDA_GRAPH_KEYS):
+        setting = effective.settings.get(name)
+        if setting is not None:
+            resolved[name] = (setting.value, setting.source)
+        elif name in defaults:
+            resolved[name] = (defaults[name], "megatron-core default")
+    return resolved
+
+
+def _megatron_crosscheck(effective: apply.EffectiveSettings, where: str, report: Report) -> None:
+    """Build the real TransformerConfig: anything Megatron still rejects is reported too."""
+    if capabilities.transformer_config_fields() is None:
+        return
+    try:
+        apply.build_transformer_config(effective)
+    except Exception as exc:  # Megatron signals bad settings with AssertionError/ValueError/...
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        report.errors.append(
+            f"{where}.megatron_cfg: megatron-core {report.caps.megatron_version} rejects these "
+            f"settings: {message}"
+        )
+
+
+def check_recipe(
+    recipe: dict[str, Any],
+    *,
+    caps: Capabilities | None = None,
+    base_dir: Path | None = None,
+    megatron_crosscheck: bool = True,
+) -> Report:
+    """Check a loaded recipe completely; never raises for user mistakes (they are in .errors)."""
+    caps = caps or capabilities.detect()
+    try:
+        algorithm: str | None = detect_algorithm(recipe)
+    except UserInputError as exc:
+        return Report(None, recipe, caps, errors=exc.problems)
+    report = Report(algorithm, recipe, caps)
+    report.errors += schema_problems(recipe, algorithm)
+    policy = recipe.get("policy")
+    megatron_cfg = policy.get("megatron_cfg") if isinstance(policy, dict) else None
+    if isinstance(megatron_cfg, dict) and "optimizer" not in megatron_cfg:
+        report.errors.append(
+            "policy.megatron_cfg.optimizer: required key is missing (the trained policy needs "
+            "an optimizer section, e.g. {optimizer: adam, lr: 5.0e-6})"
+        )
+    cluster = recipe.get("cluster")
+    gpus_per_node = cluster.get("gpus_per_node") if isinstance(cluster, dict) else None
+    effective_by_section: dict[str, apply.EffectiveSettings] = {}
+    for where in POLICY_SECTIONS:
+        section = recipe.get(where)
+        if not isinstance(section, dict):
+            continue
+        architecture = _architecture(section, where, base_dir, report)
+        findings = rules.check_policy(
+            section, where=where, architecture=architecture, caps=caps, gpus_per_node=gpus_per_node
+        )
+        report.errors += findings.errors
+        report.warnings += findings.warnings
+        report.notes += [note for note in findings.notes if note not in report.notes]
+        report.worker_env.update(findings.worker_env)
+        effective = apply.effective_settings(
+            section, architecture, where=where, te_installed=caps.has_transformer_engine
+        )
+        effective_by_section[where] = effective
+        report.sections.append(
+            SectionSettings(
+                where, effective.value("transformer_impl"), _resolved_offload(effective)
+            )
+        )
+    if megatron_crosscheck and report.ok:
+        for where, effective in effective_by_section.items():
+            _megatron_crosscheck(effective, where, report)
+    return report
+
+
+def load_and_check(
+    path: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = (), **kwargs: Any
+) -> Report:
+    """Load a recipe with its defaults and overrides, then :func:`check_recipe` it. Loading
+    problems (missing file, YAML syntax, bad override) raise UserInputError."""
+    recipe = load_recipe(path, overrides)
+    return check_recipe(recipe, base_dir=Path.cwd(), **kwargs)
