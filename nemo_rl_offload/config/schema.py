@@ -23,7 +23,7 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 Precision = Literal["float32", "bfloat16", "float16"]
 CudaGraphImpl = Literal["none", "local", "transformer_engine", "full_iteration"]
 CudaGraphModuleName = Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"]
-Number = float | int
+Number = float  # strict float still accepts ints (not bools)
 
 
 # --------------------------------------------------------------------------- policy.megatron_cfg

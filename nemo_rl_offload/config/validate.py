@@ -81,19 +81,19 @@ def _keys_at(root: type, path: tuple[str | int, ...]) -> list[str]:
     return sorted({key for cls in candidates for key in get_type_hints(cls)})
 
 
+def _has_child(node: Any, key: Any) -> bool:
+    if isinstance(node, dict):
+        return key in node
+    return isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node)
+
+
 def _data_path(recipe: Any, loc: tuple[Any, ...]) -> tuple[str | int, ...]:
     """The part of pydantic's ``loc`` that names real keys: it also holds union branch names
     (``int``, ``typed-dict``...), which are skipped; a missing key, last in ``loc``, is kept."""
     path: list[str | int] = []
     node = recipe
     for index, key in enumerate(loc):
-        if (
-            isinstance(node, dict)
-            and key in node
-            or isinstance(node, list)
-            and isinstance(key, int)
-            and 0 <= key < len(node)
-        ):
+        if _has_child(node, key):
             path.append(key)
             node = node[key]
         elif index == len(loc) - 1 and isinstance(node, dict) and isinstance(key, str):
@@ -127,10 +127,9 @@ def schema_problems(recipe: dict[str, Any], algorithm: str) -> list[str]:
     try:
         _adapter(algorithm).validate_python(recipe)
     except ValidationError as exc:
-        lines: list[str] = []
+        lines: dict[str, str] = {}  # one line per path: a union reports each branch
         for error in exc.errors():
             line = _line(algorithm, recipe, error)
-            if line not in lines:
-                lines.append(line)
-        return lines
+            lines.setdefault(line.split(":", 1)[0], line)
+        return list(lines.values())
     return []

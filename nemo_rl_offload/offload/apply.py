@@ -65,6 +65,7 @@ RECOMPUTE_DEFAULTS: dict[str, Any] = {
     "recompute_method": "uniform",
     "recompute_num_layers": 1,
 }
+FULL_RECOMPUTE_ONLY_KEYS = ("recompute_method", "recompute_num_layers")
 _DTYPE_FIELDS = ("params_dtype", "pipeline_dtype")
 # Architecture entries that are not TransformerConfig fields.
 _NOT_TRANSFORMER_FIELDS = ("activation",)
@@ -133,6 +134,11 @@ def effective_settings(
         for name in RECOMPUTE_KEYS:
             if megatron_cfg.get(name) is not None:
                 settings[name] = Setting(megatron_cfg[name], f"{prefix}.{name}")
+        if settings["recompute_granularity"].value == "selective":
+            # How many layers and which method apply to full recompute only; Megatron rejects
+            # them with selective, and NeMo-RL recipes carry them for "full".
+            for name in FULL_RECOMPUTE_ONLY_KEYS:
+                del settings[name]
     else:
         ignored = [name for name in RECOMPUTE_KEYS if megatron_cfg.get(name) is not None]
 

@@ -1,0 +1,129 @@
+"""Applying megatron_cfg to a real TransformerConfig: layers, explicit false, defaults."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.policies import make_policy
+
+from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.offload import apply
+
+pytest.importorskip("megatron.core")
+
+
+def _build(model="tiny-dense", te_installed=False, **cfg):
+    effective = apply.effective_settings(
+        make_policy(model, **cfg), architecture_for(model), te_installed=te_installed
+    )
+    return effective, apply.build_transformer_config(effective)
+
+
+def test_fgo_settings_reach_transformer_config():
+    _, config = _build(
+        fine_grained_activation_offloading=True,
+        offload_modules=["core_attn", "attn_proj"],
+        min_offloaded_tensor_size=4096,
+        activation_offload_fraction=0.5,
+        fine_grained_offloading_max_inflight_offloads=2,
+        delta_offload_bytes_across_pp_ranks=0,
+    )
+    assert config.fine_grained_activation_offloading is True
+    assert config.offload_modules == ["core_attn", "attn_proj"]
+    assert config.min_offloaded_tensor_size == 4096
+    assert config.activation_offload_fraction == 0.5
+    assert config.fine_grained_offloading_max_inflight_offloads == 2
+
+
+def test_unset_knobs_keep_megatron_defaults():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    effective, config = _build(
+        fine_grained_activation_offloading=True, offload_modules=["core_attn"]
+    )
+    assert "min_offloaded_tensor_size" not in effective.settings
+    defaults = {
+        f: getattr(TransformerConfig, f)
+        for f in (
+            "min_offloaded_tensor_size",
+            "activation_offload_fraction",
+            "delay_offload_until_cuda_graph",
+        )
+    }
+    for name, default in defaults.items():
+        assert getattr(config, name) == default
+
+
+def test_explicit_false_clears_enabled_state_from_overrides():
+    effective, config = _build(
+        fine_grained_activation_offloading=False,
+        model_overrides={"offload_modules": ["core_attn"]},
+    )
+    assert config.fine_grained_activation_offloading is False
+    assert config.offload_modules == []
+    assert effective.source("offload_modules", "") == (
+        "policy.megatron_cfg.fine_grained_activation_offloading"
+    )
+
+
+def test_model_overrides_reach_config_and_named_keys_win():
+    effective, config = _build(
+        model_overrides={"num_moe_experts": 4, "moe_router_topk": 2, "sequence_parallel": True},
+        sequence_parallel=False,
+    )
+    assert config.num_moe_experts == 4 and config.moe_router_topk == 2
+    assert config.sequence_parallel is False
+    assert effective.conflicts == [
+        (
+            "sequence_parallel",
+            "policy.megatron_cfg.sequence_parallel",
+            "policy.megatron_cfg.model_overrides.sequence_parallel",
+        )
+    ]
+
+
+def test_architecture_and_precision_layers():
+    effective, config = _build("llama-1b")
+    assert (config.num_layers, config.hidden_size, config.num_query_groups) == (16, 2048, 8)
+    assert config.bf16 is True and config.params_dtype == torch.bfloat16
+    assert config.gated_linear_unit is True
+    assert effective.source("hidden_size", "") == "policy.model_name"
+
+
+def test_activation_checkpointing_gates_recompute_keys():
+    effective, config = _build(recompute_granularity="full")
+    assert config.recompute_granularity is None
+    assert effective.ignored_recompute_keys == ["recompute_granularity"]
+    _, config = _build(activation_checkpointing=True)
+    assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == (
+        "full",
+        "uniform",
+        1,
+    )
+
+
+def test_selective_recompute_drops_full_only_keys():
+    _, config = _build(
+        activation_checkpointing=True,
+        recompute_granularity="selective",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        recompute_modules=["core_attn"],
+    )
+    assert config.recompute_granularity == "selective"
+    assert config.recompute_num_layers is None and config.recompute_method is None
+    assert config.recompute_modules == ["core_attn"]
+
+
+@pytest.mark.parametrize(
+    "requested,te,expected",
+    [
+        ("auto", False, "local"),
+        ("auto", True, "transformer_engine"),
+        (None, False, "local"),
+        ("local", True, "local"),
+        ("transformer_engine", False, "transformer_engine"),
+    ],
+)
+def test_transformer_impl_resolution(requested, te, expected):
+    assert apply.resolve_transformer_impl(requested, te) == expected

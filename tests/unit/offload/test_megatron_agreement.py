@@ -1,0 +1,97 @@
+"""Our offload rules agree with the installed megatron-core's own TransformerConfig checks.
+
+For every rule case (tests/unit/offload/test_rules.py), the effective settings are applied to a
+real TransformerConfig. What Megatron rejects, our rules reject (with a clearer message); what our
+rules accept, Megatron accepts. Our rules are stricter in a few places on purpose (they reject
+what Megatron accepts but cannot work, e.g. expert offload on a dense model); those are listed in
+STRICTER_BY_DESIGN, and every other rejected case must be rejected by Megatron too.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.offload_cases import ACCEPTED, REJECTED
+from support.policies import make_policy
+
+from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.offload import apply
+from nemo_rl_offload.offload.rules import check_policy
+
+pytest.importorskip("megatron.core")
+
+# Rejected by us, accepted by megatron-core 0.19 (the reason is in each rule's message).
+STRICTER_BY_DESIGN = {
+    "backend_off",  # Megatron does not know NeMo-RL's backend switch
+    "dtensor_backend",
+    "modules_unset",  # Megatron asserts too, but our default list is [] -> same as empty
+    "expert_on_dense",  # Megatron accepts and offloads nothing
+    "moe_act_on_dense",
+    "expert_without_te",  # SequentialMLP offloads nothing
+    "expert_local_impl",
+    "expert_no_grouped_gemm",
+    "te_graphs_without_te",  # TE missing is found at run time by Megatron
+    "te_impl_without_te",
+    "nvte_env_wrong",  # an environment variable, not a TransformerConfig field
+    "override_conflict",  # the recipe's own consistency
+    "override_unknown_field",  # Megatron raises TypeError: also a rejection, checked below
+    "recompute_layernorm_without_te",  # fails at run time (NameError), not in the config
+    "inflight_negative",  # Megatron checks it only under full_iteration graphs
+}
+
+
+def _megatron_verdict(model, settings) -> str | None:
+    """None when megatron-core accepts the settings, else its error message."""
+    policy = make_policy(model, **settings)
+    effective = apply.effective_settings(
+        policy, architecture_for(model), where="policy", te_installed=False
+    )
+    try:
+        apply.build_transformer_config(effective)
+    except Exception as exc:  # AssertionError, ValueError, TypeError: all are rejections
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _our_errors(model, caps, settings) -> list[str]:
+    return check_policy(
+        make_policy(model, **settings),
+        where="policy",
+        architecture=architecture_for(model),
+        caps=caps,
+        gpus_per_node=1,
+    ).errors
+
+
+@pytest.mark.parametrize(
+    "case_id,model,caps,settings",
+    [(case[0], *case[1:4]) for case in REJECTED + ACCEPTED],
+    ids=[case[0] for case in REJECTED + ACCEPTED],
+)
+def test_megatron_rejections_are_ours_first(case_id, model, caps, settings):
+    megatron_error = _megatron_verdict(model, settings)
+    ours = _our_errors(model, caps, settings)
+    if megatron_error is not None:
+        assert ours, f"megatron-core rejects but our rules accept: {megatron_error}"
+    if not ours:
+        assert megatron_error is None, f"we accept but megatron-core rejects: {megatron_error}"
+
+
+@pytest.mark.parametrize(
+    "case_id,model,settings",
+    [(c[0], c[1], c[3]) for c in REJECTED if c[0] not in STRICTER_BY_DESIGN],
+    ids=[c[0] for c in REJECTED if c[0] not in STRICTER_BY_DESIGN],
+)
+def test_shared_rules_are_megatron_rules(case_id, model, settings):
+    """Every rejected case not stricter by design is a rule megatron-core has too."""
+    assert _megatron_verdict(model, settings) is not None
+
+
+def test_stricter_list_is_current():
+    """A stricter-by-design case that Megatron starts rejecting should move out of the list."""
+    by_id = {case[0]: case for case in REJECTED}
+    now_rejected = [
+        case_id
+        for case_id in sorted(STRICTER_BY_DESIGN - {"override_unknown_field", "modules_unset"})
+        if _megatron_verdict(by_id[case_id][1], by_id[case_id][3]) is not None
+    ]
+    assert now_rejected == [], f"megatron-core now rejects these too: {now_rejected}"

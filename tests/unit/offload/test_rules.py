@@ -1,0 +1,180 @@
+"""Every offload rule, tested both ways: a recipe it must reject (with the path and the fix in
+the message) and the nearest recipe it must accept."""
+
+from __future__ import annotations
+
+import pytest
+from support.offload_cases import ACCEPTED, FGO, MOE_TE, REJECTED
+from support.policies import NO_TE, TE_2_9, TE_2_10, P, check
+
+
+@pytest.mark.parametrize(
+    "model,caps,settings,path,fragments",
+    [case[1:] for case in REJECTED],
+    ids=[case[0] for case in REJECTED],
+)
+def test_rejected_with_path_and_fix(model, caps, settings, path, fragments):
+    findings = check(model, caps, **settings)
+    matching = [line for line in findings.errors if line.startswith(f"{path}: ")]
+    assert matching, f"no error at {path}; errors were: {findings.errors}"
+    for fragment in fragments:
+        assert any(fragment in line for line in matching), (fragment, matching)
+
+
+@pytest.mark.parametrize(
+    "model,caps,settings", [case[1:] for case in ACCEPTED], ids=[case[0] for case in ACCEPTED]
+)
+def test_accepted(model, caps, settings):
+    findings = check(model, caps, **settings)
+    assert findings.errors == []
+
+
+def test_all_violations_reported_together():
+    findings = check(
+        "tiny-dense",
+        NO_TE,
+        **FGO,
+        offload_modules=["attn_proj", "expert_fc1", "bogus"],
+        activation_offload_fraction=2.0,
+        cuda_graph_impl="full_iteration",
+    )
+    text = "\n".join(findings.errors)
+    for fragment in (
+        "'attn_proj' needs",
+        "no experts",
+        "unknown module 'bogus'",
+        "between 0 and 1",
+        "full_iteration CUDA graphs",
+    ):
+        assert fragment in text
+    assert len(findings.errors) >= 5
+
+
+@pytest.mark.parametrize(
+    "settings,path,fragment",
+    [
+        ({"offload_modules": ["core_attn"]}, f"{P}.offload_modules", "ignored because"),
+        (
+            {**FGO, "offload_modules": ["core_attn"], "activation_offload_fraction": 0.0},
+            f"{P}.activation_offload_fraction",
+            "nothing will be offloaded",
+        ),
+        (
+            {**FGO, "offload_modules": ["core_attn", "core_attn"]},
+            f"{P}.offload_modules",
+            "listed more than once",
+        ),
+        (
+            {**FGO, "offload_modules": ["core_attn"], "delay_offload_until_cuda_graph": True},
+            f"{P}.delay_offload_until_cuda_graph",
+            "no effect without CUDA graphs",
+        ),
+        (
+            {**FGO, "offload_modules": ["core_attn"], "delta_offload_bytes_across_pp_ranks": 1024},
+            f"{P}.delta_offload_bytes_across_pp_ranks",
+            "pipeline_model_parallel_size 1",
+        ),
+        (
+            {"recompute_modules": ["core_attn"]},
+            f"{P}.recompute_modules",
+            "activation_checkpointing is false",
+        ),
+    ],
+    ids=[
+        "modules_while_off",
+        "fraction_zero",
+        "duplicates",
+        "delay_without_graphs",
+        "delta_without_pp",
+        "recompute_while_off",
+    ],
+)
+def test_warnings_not_errors(settings, path, fragment):
+    findings = check("tiny-dense", NO_TE, **settings)
+    assert findings.errors == []
+    assert any(
+        line.startswith(f"warning: {path}: ") and fragment in line for line in findings.warnings
+    ), findings.warnings
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"fine_grained_activation_offloading": False, "offload_modules": None},
+        {**FGO, "offload_modules": ["core_attn"], "activation_offload_fraction": 0.5},
+        {
+            **FGO,
+            "offload_modules": ["core_attn"],
+            "delay_offload_until_cuda_graph": True,
+            "cuda_graph_impl": "full_iteration",
+            "fine_grained_offloading_max_inflight_offloads": 1,
+        },
+        {"recompute_granularity": "full", "recompute_modules": None},
+    ],
+    ids=["off_and_null", "fraction_half", "delay_with_graphs", "nemo_rl_default_recompute"],
+)
+def test_no_warning_for_sensible_settings(settings):
+    # A big model at a long sequence: no size warning either.
+    findings = check("llama-1b", NO_TE, **settings)
+    assert findings.errors == [] and findings.warnings == []
+
+
+def test_expert_inputs_under_min_size_warn():
+    # tiny-moe: 4096 tokens x top-2 x hidden 64 = 524,288 elements < 1,048,576.
+    findings = check("tiny-moe", TE_2_10, **FGO, **MOE_TE, offload_modules=["expert_fc1"])
+    assert findings.errors == []
+    (line,) = [w for w in findings.warnings if "min_offloaded_tensor_size" in w]
+    assert "expert_fc1 ~524,288" in line and "lower min_offloaded_tensor_size" in line
+    lowered = check(
+        "tiny-moe",
+        TE_2_10,
+        **FGO,
+        **MOE_TE,
+        offload_modules=["expert_fc1"],
+        min_offloaded_tensor_size=524288,
+    )
+    assert not [w for w in lowered.warnings if "min_offloaded_tensor_size" in w]
+
+
+def test_min_size_warning_counts_only_small_modules():
+    # llama-1b at 4096 tokens, TP 2 without sequence parallel: attn_norm inputs stay whole
+    # (8,388,608 elements) while core_attn's are split (4,194,304).
+    findings = check(
+        "llama-1b",
+        NO_TE,
+        **FGO,
+        offload_modules=["core_attn", "attn_norm"],
+        min_offloaded_tensor_size=6_000_000,
+        tensor_model_parallel_size=2,
+    )
+    (line,) = [w for w in findings.warnings if "min_offloaded_tensor_size" in w]
+    assert "core_attn ~4,194,304" in line and "attn_norm" not in line
+
+
+def test_fgo_on_cpu_is_reported_not_dropped():
+    findings = check("tiny-dense", NO_TE, gpus=0, **FGO, offload_modules=["core_attn"])
+    assert any("GPU-only" in w and "CPU workers" in w for w in findings.warnings)
+    on_gpu = check("tiny-dense", NO_TE, gpus=1, **FGO, offload_modules=["core_attn"])
+    assert not any("GPU-only" in w for w in on_gpu.warnings)
+
+
+@pytest.mark.parametrize(
+    "caps,expected",
+    [(TE_2_10, {"NVTE_CPU_OFFLOAD_V1": "1"}), (TE_2_9, {}), (NO_TE, {})],
+    ids=["te_2_10", "te_2_9", "no_te"],
+)
+def test_worker_env_set_for_new_te(caps, expected):
+    findings = check("tiny-dense", caps, **FGO, offload_modules=["core_attn"])
+    assert findings.worker_env == expected
+    assert bool(findings.notes) == bool(expected)
+    off = check("tiny-dense", caps, fine_grained_activation_offloading=False)
+    assert off.worker_env == {}
+
+
+def test_wrongly_typed_values_are_left_to_the_schema():
+    findings = check(
+        "tiny-dense", NO_TE, **FGO, offload_modules="core_attn", activation_offload_fraction="half"
+    )
+    # The schema reports the types; the rules must not crash nor split the string.
+    assert not any("unknown module 'c'" in line for line in findings.errors)
+    assert not any("activation_offload_fraction" in line for line in findings.errors)
