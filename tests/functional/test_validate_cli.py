@@ -1,0 +1,287 @@
+"""``nemo-rl-offload validate``: what a user sees, the exit code, and where each line goes.
+
+Most tests call the CLI in-process (fast); the subprocess tests at the end prove the real console
+behaviour: exit codes and no traceback on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from io import StringIO
+from pathlib import Path
+
+import pytest
+
+from nemo_rl_offload.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "examples" / "configs"
+FGO = str(CONFIGS / "grpo_math_1B_megatron_fgo.yaml")
+PLAIN = str(CONFIGS / "grpo_math_1B.yaml")
+MCFG = "policy.megatron_cfg"
+OFFLOAD_KEYS = (
+    "fine_grained_activation_offloading",
+    "offload_modules",
+    "min_offloaded_tensor_size",
+    "activation_offload_fraction",
+    "delay_offload_until_cuda_graph",
+    "delta_offload_bytes_across_pp_ranks",
+    "fine_grained_offloading_max_inflight_offloads",
+    "cuda_graph_impl",
+    "cuda_graph_modules",
+    "cuda_graph_warmup_steps",
+)
+# A problem line starts with where it is: a dotted recipe path.
+DOTTED_PROBLEM = re.compile(r"^[A-Za-z_]\w*(\.\w+)+: \S")
+
+
+def validate(config: str | Path, *overrides: str) -> tuple[int, list[str], list[str]]:
+    """Run ``validate`` in-process; return the exit code and the stdout and stderr lines."""
+    out, err = StringIO(), StringIO()
+    code = main(["validate", "--config", str(config), *overrides], out=out, err=err)
+    return code, out.getvalue().splitlines(), err.getvalue().splitlines()
+
+
+def setting_line(out: list[str], name: str) -> str:
+    """The line of the offload settings table for ``name``."""
+    matches = [line for line in out if re.match(rf"^\s+{name}\s", line)]
+    assert len(matches) == 1, f"{name}: expected one settings line in:\n" + "\n".join(out)
+    return matches[0]
+
+
+# --------------------------------------------------------------------------- valid recipes
+
+
+def test_valid_fgo_recipe_prints_settings_and_their_sources() -> None:
+    code, out, err = validate(FGO)
+
+    assert code == 0, err
+    assert err == []
+    assert out[-1] == "valid"
+    assert out[0] == f"recipe: {FGO} (algorithm: grpo)"
+    assert "policy: offload settings (transformer_impl " in "\n".join(out)
+    assert re.fullmatch(
+        rf"\s+offload_modules\s+\[core_attn, attn_proj\]\s+# {MCFG}\.offload_modules",
+        setting_line(out, "offload_modules"),
+    )
+    assert re.fullmatch(
+        rf"\s+fine_grained_activation_offloading\s+true\s+# {MCFG}\."
+        "fine_grained_activation_offloading",
+        setting_line(out, "fine_grained_activation_offloading"),
+    )
+    # Every knob is shown with where its value came from; this recipe sets them all.
+    for name in OFFLOAD_KEYS:
+        assert setting_line(out, name).endswith(f"# {MCFG}.{name}")
+
+
+def test_unset_knob_shows_megatron_default_as_its_source() -> None:
+    code, out, err = validate(
+        FGO, f"~{MCFG}.cuda_graph_warmup_steps", f"~{MCFG}.min_offloaded_tensor_size"
+    )
+
+    assert code == 0, err
+    assert re.fullmatch(
+        r"\s+cuda_graph_warmup_steps\s+3\s+# megatron-core default",
+        setting_line(out, "cuda_graph_warmup_steps"),
+    )
+    assert re.fullmatch(
+        r"\s+min_offloaded_tensor_size\s+1048576\s+# megatron-core default",
+        setting_line(out, "min_offloaded_tensor_size"),
+    )
+    assert setting_line(out, "offload_modules").endswith(f"# {MCFG}.offload_modules")
+
+
+def test_override_changes_what_is_validated_and_shown() -> None:
+    code, out, err = validate(FGO, f"{MCFG}.offload_modules=[core_attn]")
+
+    assert code == 0, err
+    assert re.fullmatch(
+        rf"\s+offload_modules\s+\[core_attn\]\s+# {MCFG}\.offload_modules",
+        setting_line(out, "offload_modules"),
+    )
+
+
+# --------------------------------------------------------------------------- invalid recipes
+
+
+def test_override_that_breaks_a_rule_exits_2_with_the_path_first() -> None:
+    code, out, err = validate(FGO, f"{MCFG}.offload_modules=[attn_proj]")
+
+    assert code == 2
+    assert len(err) == 1, err
+    assert err[0].startswith(f"{MCFG}.offload_modules: "), err
+    assert "core_attn" in err[0]
+    assert "valid" not in out
+
+
+def test_offload_modules_as_one_string_is_one_line_not_split_into_letters() -> None:
+    code, out, err = validate(FGO, f"{MCFG}.offload_modules=core_attn")
+
+    assert code == 2
+    assert err == [
+        f"{MCFG}.offload_modules: must be a list, not a single string (got: 'core_attn'); "
+        "write [core_attn]"
+    ]
+    assert "valid" not in out
+
+
+def test_several_mistakes_are_reported_together() -> None:
+    code, out, err = validate(
+        FGO,
+        f"{MCFG}.offload_modules=[attn_proj]",
+        f"{MCFG}.activation_offload_fraction=half",
+        f"++{MCFG}.fine_grained_activation_offload=true",
+        "~checkpointing.checkpoint_dir",
+    )
+
+    assert code == 2
+    assert all(DOTTED_PROBLEM.match(line) for line in err), err
+    assert sorted(line.split(": ", 1)[0] for line in err) == sorted(
+        [
+            f"{MCFG}.offload_modules",
+            f"{MCFG}.activation_offload_fraction",
+            f"{MCFG}.fine_grained_activation_offload",
+            "checkpointing.checkpoint_dir",
+        ]
+    )
+    assert "valid" not in out
+    assert not any("offload settings" in line for line in out)
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def _assert_warning_only(code: int, out: list[str], err: list[str], path: str) -> None:
+    assert code == 0, err
+    assert out[-1] == "valid"
+    assert err, "expected a warning on stderr"
+    assert all(line.startswith("warning: ") for line in err), err
+    assert not any(line.startswith("warning: warning:") for line in err), err
+    assert any(line.startswith(f"warning: {path}: ") for line in err), err
+
+
+def test_offload_modules_with_offloading_off_warns() -> None:
+    code, out, err = validate(PLAIN, f"{MCFG}.offload_modules=[core_attn]")
+    _assert_warning_only(code, out, err, f"{MCFG}.offload_modules")
+
+
+def test_delay_offload_without_cuda_graphs_warns() -> None:
+    code, out, err = validate(PLAIN, f"{MCFG}.delay_offload_until_cuda_graph=true")
+    _assert_warning_only(code, out, err, f"{MCFG}.delay_offload_until_cuda_graph")
+
+
+# --------------------------------------------------------------------------- loading mistakes
+
+
+def test_missing_recipe_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    code, out, err = validate(missing)
+    assert code == 2
+    assert err == [f"{missing}: no such recipe file"]
+    assert out == []
+
+
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("grpo:\n  seed: 1\npolicy:\n  offload_modules: [core_attn\n  x: 1\n")
+    code, out, err = validate(broken)
+    assert code == 2
+    assert len(err) == 1, err
+    assert re.match(rf"^{re.escape(str(broken))}:5:\d+: \S", err[0]), err
+    assert out == []
+
+
+def test_bad_override_syntax() -> None:
+    code, out, err = validate(PLAIN, "policy.x=[1,")
+    assert code == 2
+    assert len(err) == 1, err
+    assert err[0].startswith("override 'policy.x=[1,': "), err
+    assert out == []
+
+
+def test_override_of_a_missing_key_suggests_the_right_one() -> None:
+    code, out, err = validate(PLAIN, f"{MCFG}.ofload_modules=[core_attn]")
+    assert code == 2
+    assert len(err) == 1, err
+    assert err[0].startswith(f"{MCFG}.ofload_modules=[core_attn]: no such key 'ofload_modules'")
+    assert "did you mean 'offload_modules'?" in err[0]
+    assert out == []
+
+
+# --------------------------------------------------------------------------- real console
+
+_CONSOLE_RUNS = {
+    "valid": ["--config", FGO],
+    "invalid": [
+        "--config",
+        FGO,
+        f"{MCFG}.offload_modules=[attn_proj]",
+        f"{MCFG}.activation_offload_fraction=half",
+    ],
+    "missing": ["--config", str(REPO / "examples" / "configs" / "no_such_recipe.yaml")],
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _console_processes() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """Start ``python -m nemo_rl_offload.cli validate`` for each case when this module starts:
+    each process imports megatron-core, which takes seconds, so they run beside the in-process
+    tests instead of after them."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "nemo_rl_offload.cli", "validate", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, args in _CONSOLE_RUNS.items()
+    }
+    yield started
+    for process in started.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.fixture(scope="module")
+def console(
+    _console_processes: dict[str, subprocess.Popen[str]],
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    finished = {}
+    for name, process in _console_processes.items():
+        stdout, stderr = process.communicate(timeout=300)
+        finished[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return finished
+
+
+def test_console_valid_recipe(console: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    run = console["valid"]
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "valid"
+    assert "Traceback" not in run.stderr
+
+
+def test_console_invalid_recipe(console: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    run = console["invalid"]
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.splitlines()
+    assert any(line.startswith(f"{MCFG}.offload_modules: ") for line in lines), run.stderr
+    assert any(line.startswith(f"{MCFG}.activation_offload_fraction: ") for line in lines)
+    assert "valid" not in run.stdout.splitlines()
+
+
+def test_console_missing_recipe_is_one_line(
+    console: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    run = console["missing"]
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [f"{_CONSOLE_RUNS['missing'][1]}: no such recipe file"]
+    assert run.stdout == ""

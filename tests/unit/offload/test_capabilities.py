@@ -1,0 +1,64 @@
+"""What the installed stack supports: module names asked from megatron-core, TE version facts."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_rl_offload.offload import capabilities
+from nemo_rl_offload.offload.capabilities import OFFLOAD_MODULES_BY_VERSION, Capabilities
+
+pytest.importorskip("megatron.core")
+
+
+def test_module_names_asked_from_installed_megatron_match_the_table():
+    caps = capabilities.detect()
+    assert caps.offload_module_names_source == "megatron-core"
+    minor = ".".join(caps.megatron_version.split(".")[:2])
+    assert caps.offload_module_names == OFFLOAD_MODULES_BY_VERSION[minor]
+
+
+def test_table_fallback_when_megatron_cannot_answer(monkeypatch):
+    monkeypatch.setattr(capabilities, "_names_from_megatron", lambda: None)
+    capabilities.detect.cache_clear()
+    try:
+        caps = capabilities.detect()
+        assert caps.offload_module_names_source == "version table"
+        assert "fused_group_mlp" in caps.offload_module_names
+    finally:
+        capabilities.detect.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "version,expected",
+    [
+        ("0.15.3", OFFLOAD_MODULES_BY_VERSION["0.15"]),
+        ("0.19.2", OFFLOAD_MODULES_BY_VERSION["0.19"]),
+        ("0.99.0", OFFLOAD_MODULES_BY_VERSION["0.19"]),
+        (None, OFFLOAD_MODULES_BY_VERSION["0.19"]),
+    ],
+)
+def test_version_table_lookup(version, expected):
+    assert capabilities._names_from_table(version) == expected
+
+
+@pytest.mark.parametrize(
+    "te_version,needs_env",
+    [
+        (None, False),
+        ("2.9.0", False),
+        ("2.10.0", True),
+        ("2.11.0.dev0+abc", True),
+        ("unknown", True),
+    ],
+)
+def test_te_offload_env_requirement(te_version, needs_env):
+    caps = Capabilities("0.19.2", te_version, frozenset(), "version table")
+    assert caps.te_needs_offload_v1_env is needs_env
+    assert caps.has_transformer_engine is (te_version is not None)
+
+
+def test_transformer_config_defaults_include_offload_knobs():
+    defaults = capabilities.transformer_config_defaults()
+    assert defaults["min_offloaded_tensor_size"] == 1024 * 1024
+    assert defaults["activation_offload_fraction"] == 1.0
+    assert defaults["fine_grained_offloading_max_inflight_offloads"] is None

@@ -1,0 +1,79 @@
+"""The whole pre-start check: schema, rules and Megatron's own checks reported together."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from nemo_rl_offload.config.loader import load_recipe
+from nemo_rl_offload.preflight import check_recipe
+
+pytest.importorskip("megatron.core")
+
+FGO_RECIPE = "examples/configs/grpo_math_1B_megatron_fgo.yaml"
+
+
+@pytest.fixture(scope="module")
+def fgo_recipe():
+    return load_recipe(FGO_RECIPE)
+
+
+def test_valid_recipe_reports_resolved_settings(fgo_recipe):
+    report = check_recipe(copy.deepcopy(fgo_recipe))
+    assert report.ok, report.errors
+    (policy,) = report.sections
+    assert policy.offload["offload_modules"] == (
+        ["core_attn", "attn_proj"],
+        "policy.megatron_cfg.offload_modules",
+    )
+    assert policy.offload["fine_grained_activation_offloading"][0] is True
+
+
+def test_schema_and_rule_errors_come_together(fgo_recipe):
+    recipe = copy.deepcopy(fgo_recipe)
+    megatron = recipe["policy"]["megatron_cfg"]
+    megatron["offload_modules"] = ["attn_proj"]
+    megatron["fine_grained_activation_offload"] = True  # a typo: schema
+    recipe["policy"]["train_micro_batch_size"] = "one"  # a type error: schema
+    report = check_recipe(recipe)
+    text = "\n".join(report.errors)
+    assert "policy.megatron_cfg.fine_grained_activation_offload: unknown key" in text
+    assert "policy.train_micro_batch_size: input should be a valid integer" in text
+    assert "'attn_proj' needs 'core_attn'" in text
+
+
+def test_megatron_crosscheck_catches_what_no_rule_covers(fgo_recipe):
+    recipe = copy.deepcopy(fgo_recipe)
+    # Top-1 routing without pre-softmax: not an offload rule, but Megatron rejects it.
+    recipe["policy"]["megatron_cfg"]["model_overrides"] = {
+        "num_moe_experts": 4,
+        "moe_router_topk": 1,
+    }
+    report = check_recipe(recipe)
+    assert len(report.errors) == 1
+    assert report.errors[0].startswith("policy.megatron_cfg: megatron-core 0.19")
+    assert "rejects these settings" in report.errors[0] and "pre-softmax" in report.errors[0]
+
+
+def test_unknown_preset_names_the_key(fgo_recipe):
+    recipe = copy.deepcopy(fgo_recipe)
+    recipe["policy"]["model_name"] = "llama-1bb"
+    report = check_recipe(recipe)
+    assert any(
+        line.startswith("policy.model_name: 'llama-1bb' is neither") and "llama-1b" in line
+        for line in report.errors
+    )
+
+
+def test_trained_policy_needs_an_optimizer(fgo_recipe):
+    recipe = copy.deepcopy(fgo_recipe)
+    del recipe["policy"]["megatron_cfg"]["optimizer"]
+    report = check_recipe(recipe)
+    assert any(line.startswith("policy.megatron_cfg.optimizer: required") for line in report.errors)
+
+
+def test_no_algorithm_section():
+    report = check_recipe({"policy": {}})
+    assert not report.ok
+    assert report.errors[0].startswith("recipe: no algorithm section")
