@@ -6,7 +6,9 @@ refuse to start on any error, so a mistake costs seconds, not a Ray cluster star
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from nemo_rl_offload.offload import apply, capabilities, rules
 from nemo_rl_offload.offload.capabilities import Capabilities
 
 POLICY_SECTIONS = ("policy", "teacher")
+_LOG = logging.getLogger("nemo_rl_offload.preflight")
 
 
 @dataclass
@@ -45,6 +48,18 @@ class Report:
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    def worker_environment(self, where: str = "policy") -> dict[str, str]:
+        """Environment variables for the workers of one policy section: the recipe's
+        ``megatron_cfg.env_vars`` plus what the offload rules require (e.g. NVTE_CPU_OFFLOAD_V1
+        for Transformer Engine >= 2.10), which is logged so users see it was set for them."""
+        section = self.recipe.get(where) or {}
+        env = dict((section.get("megatron_cfg") or {}).get("env_vars") or {})
+        for key, value in self.worker_env.items():
+            if env.get(key) != value:
+                _LOG.info("%s workers: setting %s=%s (required for offloading)", where, key, value)
+            env[key] = value
+        return env
 
 
 def _architecture(
@@ -77,13 +92,22 @@ def _megatron_crosscheck(effective: apply.EffectiveSettings, where: str, report:
     if capabilities.transformer_config_fields() is None:
         return
     try:
-        apply.build_transformer_config(effective)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            apply.build_transformer_config(effective)
     except Exception as exc:  # Megatron signals bad settings with AssertionError/ValueError/...
         message = " ".join(str(exc).split()) or type(exc).__name__
         report.errors.append(
             f"{where}.megatron_cfg: megatron-core {report.caps.megatron_version} rejects these "
             f"settings: {message}"
         )
+        return
+    for warning in caught:
+        line = f"warning: {where}.megatron_cfg: megatron-core says: " + " ".join(
+            str(warning.message).split()
+        )
+        if line not in report.warnings:
+            report.warnings.append(line)
 
 
 def check_recipe(

@@ -317,6 +317,9 @@ class _ValueParser:
             ch = self.peek()
             if ch == ",":
                 self.pos += 1
+                self.skip_ws()
+                if not self.peek():
+                    raise _ParseError("unclosed '['")
                 continue
             if ch == "]":
                 self.pos += 1

@@ -160,8 +160,11 @@ def effective_settings(
         settings["offload_modules"] = Setting([], f"{prefix}.fine_grained_activation_offloading")
     elif settings.get("offload_modules") is not None and settings["offload_modules"].value is None:
         settings["offload_modules"] = Setting([], settings["offload_modules"].source)
-    if "cuda_graph_modules" in settings and settings["cuda_graph_modules"].value is None:
-        settings["cuda_graph_modules"] = Setting([], settings["cuda_graph_modules"].source)
+    # Megatron's own default, "full", is deprecated spelling for [] (whole layer).
+    graph_modules = settings.get("cuda_graph_modules")
+    if graph_modules is None or graph_modules.value is None:
+        source = graph_modules.source if graph_modules else "nemo_rl_offload default"
+        settings["cuda_graph_modules"] = Setting([], source)
 
     impl_source = f"{prefix}.transformer_impl"
     settings["transformer_impl"] = Setting(

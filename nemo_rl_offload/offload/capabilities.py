@@ -13,12 +13,17 @@ by version.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
+import logging
 import re
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 # offload_modules accepted by each megatron-core minor version (from its TransformerConfig).
 OFFLOAD_MODULES_BY_VERSION: dict[str, frozenset[str]] = {
@@ -42,6 +47,32 @@ OFFLOAD_MODULES_BY_VERSION: dict[str, frozenset[str]] = {
 # one, selected by NVTE_CPU_OFFLOAD_V1=1 in every worker.
 TE_OFFLOAD_V1_ENV_FROM = (2, 10)
 MOE_OFFLOAD_MODULES = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    """Importing megatron-core without Transformer Engine or Apex prints a screen of warnings
+    (and torch a CUDA notice) that say nothing about the user's recipe; keep them off stderr,
+    where every line is meant to be about the recipe."""
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch_log.setLevel(level)
+
+
+def transformer_config_class() -> Any:
+    """megatron-core's TransformerConfig, imported quietly; None when megatron-core is missing."""
+    try:
+        with _quiet_import():
+            from megatron.core.transformer.transformer_config import TransformerConfig
+    except Exception:  # missing or broken megatron-core: callers fall back or skip
+        return None
+    return TransformerConfig
 
 
 def _version_tuple(version: str | None) -> tuple[int, ...]:
@@ -77,18 +108,18 @@ class Capabilities:
 
 def _names_from_megatron() -> frozenset[str] | None:
     """Ask the installed TransformerConfig which offload module names it allows."""
-    try:
-        from megatron.core.transformer.transformer_config import TransformerConfig
-    except Exception:  # megatron-core missing or broken: the version table answers instead
+    TransformerConfig = transformer_config_class()
+    if TransformerConfig is None:
         return None
     try:
-        TransformerConfig(
-            num_layers=1,
-            hidden_size=8,
-            num_attention_heads=1,
-            fine_grained_activation_offloading=True,
-            offload_modules=["__nemo_rl_offload_probe__"],
-        )
+        with _quiet_import():
+            TransformerConfig(
+                num_layers=1,
+                hidden_size=8,
+                num_attention_heads=1,
+                fine_grained_activation_offloading=True,
+                offload_modules=["__nemo_rl_offload_probe__"],
+            )
     except (AssertionError, ValueError) as exc:
         match = re.search(r"Allowed modules are:\s*(\{.*?\})", str(exc))
         if match:
@@ -125,9 +156,8 @@ def detect() -> Capabilities:
 @functools.cache
 def transformer_config_fields() -> frozenset[str] | None:
     """Field names of the installed TransformerConfig, or None when megatron-core is missing."""
-    try:
-        from megatron.core.transformer.transformer_config import TransformerConfig
-    except Exception:
+    TransformerConfig = transformer_config_class()
+    if TransformerConfig is None:
         return None
     return frozenset(f.name for f in dataclasses.fields(TransformerConfig))
 
@@ -135,9 +165,8 @@ def transformer_config_fields() -> frozenset[str] | None:
 @functools.cache
 def transformer_config_defaults() -> dict[str, object]:
     """Default values of the installed TransformerConfig's simple fields ({} without megatron)."""
-    try:
-        from megatron.core.transformer.transformer_config import TransformerConfig
-    except Exception:
+    TransformerConfig = transformer_config_class()
+    if TransformerConfig is None:
         return {}
     defaults: dict[str, object] = {}
     for f in dataclasses.fields(TransformerConfig):

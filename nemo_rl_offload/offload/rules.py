@@ -176,9 +176,12 @@ def _module_list(ctx: _Context) -> None:
     raw = ctx.value("offload_modules")
     path = ctx.path("offload_modules")
     if not ctx.fgo_on:
-        if ctx.modules:
+        # The recipe's own list counts too: an explicit false clears the effective one.
+        if _names(ctx.megatron_cfg.get("offload_modules")) or ctx.modules:
+            given = _names(ctx.megatron_cfg.get("offload_modules"))
+            where = f"{ctx.prefix}.offload_modules" if given else path
             ctx.warn(
-                f"warning: {path}: ignored because fine_grained_activation_offloading is off; "
+                f"warning: {where}: ignored because fine_grained_activation_offloading is off; "
                 f"set {ctx.prefix}.fine_grained_activation_offloading=true to use it"
             )
         return

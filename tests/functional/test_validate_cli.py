@@ -257,7 +257,9 @@ def console(
     finished = {}
     for name, process in _console_processes.items():
         stdout, stderr = process.communicate(timeout=300)
-        finished[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        finished[name] = subprocess.CompletedProcess(
+            process.args, process.returncode, stdout, stderr
+        )
     return finished
 
 

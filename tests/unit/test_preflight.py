@@ -77,3 +77,23 @@ def test_no_algorithm_section():
     report = check_recipe({"policy": {}})
     assert not report.ok
     assert report.errors[0].startswith("recipe: no algorithm section")
+
+
+def test_worker_environment_adds_required_variables_and_logs(fgo_recipe, caplog):
+    from support.policies import TE_2_10
+
+    recipe = copy.deepcopy(fgo_recipe)
+    recipe["policy"]["megatron_cfg"]["env_vars"] = {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"
+    }
+    report = check_recipe(recipe, caps=TE_2_10, megatron_crosscheck=False)
+    assert report.ok, report.errors
+    with caplog.at_level("INFO", logger="nemo_rl_offload.preflight"):
+        env = report.worker_environment("policy")
+    assert env == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "NVTE_CPU_OFFLOAD_V1": "1",
+    }
+    assert "NVTE_CPU_OFFLOAD_V1=1" in caplog.text
+    plain = check_recipe(copy.deepcopy(fgo_recipe), megatron_crosscheck=False)
+    assert plain.worker_environment("policy") == {}

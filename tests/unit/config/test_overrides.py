@@ -150,6 +150,7 @@ def test_whitespace_around_override_is_ignored() -> None:
         ("+++a=1", "bad prefix"),
         ("+~a=1", "bad prefix"),
         ("a=[1,2", "unclosed '['"),
+        ("a=[1,", "unclosed '['"),
         ("a=[[1,2]", "unclosed '['"),
         ("a={x: 1", "unclosed '{'"),
         ("a=1]", "unmatched ']'"),

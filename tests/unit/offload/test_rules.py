@@ -55,6 +55,11 @@ def test_all_violations_reported_together():
     [
         ({"offload_modules": ["core_attn"]}, f"{P}.offload_modules", "ignored because"),
         (
+            {"fine_grained_activation_offloading": False, "offload_modules": ["core_attn"]},
+            f"{P}.offload_modules",
+            "ignored because",
+        ),
+        (
             {**FGO, "offload_modules": ["core_attn"], "activation_offload_fraction": 0.0},
             f"{P}.activation_offload_fraction",
             "nothing will be offloaded",
@@ -82,6 +87,7 @@ def test_all_violations_reported_together():
     ],
     ids=[
         "modules_while_off",
+        "modules_while_explicitly_off",
         "fraction_zero",
         "duplicates",
         "delay_without_graphs",
