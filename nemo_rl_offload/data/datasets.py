@@ -1,0 +1,163 @@
+"""Pick the data for a run from the recipe's ``data`` section, and tokenize it with checks.
+
+:func:`load_split` is the single place that knows which dataset names exist; the trainers ask it
+for "sft", "preference" or "prompts" examples of the train or val split and get canonical dicts.
+:func:`encode_and_check_lengths` tokenizes them and rejects, before training starts, every
+example that cannot fit the model's sequence length (silently truncating would train on a cut
+answer, or drop the answer a reward needs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nemo_rl_offload.data import arithmetic, jsonl
+from nemo_rl_offload.data.tokenizer import Tokenizer
+from nemo_rl_offload.environments.math import extract_final_number
+from nemo_rl_offload.errors import UserInputError
+
+__all__ = ["EncodedExample", "encode_and_check_lengths", "load_split"]
+
+Kind = Literal["sft", "preference", "prompts"]
+Split = Literal["train", "val"]
+
+DEFAULT_NUM_TRAIN = 2000
+DEFAULT_NUM_VAL = 200
+DEFAULT_SEED = 42
+_MAX_REPORTED = 20
+
+
+def load_split(data_cfg: Mapping[str, Any], kind: Kind, split: Split) -> list[dict[str, Any]]:
+    """The ``split`` examples of ``kind`` for the recipe's ``data`` section.
+
+    Examples have canonical keys: prompt/response (sft), prompt/chosen/rejected (preference),
+    prompt/answer (prompts); examples read from a file also carry ``line``. A jsonl run without
+    ``val_data_path`` has an empty val split.
+    """
+    if kind not in ("sft", "preference", "prompts"):
+        raise ValueError(f"unknown kind {kind!r}; use sft, preference or prompts")
+    if split not in ("train", "val"):
+        raise ValueError(f"unknown split {split!r}; use train or val")
+    name = data_cfg.get("dataset_name")
+    if name == "arithmetic":
+        train, val = arithmetic.split(
+            kind,
+            int(data_cfg.get("num_train_samples", DEFAULT_NUM_TRAIN)),
+            int(data_cfg.get("num_val_samples", DEFAULT_NUM_VAL)),
+            int(data_cfg.get("seed", DEFAULT_SEED)),
+        )
+        return train if split == "train" else val
+    if name == "jsonl":
+        return _load_jsonl(data_cfg, kind, split)
+    raise UserInputError(f"data.dataset_name: unknown dataset '{name}'; use arithmetic or jsonl")
+
+
+def _load_jsonl(data_cfg: Mapping[str, Any], kind: Kind, split: Split) -> list[dict[str, Any]]:
+    where = f"data.{split}_data_path"
+    path = data_cfg.get(f"{split}_data_path")
+    if path is None:
+        if split == "val":
+            return []
+        raise UserInputError(
+            f"{where}: required when data.dataset_name is 'jsonl'; set it to a JSON-lines file"
+        )
+    if kind == "sft":
+        return jsonl.load_sft(
+            path,
+            where=where,
+            input_key=data_cfg.get("input_key", "input"),
+            output_key=data_cfg.get("output_key", "output"),
+        )
+    if kind == "preference":
+        return jsonl.load_preference(
+            path,
+            where=where,
+            prompt_key=data_cfg.get("prompt_key", "prompt"),
+            chosen_key=data_cfg.get("chosen_key", "chosen"),
+            rejected_key=data_cfg.get("rejected_key", "rejected"),
+        )
+    examples = jsonl.load_prompts(
+        path,
+        where=where,
+        prompt_key=data_cfg.get("prompt_key", "prompt"),
+        answer_key=data_cfg.get("answer_key", "answer"),
+    )
+    _check_numeric_answers(examples, path)
+    return examples
+
+
+def _check_numeric_answers(examples: Sequence[Mapping[str, Any]], path: str) -> None:
+    """The math environment rewards numbers only; an answer without one would make every reward
+    zero and the run would silently learn nothing."""
+    bad = [ex for ex in examples if extract_final_number(ex["answer"]) is None]
+    if not bad:
+        return
+    problems = [
+        f"{path}:{ex['line']}: answer {ex['answer']!r} has no number; the math environment "
+        "can only reward numeric answers"
+        for ex in bad[:_MAX_REPORTED]
+    ]
+    if len(bad) > _MAX_REPORTED:
+        problems.append(f"{path}: {len(bad) - _MAX_REPORTED} more answers without a number")
+    raise UserInputError(problems)
+
+
+@dataclass(frozen=True)
+class EncodedExample:
+    """Token ids of one example and where its prompt ends (the loss masks the prompt).
+
+    ``input_ids`` is bos + prompt + response + eos for sft, bos + prompt + chosen + eos for
+    preference pairs (with ``rejected_ids`` the same for the rejected response), and bos + prompt
+    for prompt-only examples. Prompt and response are tokenized separately and concatenated so
+    that ``prompt_len`` is exact even for tokenizers that would merge across the boundary.
+    """
+
+    input_ids: list[int]
+    prompt_len: int
+    rejected_ids: list[int] | None = None
+
+
+def encode_and_check_lengths(
+    examples: Sequence[Mapping[str, Any]],
+    tokenizer: Tokenizer,
+    max_len: int,
+    where: str,
+    *,
+    limit_name: str = "policy.max_total_sequence_length",
+    add_bos: bool = True,
+    add_eos: bool = True,
+) -> list[EncodedExample]:
+    """Tokenize ``examples``; raise one UserInputError naming every one longer than ``max_len``.
+
+    Each offender is reported as ``<where>:<line>`` (its file line when the example has one,
+    else its 0-based index) with its length and the limit ``limit_name``, for instance
+    ``data.train_data_path:7: prompt+response is 700 tokens, longer than
+    policy.max_total_sequence_length 512; shorten it or raise the limit``.
+    """
+    encoded: list[EncodedExample] = []
+    too_long: list[str] = []
+    for index, example in enumerate(examples):
+        prompt = tokenizer.encode(example["prompt"], add_bos=add_bos)
+        sequences: dict[str, list[int]] = {}
+        for key in ("response", "chosen", "rejected"):
+            if key in example:
+                sequences[key] = prompt + tokenizer.encode(example[key], add_eos=add_eos)
+        if not sequences:
+            sequences["prompt"] = prompt
+        label, longest = max(sequences.items(), key=lambda item: len(item[1]))
+        if len(longest) > max_len:
+            what = "prompt" if label == "prompt" else f"prompt+{label}"
+            too_long.append(
+                f"{where}:{example.get('line', index)}: {what} is {len(longest)} tokens, longer "
+                f"than {limit_name} {max_len}; shorten it or raise the limit"
+            )
+        main = next((sequences[k] for k in ("response", "chosen") if k in sequences), prompt)
+        encoded.append(EncodedExample(main, len(prompt), sequences.get("rejected")))
+    if too_long:
+        shown = too_long[:_MAX_REPORTED]
+        if len(too_long) > _MAX_REPORTED:
+            shown.append(f"{where}: {len(too_long) - _MAX_REPORTED} more examples too long")
+        raise UserInputError(shown)
+    return encoded

@@ -1,0 +1,186 @@
+"""Tokenizers: a byte-level one for the tiny presets and a wrapper for local Hugging Face ones.
+
+The byte tokenizer needs no files and no extra packages, which is what lets the tiny presets
+train anywhere (CPU included). Its 384-id vocabulary matches the presets' ``vocab_size``: 256
+byte values, three specials, and unused ids up to 383 (a multiple of 128, padding the embedding).
+A Hugging Face tokenizer is only loaded from a local directory (model hubs are never reached) and
+``transformers`` is imported only then, so the package works without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from nemo_rl_offload.errors import UserInputError
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the trainers need from a tokenizer; both implementations below provide it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then pad (256), bos (257) and eos (258)."""
+
+    NUM_BYTES = 256
+    PAD_ID = 256
+    BOS_ID = 257
+    EOS_ID = 258
+    VOCAB_SIZE = 384
+    _SPECIAL_NAMES = {PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>"}
+
+    @property
+    def name(self) -> str:
+        return "byte"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.VOCAB_SIZE
+
+    @property
+    def pad_id(self) -> int:
+        return self.PAD_ID
+
+    @property
+    def bos_id(self) -> int:
+        return self.BOS_ID
+
+    @property
+    def eos_id(self) -> int:
+        return self.EOS_ID
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        if add_bos:
+            ids.insert(0, self.BOS_ID)
+        if add_eos:
+            ids.append(self.EOS_ID)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Bytes become text (invalid UTF-8, e.g. a sequence cut mid-character, is replaced with
+        U+FFFD rather than failing); ids from 256 up are dropped, or shown as ``<eos>``-style
+        names when ``skip_special`` is false."""
+        parts: list[str] = []
+        run = bytearray()
+        for raw in ids:
+            token = int(raw)
+            if not 0 <= token < self.VOCAB_SIZE:
+                raise ValueError(f"token id {token} is outside the byte vocabulary 0..383")
+            if token < self.NUM_BYTES:
+                run.append(token)
+                continue
+            if skip_special:
+                continue
+            parts.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            parts.append(self._SPECIAL_NAMES.get(token, f"<unused_{token}>"))
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer directory behind the :class:`Tokenizer` interface."""
+
+    def __init__(self, path: str) -> None:
+        self._path = str(path)
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise UserInputError(
+                f"{self._path}: loading a Hugging Face tokenizer needs the transformers package; "
+                "pip install transformers"
+            ) from None
+        try:
+            self._tok: Any = AutoTokenizer.from_pretrained(self._path, local_files_only=True)
+        except Exception as exc:  # transformers raises many types; all mean "not loadable"
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserInputError(
+                f"{self._path}: not a loadable Hugging Face tokenizer directory ({reason}); "
+                "it needs tokenizer.json or the tokenizer files of its model"
+            ) from None
+        if self._tok.eos_token_id is None:
+            raise UserInputError(
+                f"{self._path}: the tokenizer defines no eos token; generation needs one to stop, "
+                "so set eos_token in tokenizer_config.json"
+            )
+
+    @property
+    def name(self) -> str:
+        return self._path
+
+    @property
+    def vocab_size(self) -> int:
+        # len() counts added tokens too, unlike the tokenizer's own vocab_size attribute.
+        return len(self._tok)
+
+    @property
+    def pad_id(self) -> int:
+        # Many causal-LM tokenizers define no pad token; padded positions are masked anyway.
+        pad = self._tok.pad_token_id
+        return self.eos_id if pad is None else int(pad)
+
+    @property
+    def bos_id(self) -> int | None:
+        bos = self._tok.bos_token_id
+        return None if bos is None else int(bos)
+
+    @property
+    def eos_id(self) -> int:
+        return int(self._tok.eos_token_id)
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Specials are added here, not by the tokenizer, so both tokenizers behave the same;
+        ``add_bos`` is a no-op for tokenizers without a bos token (Qwen, for one)."""
+        ids = [int(i) for i in self._tok.encode(text, add_special_tokens=False)]
+        if add_bos and self.bos_id is not None:
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+
+def load_tokenizer(name: str | None, hf_directory: str | None) -> Tokenizer:
+    """The tokenizer for ``policy.tokenizer.name`` given the model's HF directory, if any.
+
+    ``None`` means "the model's own": the byte tokenizer for presets, the directory's tokenizer
+    for a Hugging Face model. ``"byte"`` forces the byte tokenizer; a local directory loads the
+    Hugging Face tokenizer stored there.
+    """
+    if name is None:
+        return ByteTokenizer() if hf_directory is None else HFTokenizer(hf_directory)
+    if name == "byte":
+        return ByteTokenizer()
+    if Path(name).expanduser().is_dir():
+        return HFTokenizer(str(Path(name).expanduser()))
+    raise UserInputError(
+        f"policy.tokenizer.name: '{name}' is neither 'byte' nor a local directory; use null "
+        "(the model's own tokenizer), 'byte', or the path of a Hugging Face tokenizer directory "
+        "(model hubs are not reached)"
+    )

@@ -1,0 +1,128 @@
+"""Start an embedded local Ray cluster, or join an existing one, with clear failures.
+
+By default the job starts its own Ray cluster inside the driver process's machine (nothing to
+set up, works on a laptop). ``cluster.address`` in the recipe, or ``RAY_ADDRESS`` in the
+environment, joins an existing cluster instead. Ray itself retries an unreachable address for
+about two minutes before failing with a long log; we try a plain TCP connection first so a wrong
+address fails in seconds with one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_rl_offload.errors import UserInputError
+
+_LOG = logging.getLogger("nemo_rl_offload.cluster")
+DEFAULT_RAY_PORT = 6379
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    address: str | None  # None: embedded local cluster
+    num_cpus: float
+    num_gpus: float
+    started_here: bool
+
+
+def requested_address(cluster_cfg: dict[str, Any]) -> tuple[str | None, str]:
+    """The Ray address to join and where it was given (None: start an embedded cluster)."""
+    address = cluster_cfg.get("address")
+    if address:
+        return str(address), "cluster.address"
+    env = os.environ.get("RAY_ADDRESS")
+    if env:
+        return env, "RAY_ADDRESS"
+    return None, ""
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """host and port of a Ray address such as ``ray://h:10001`` or ``h:6379``; None for
+    ``auto`` / ``local``, which Ray resolves itself."""
+    if address in ("auto", "local"):
+        return None
+    bare = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = bare.rpartition(":")
+    if not host:
+        return bare, DEFAULT_RAY_PORT
+    try:
+        return host, int(port)
+    except ValueError as exc:
+        raise UserInputError(f"Ray address '{address}': port '{port}' is not a number") from exc
+
+
+def check_reachable(address: str, where: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Fail fast, with one line, when nothing listens at a Ray address."""
+    target = _host_port(address)
+    if target is None:
+        return
+    host, port = target
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UserInputError(
+            f"{where}: cannot reach a Ray cluster at {host}:{port} ({reason}); start one there "
+            "with `ray start --head`, fix the address, or unset it to run on an embedded local "
+            "cluster"
+        ) from exc
+
+
+def start_or_join(
+    cluster_cfg: dict[str, Any],
+    *,
+    num_cpus: int | None = None,
+    num_gpus: int | None = None,
+    env_vars: dict[str, str] | None = None,
+) -> ClusterInfo:
+    """Connect this driver to Ray. ``num_cpus``/``num_gpus`` size an embedded cluster only."""
+    import ray
+
+    address, where = requested_address(cluster_cfg)
+    runtime_env = {"env_vars": dict(env_vars)} if env_vars else None
+    if ray.is_initialized():
+        resources = ray.cluster_resources()
+        return ClusterInfo(address, resources.get("CPU", 0), resources.get("GPU", 0), False)
+    if address is not None:
+        check_reachable(address, where)
+        try:
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        except (ConnectionError, RuntimeError) as exc:
+            raise UserInputError(
+                f"{where}: could not join the Ray cluster at {address}: {exc}"
+            ) from exc
+        started = False
+    else:
+        ray.init(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            include_dashboard=False,
+            runtime_env=runtime_env,
+            log_to_driver=True,
+        )
+        started = True
+    resources = ray.cluster_resources()
+    info = ClusterInfo(address, resources.get("CPU", 0), resources.get("GPU", 0), started)
+    _LOG.info(
+        "ray: %s (%g CPUs, %g GPUs)",
+        f"joined {address}" if address else "started an embedded local cluster",
+        info.num_cpus,
+        info.num_gpus,
+    )
+    return info
+
+
+def shutdown(info: ClusterInfo) -> None:
+    """Stop Ray if this process started it; leave a joined cluster running."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    if info.started_here:
+        _LOG.info("ray: embedded cluster stopped")

@@ -1,0 +1,146 @@
+"""A group of Ray actors that act as one: placed together, called together, failing together.
+
+Workers are placed through one placement group (one bundle per worker) so tensor- and
+pipeline-parallel ranks land on the GPUs of one host. Every call goes to all workers and waits
+for all of them; if any worker raises or dies, the whole call fails at once with that worker's
+rank and error, and the remaining workers are stopped, so a job never hangs on a dead rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from nemo_rl_offload.errors import UserInputError
+
+_LOG = logging.getLogger("nemo_rl_offload.workers")
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+class WorkerError(RuntimeError):
+    """A worker raised or died; the message names its rank and carries its error."""
+
+    def __init__(self, group: str, rank: int, error: str) -> None:
+        self.group, self.rank, self.error = group, rank, error
+        super().__init__(f"{group} worker {rank} failed: {error}")
+
+
+def _error_text(exc: BaseException) -> str:
+    """The useful part of a Ray error: the worker's own exception, not Ray's wrapping."""
+    import ray.exceptions
+
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.as_instanceof_cause()
+        inner = getattr(exc, "cause", None)
+        text = f"{type(inner).__name__}: {inner}" if inner is not None else str(cause)
+        return text.strip()
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return "the worker process died (" + " ".join(str(exc).split())[:400] + ")"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class WorkerGroup:
+    """``num_workers`` Ray actors of ``worker_cls``, one per placement-group bundle."""
+
+    def __init__(
+        self,
+        worker_cls: type,
+        num_workers: int,
+        *,
+        name: str,
+        gpus_per_worker: float = 0,
+        cpus_per_worker: float = 1,
+        env_vars: dict[str, str] | None = None,
+        init_kwargs: Callable[[int, int], dict[str, Any]] = lambda rank, world: {},
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name = name
+        bundle: dict[str, float] = {"CPU": cpus_per_worker}
+        if gpus_per_worker:
+            bundle["GPU"] = gpus_per_worker
+        self._placement = placement_group([dict(bundle) for _ in range(num_workers)], "PACK")
+        ready, _ = ray.wait([self._placement.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            ray.util.remove_placement_group(self._placement)
+            available = ray.available_resources()
+            raise UserInputError(
+                f"cluster: {name} needs {num_workers} worker(s) of {bundle} but the Ray cluster "
+                f"has {{CPU: {available.get('CPU', 0):g}, GPU: {available.get('GPU', 0):g}}} "
+                "free; lower the worker count or add resources"
+            )
+        remote_cls = ray.remote(worker_cls)
+        self.workers = [
+            remote_cls.options(
+                num_cpus=cpus_per_worker,
+                num_gpus=gpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._placement, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": dict(env_vars)} if env_vars else None,
+                name=None,
+            ).remote(**init_kwargs(rank, num_workers))
+            for rank in range(num_workers)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def run(
+        self,
+        method: str,
+        *args: Any,
+        per_worker: Sequence[tuple[tuple, dict]] | None = None,
+        timeout_s: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call ``method`` on every worker (the same arguments, or ``per_worker[rank]``) and
+        return the results in rank order. Raises WorkerError as soon as any worker fails."""
+        futures = []
+        for rank, worker in enumerate(self.workers):
+            call_args, call_kwargs = per_worker[rank] if per_worker is not None else (args, kwargs)
+            futures.append(getattr(worker, method).remote(*call_args, **call_kwargs))
+        return self._gather(futures, method, timeout_s)
+
+    def _gather(self, futures: list[Any], method: str, timeout_s: float | None) -> list[Any]:
+        import ray
+
+        rank_of = {future: rank for rank, future in enumerate(futures)}
+        results: dict[int, Any] = {}
+        pending = list(futures)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            wait_s = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            for future in done:
+                rank = rank_of[future]
+                try:
+                    results[rank] = ray.get(future)
+                except Exception as exc:  # the worker's error or its death
+                    error = WorkerError(self.name, rank, _error_text(exc))
+                    _LOG.error("%s (in %s)", error, method)
+                    self.shutdown()
+                    raise error from None
+            if deadline is not None and time.monotonic() > deadline and pending:
+                rank = rank_of[pending[0]]
+                self.shutdown()
+                raise WorkerError(self.name, rank, f"{method} did not finish in {timeout_s:g} s")
+        return [results[rank] for rank in range(len(futures))]
+
+    def shutdown(self) -> None:
+        """Stop every worker and release their resources (safe to call twice)."""
+        import ray
+
+        for worker in self.workers:
+            with contextlib.suppress(Exception):  # already dead
+                ray.kill(worker, no_restart=True)
+        self.workers = []
+        if self._placement is not None:
+            with contextlib.suppress(Exception):  # already removed
+                ray.util.remove_placement_group(self._placement)
+            self._placement = None

@@ -1,0 +1,1 @@
+"""Reward environments that score generated responses (only the math environment so far)."""
