@@ -1,0 +1,147 @@
+"""The losses of SFT, DPO, GRPO and on-policy distillation, as plain tensor functions.
+
+Every loss takes token log-probabilities aligned with a ``mask`` of the tokens that count
+(response tokens), both shaped [batch, seq]: position t holds log p(token t+1 | tokens <= t).
+Token-level losses return a *sum* and a token count, so that gradient accumulation over
+micro-batches and data-parallel workers can divide once by the global count and stay exact.
+Sequence-level losses (DPO) return a sum over sequences and a sequence count for the same reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum()
+
+
+def nll_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SFT: negative log-likelihood of the response tokens (sum, token count)."""
+    return -masked_sum(logprobs, mask), mask.sum()
+
+
+def sequence_logprobs(
+    logprobs: torch.Tensor, mask: torch.Tensor, *, average: bool = False
+) -> torch.Tensor:
+    """Per-sequence log-probability of the masked tokens (their mean when ``average``)."""
+    total = (logprobs * mask).sum(dim=-1)
+    return total / mask.sum(dim=-1).clamp(min=1) if average else total
+
+
+def dpo_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    *,
+    beta: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPO's sigmoid loss on per-sequence log-probabilities; returns (sum over pairs, metrics).
+
+    Preference accuracy counts pairs whose implicit reward margin is positive."""
+    chosen_reward = beta * (chosen - reference_chosen)
+    rejected_reward = beta * (rejected - reference_rejected)
+    margin = chosen_reward - rejected_reward
+    loss = -F.logsigmoid(margin).sum()
+    metrics = {
+        "preference_accuracy_sum": (margin > 0).float().sum(),
+        "reward_margin_sum": margin.detach().sum(),
+        "num_pairs": torch.tensor(float(margin.numel())),
+    }
+    return loss, metrics
+
+
+def group_advantages(
+    rewards: torch.Tensor, *, normalize: bool = True, leave_one_out: bool = True
+) -> torch.Tensor:
+    """GRPO's advantages for rewards shaped [prompts, generations per prompt].
+
+    The baseline is the group mean (excluding the sample itself with ``leave_one_out``); with
+    ``normalize`` the advantage is divided by the group's standard deviation. A group whose
+    rewards are all equal carries no signal and gets advantage 0."""
+    group_size = rewards.shape[-1]
+    if leave_one_out and group_size > 1:
+        baseline = (rewards.sum(dim=-1, keepdim=True) - rewards) / (group_size - 1)
+    else:
+        baseline = rewards.mean(dim=-1, keepdim=True)
+    advantages = rewards - baseline
+    if normalize:
+        std = rewards.std(dim=-1, keepdim=True, unbiased=group_size > 1)
+        advantages = torch.where(std > 1e-6, advantages / (std + 1e-6), torch.zeros_like(std))
+    return advantages
+
+
+def kl_k3(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy: non-negative,
+    unbiased, low variance (Schulman's k3)."""
+    log_ratio = reference_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    ratio_clip_min: float,
+    ratio_clip_max: float,
+    ratio_clip_c: float | None = None,
+    reference_logprobs: torch.Tensor | None = None,
+    kl_penalty: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO's clipped-ratio policy-gradient loss plus an optional KL penalty to the reference.
+
+    ``advantages`` is per sequence ([batch]) and broadcast over its tokens. Returns the sum over
+    masked tokens and metrics (sums, to be divided by the token count once)."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    adv = advantages.unsqueeze(-1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    if ratio_clip_c is not None:
+        # Dual clip: bound the loss of negative advantages when the ratio explodes.
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -ratio_clip_c * adv), per_token)
+    metrics = {"clip_fraction_sum": masked_sum((unclipped != clipped).float(), mask).detach()}
+    if reference_logprobs is not None and kl_penalty:
+        kl = kl_k3(logprobs, reference_logprobs)
+        per_token = per_token + kl_penalty * kl
+        metrics["kl_sum"] = masked_sum(kl, mask).detach()
+    return masked_sum(per_token, mask), metrics
+
+
+def distillation_kl(
+    student_logits: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    teacher_indices: torch.Tensor | None,
+    mask: torch.Tensor,
+    *,
+    kl_type: str,
+    mixed_kl_weight: float = 0.5,
+) -> torch.Tensor:
+    """Sum over masked tokens of KL between teacher and student next-token distributions.
+
+    ``teacher_logprobs`` is [batch, seq, k] over the teacher's top-k tokens ``teacher_indices``
+    (or [batch, seq, vocab] with indices None). Both distributions are renormalised on that
+    support, so the KL is exact for k = vocab and a proper KL of the truncated distributions
+    otherwise. ``forward`` is KL(teacher || student), ``reverse`` KL(student || teacher), and
+    ``mixed`` weighs forward by ``mixed_kl_weight``."""
+    student = torch.log_softmax(student_logits.float(), dim=-1)
+    if teacher_indices is not None:
+        student = student.gather(-1, teacher_indices)
+    student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+    teacher = teacher_logprobs.float()
+    teacher = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    forward = (teacher.exp() * (teacher - student)).sum(-1)
+    reverse = (student.exp() * (student - teacher)).sum(-1)
+    if kl_type == "forward":
+        per_token = forward
+    elif kl_type == "reverse":
+        per_token = reverse
+    elif kl_type == "mixed":
+        per_token = mixed_kl_weight * forward + (1 - mixed_kl_weight) * reverse
+    else:
+        raise ValueError(f"unknown kl_type {kl_type!r}")
+    return masked_sum(per_token, mask)
