@@ -1,0 +1,153 @@
+"""Core attention for Megatron's local layer spec through torch's scaled_dot_product_attention.
+
+Why not Megatron's own local ``DotProductAttention``: it materialises the S x S attention
+probabilities, which costs O(S^2) memory, and when fine-grained offloading covers ``core_attn``
+it copies that whole matrix to the host (RESULTS.md run 1: 6.2 GB per step at S=2048). SDPA
+dispatches to flash / memory-efficient kernels on GPU (and a fused kernel on CPU), which keep
+only O(S) statistics for the backward pass.
+
+The module is a drop-in for the local spec's ``core_attention`` slot: same constructor and
+forward signature, same tensor layouts ([s, b, heads, dim] in, [s, b, heads * dim] out), the
+same tensor-parallel head partitioning, grouped-query attention with Megatron's head-to-group
+mapping (query head i uses key/value group i // (heads / groups)), the same softmax scale and
+dropout RNG handling. Features that the local DotProductAttention rejects or that SDPA cannot
+express are rejected here with an error that says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
+from megatron.core.utils import divide
+from torch import Tensor
+
+
+class SDPACoreAttention(MegatronModule):
+    """Causal (or unmasked) scaled-dot-product attention for the local layer spec.
+
+    Masks follow Megatron's convention: ``attention_mask`` None means "use the layer's mask
+    type" (causal for GPT, so right-padded batches need no mask: a real token never attends to
+    the padding after it); a boolean mask given explicitly marks with True the positions a query
+    may NOT attend to, and replaces the causal mask (as in Megatron's local attention).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError(
+                "SDPACoreAttention: context parallelism needs Transformer Engine's attention "
+                "(transformer_impl: transformer_engine)"
+            )
+        if config.softmax_type != "vanilla":
+            raise NotImplementedError(
+                f"SDPACoreAttention: softmax_type {config.softmax_type!r} is not supported "
+                "(only 'vanilla')"
+            )
+        window = config.window_size, config.window_attn_skip_freq
+        if is_layer_window_attention(*window, layer_number):
+            raise NotImplementedError("SDPACoreAttention: sliding-window attention is unsupported")
+
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+
+        # Heads are split across tensor-parallel ranks exactly as in the local DotProductAttention.
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        tp_size = pg_collection.tp.size()
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+
+        # Query-key layer scaling (an fp16 overflow guard of the unfused kernel) divides the
+        # scale by the layer number and multiplies it back inside the fp32 softmax: the net scale
+        # is the plain one, which is what SDPA applies.
+        head_dim = divide(projection_size, config.num_attention_heads)
+        self.softmax_scale = (
+            softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        )
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> Tensor:
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
+        if packed_seq_params is not None:
+            raise NotImplementedError(
+                "SDPACoreAttention: packed sequences (packed_seq_params) are not supported; "
+                "pad the micro-batch instead, or use transformer_impl: transformer_engine"
+            )
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention: attention_bias is not supported")
+
+        sq, sk = query.size(0), key.size(0)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        is_causal = False
+        sdpa_mask: Tensor | None = None
+        if attention_mask is not None:
+            # Megatron: True = masked out. An additive mask (rather than a boolean one) keeps a
+            # fully masked row finite, as Megatron's masked_fill does, instead of NaN.
+            sdpa_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+            blocked = attention_mask.to(device=query.device, dtype=torch.bool)
+            sdpa_mask.masked_fill_(blocked, torch.finfo(query.dtype).min)
+        elif mask_type == AttnMaskType.causal and sq > 1:
+            if sq == sk:
+                is_causal = True
+            else:
+                # Queries are the last sq positions of sk (bottom-right aligned), as with a KV
+                # cache; SDPA's is_causal aligns top-left, so build the mask.
+                allowed = torch.ones(sq, sk, dtype=torch.bool, device=query.device)
+                sdpa_mask = allowed.tril(diagonal=sk - sq)
+
+        # [s, b, heads, dim] -> [b, heads, s, dim]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        dropout_p = self.dropout_p if self.training else 0.0
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if dropout_p > 0.0 and not self.config.sequence_parallel
+            else contextlib.nullcontext()
+        )
+        with rng:
+            context = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=sdpa_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+                enable_gqa=grouped,
+            )
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, query.size(1), -1)

@@ -1,0 +1,145 @@
+"""Build the policy's Megatron-core GPTModel from the effective settings.
+
+TransformerConfig's arguments come only from :func:`offload.apply.transformer_config_kwargs`
+(so what the offload rules checked is what runs); this module adds just what the chosen layer
+spec and device need when the recipe left it unset, and reports every setting it could not
+honour as a warning line instead of dropping it silently.
+
+Must run after :func:`models.parallel.initialize_megatron_parallel` (pre/post-process flags and
+head partitioning come from Megatron's parallel state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+from nemo_rl_offload.config.model_presets import Architecture
+from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.offload import apply
+from nemo_rl_offload.offload.apply import EffectiveSettings
+
+FGO_FIELD = "fine_grained_activation_offloading"
+# Fusions that need Apex or Transformer Engine kernels the local spec does not have. Megatron
+# 0.19 defaults them to False; stating it keeps a future default change from breaking us.
+LOCAL_SPEC_DEFAULTS: dict[str, Any] = {
+    "gradient_accumulation_fusion": False,
+    "bias_dropout_fusion": False,
+    "masked_softmax_fusion": False,
+    "apply_rope_fusion": False,
+    "persist_layer_norm": False,
+}
+
+
+def _megatron_cfg_path(effective: EffectiveSettings, field: str) -> str:
+    """The recipe path a setting came from (``policy.megatron_cfg.<field>`` when unset)."""
+    impl_source = effective.source("transformer_impl", "policy.megatron_cfg.transformer_impl")
+    prefix = impl_source.rsplit(".", 1)[0]
+    return effective.source(field, f"{prefix}.{field}")
+
+
+def transformer_config_for(
+    effective: EffectiveSettings, *, on_gpu: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """TransformerConfig keyword arguments for this device, and the warnings to report."""
+    warnings: list[str] = []
+    kwargs = apply.transformer_config_kwargs(effective)
+    impl = kwargs.get("transformer_impl", "local")
+
+    if kwargs.get(FGO_FIELD):
+        if on_gpu:
+            from nemo_rl_offload.models.te_compat import ensure_offload_flag_module
+
+            ensure_offload_flag_module()
+        else:
+            kwargs[FGO_FIELD] = False
+            kwargs["offload_modules"] = []
+            warnings.append(
+                f"{_megatron_cfg_path(effective, FGO_FIELD)}: offloading is GPU-only; "
+                "not applied on CPU workers"
+            )
+
+    if impl == "local":
+        for name, value in LOCAL_SPEC_DEFAULTS.items():
+            kwargs.setdefault(name, value)
+    elif not on_gpu:
+        raise UserInputError(
+            f"{_megatron_cfg_path(effective, 'transformer_impl')}: '{impl}' needs a GPU; "
+            "CPU workers run the local layer spec (set transformer_impl: local)"
+        )
+
+    if not on_gpu:
+        if kwargs.get("use_cpu_initialization") is False:
+            warnings.append(
+                f"{_megatron_cfg_path(effective, 'use_cpu_initialization')}: false is ignored on "
+                "CPU workers (weights can only be initialised on the CPU there)"
+            )
+        kwargs["use_cpu_initialization"] = True
+
+    # models.train_step normalises the loss per token over the whole step (Megatron's
+    # per-token mode: sum per micro-batch, divide the gradients by the step's token count).
+    kwargs.setdefault("calculate_per_token_loss", True)
+    if kwargs["calculate_per_token_loss"] is not True:
+        raise UserInputError(
+            f"{_megatron_cfg_path(effective, 'calculate_per_token_loss')}: must be true; the "
+            "training step normalises the loss per token over the whole step"
+        )
+    return kwargs, warnings
+
+
+def layer_spec(config: Any) -> Any:
+    """The transformer layer spec for ``config.transformer_impl``."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if config.transformer_impl == "transformer_engine":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm,
+        )
+    if config.transformer_impl != "local":
+        raise UserInputError(
+            f"policy.megatron_cfg.transformer_impl: '{config.transformer_impl}' is not supported "
+            "for training; use local or transformer_engine"
+        )
+    from nemo_rl_offload.models.attention import SDPACoreAttention
+
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
+    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def build_gpt_model(
+    effective: EffectiveSettings, architecture: Architecture, *, on_gpu: bool
+) -> tuple[GPTModel, list[str]]:
+    """The policy's GPTModel for this pipeline stage, and warnings for the settings not applied.
+
+    On GPU the model is moved to the current CUDA device; mixed-precision and data-parallel
+    wrapping (Float16Module, DDP) belong to the caller.
+    """
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs, warnings = transformer_config_for(effective, on_gpu=on_gpu)
+    config = TransformerConfig(**kwargs)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config),
+        vocab_size=architecture.vocab_size,
+        max_sequence_length=architecture.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=architecture.share_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=architecture.rotary_base,
+    )
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    return model, warnings

@@ -1,0 +1,297 @@
+"""Run Megatron-core's local layer spec on CPU workers (tests, functional runs, laptops).
+
+Megatron-core 0.19 assumes CUDA in a handful of places on the local-spec training path. Rather
+than replacing ``torch.cuda`` for the whole process (which would fool every other library), the
+patches below replace *names inside the Megatron modules that need them*; the rest of the process
+still sees the real ``torch.cuda``. :func:`enable_cpu_execution` applies them (idempotent) and
+:func:`disable_cpu_execution` restores exactly what was there (for tests).
+
+Patches (module: name -> replacement, and why):
+
+1. ``torch`` as seen by the modules in :data:`CUDA_DEVICE_MODULES` -> a stand-in that delegates
+   everything to torch except ``torch.cuda.current_device`` (returns the CPU device) and the
+   stream API (``Stream``/``current_stream``/``stream``: one CPU stand-in stream, no-op events).
+   These modules allocate buffers on ``torch.cuda.current_device()`` (rotary ``inv_freq``, the
+   global memory buffer that the unfused attention uses, the MoE router's weights) or hand copies
+   to a side CUDA stream (the all-to-all MoE token dispatcher, which caches that stream on its
+   class: the cache is emptied while the patches are on and restored after). On CPU there is
+   one device and one stream, so the stand-ins are exact, not approximations.
+2. ``megatron.core.fusions.fused_softmax.get_default_causal_mask`` -> the same upper-triangular
+   boolean mask built on CPU (the original builds it with ``device="cuda"``); only Megatron's
+   unfused ``DotProductAttention`` reaches it, when no explicit mask is passed.
+3. The model-parallel RNG tracker (``tensor_parallel.random._CUDA_RNG_STATE_TRACKER``) ->
+   :class:`CpuRngTracker`, whose ``fork`` is a no-op: Megatron's tracker keeps separate CUDA
+   generator states (``torch.cuda.get_rng_state`` needs a GPU). On CPU every random draw (init,
+   dropout) comes from torch's CPU generator, seeded by ``models.parallel``.
+4. ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> CPU-safe no-ops:
+   activation recompute saves and restores "the CUDA RNG state" next to the CPU one; with no
+   CUDA generator in use, the CPU state it already restores is the whole state.
+
+5. ``torch`` as seen by the modules in :data:`CUDA_ALLOCATION_MODULES` (Megatron's DDP
+   helpers, optimizer, gradient clipping, multi-tensor utilities) -> the stand-in of 1 that also
+   puts ``device="cuda"`` allocations (loss scale, found-inf flag, norm accumulators) on the CPU,
+   and ``optimizer.clip_grad_by_total_norm_fp32`` -> the same scaling without its assertion that
+   gradients are CUDA tensors. With these, Megatron's DistributedDataParallel and
+   get_megatron_optimizer run unchanged on CPU workers, so data parallelism has one code path.
+
+:func:`cpu_schedule_allocations` is separate and scoped to one call: Megatron's pipeline
+schedules allocate their token counter with ``device="cuda"`` unconditionally.
+
+Not covered (they do not run on the local spec at TP=1 on CPU): sequence-parallel gather
+buffers, inference KV caches, CUDA graphs, fine-grained activation offloading (GPU-only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
+# Modules whose module-global ``torch`` is replaced by the CPU stand-in (patch 1).
+CUDA_DEVICE_MODULES: tuple[str, ...] = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq placement
+    "megatron.core.transformer.dot_product_attention",  # softmax offset (non-vanilla softmax)
+    "megatron.core.transformer.moe.router",  # router weights and aux-loss counters
+    _TOKEN_DISPATCHER,  # all-to-all D2H side stream (cached on the class)
+    "megatron.core.distributed.param_and_grad_buffer",  # DDP's gradient buffers
+    "megatron.core.distributed.distributed_data_parallel",  # DDP's communication stream
+)
+# Modules whose module-global ``torch`` also moves ``device="cuda"`` allocations to the CPU
+# (patch 5).
+CUDA_ALLOCATION_MODULES: tuple[str, ...] = (
+    "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor, the local multi-tensor L2 norm
+    "megatron.core.optimizer.optimizer",  # loss scale, found-inf flag
+    "megatron.core.optimizer.clip_grads",  # gradient-norm accumulators
+)
+_OPTIMIZER = "megatron.core.optimizer.optimizer"
+_FUSED_SOFTMAX = "megatron.core.fusions.fused_softmax"
+_RANDOM = "megatron.core.tensor_parallel.random"
+_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+
+# (module or class, attribute) -> the original value, while the patches are on.
+_saved: dict[tuple[Any, str], Any] = {}
+
+
+class _CpuEvent:
+    """A CUDA event stand-in: on one CPU stream everything has already happened."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """The one CPU "stream": waiting on it or recording into it is a no-op."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
+class _CpuCuda:
+    """``torch.cuda`` as the patched modules see it: the CPU is the current device and its only
+    stream; every other attribute is the real ``torch.cuda``."""
+
+    Event = _CpuEvent
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:  # noqa: N802 (mirrors torch.cuda)
+        return _CPU_STREAM
+
+    @staticmethod
+    def current_stream(*args: Any, **kwargs: Any) -> _CpuStream:
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` with :class:`_CpuCuda` as its ``cuda``; everything else is the real torch."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _on_cpu(device: Any) -> Any:
+    """``device`` with "cuda" replaced by "cpu" (anything else unchanged)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return "cpu"
+    return device
+
+
+class _CpuAllocTorch(_CpuTorch):
+    """``torch`` for modules that allocate on ``device="cuda"`` by name (the pipeline
+    schedules' token counter, the optimizer's loss scale and found-inf flags, the
+    gradient-norm buffers): those tensors land on the CPU."""
+
+    @staticmethod
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*args, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def ones(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.ones(*args, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def empty(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(*args, device=_on_cpu(device), **kwargs)
+
+    @staticmethod
+    def tensor(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(*args, device=_on_cpu(device), **kwargs)
+
+
+def _cpu_clip_grad_by_total_norm(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Megatron's clip_grad_by_total_norm_fp32 without its CUDA-tensor assertion: scale every
+    gradient by max_norm / total_norm when that is below 1 (the same arithmetic)."""
+    attribute = "decoupled_grad" if use_decoupled_grad else "grad"
+    clip_coeff = max_norm / (float(total_norm) + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    for param in [parameters] if isinstance(parameters, torch.Tensor) else parameters:
+        grad = getattr(param, attribute, None)
+        if grad is not None:
+            grad.detach().mul_(clip_coeff)
+
+
+class CpuRngTracker:
+    """Megatron's model-parallel RNG tracker for CPU workers (patch 3): names and seeds are
+    recorded (so a duplicate seed still fails loudly, as upstream), ``fork`` draws from torch's
+    CPU generator."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seeds_: set[int] = set()
+        self.states_: dict[str, Any] = {}
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise ValueError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = seed
+        self._is_initialized = True
+
+    def get_states(self) -> dict[str, Any]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, Any]) -> None:
+        self.states_ = dict(states)
+        self._is_initialized = True
+
+    def fork(self, name: str = "model-parallel-rng") -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """True above the diagonal: the positions a query may not attend to (Megatron's convention)."""
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _patch(owner: Any, attribute: str, value: Any) -> None:
+    """Set ``owner.attribute`` (owner: a module name or a class), remembering the original."""
+    target = importlib.import_module(owner) if isinstance(owner, str) else owner
+    _saved[(target, attribute)] = getattr(target, attribute)
+    setattr(target, attribute, value)
+
+
+def cpu_execution_enabled() -> bool:
+    """Whether :func:`enable_cpu_execution` is in force."""
+    return bool(_saved)
+
+
+def enable_cpu_execution() -> None:
+    """Apply the CPU patches listed in this module's docstring (idempotent)."""
+    if _saved:
+        return
+    cpu_torch = _CpuTorch()
+    for module_name in CUDA_DEVICE_MODULES:
+        _patch(module_name, "torch", cpu_torch)
+    alloc_torch = _CpuAllocTorch()
+    for module_name in CUDA_ALLOCATION_MODULES:
+        _patch(module_name, "torch", alloc_torch)
+    _patch(_OPTIMIZER, "clip_grad_by_total_norm_fp32", _cpu_clip_grad_by_total_norm)
+    # The all-to-all dispatcher caches its side stream on the class: start without one, so CPU
+    # models get the stand-in, and give a GPU model in the same process its CUDA stream back.
+    dispatcher = importlib.import_module(_TOKEN_DISPATCHER).MoEAlltoAllTokenDispatcher
+    _patch(dispatcher, "cuda_dtoh_stream", None)
+    _patch(_FUSED_SOFTMAX, "get_default_causal_mask", _cpu_causal_mask)
+    _patch(_RANDOM, "_CUDA_RNG_STATE_TRACKER", CpuRngTracker())
+    _patch(_RANDOM, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    _patch(_RANDOM, "_get_cuda_rng_state", _no_cuda_rng_state)
+    _patch(_RANDOM, "_set_cuda_rng_state", _no_cuda_rng_state)
+
+
+def disable_cpu_execution() -> None:
+    """Undo :func:`enable_cpu_execution`, restoring every patched name (for tests)."""
+    for (target, attribute), original in reversed(list(_saved.items())):
+        setattr(target, attribute, original)
+    _saved.clear()
+
+
+@contextlib.contextmanager
+def cpu_schedule_allocations() -> Iterator[None]:
+    """While active, Megatron's pipeline schedules see a ``torch`` whose ``zeros`` puts
+    ``device="cuda"`` tensors on the CPU (and whose ``torch.cuda`` is the CPU stand-in).
+
+    The schedules allocate their token counter (``total_num_tokens``) on "cuda"
+    unconditionally; nothing else in the no-pipelining schedule needs a GPU. Scoped to one call
+    so that a GPU run in the same process never sees it.
+    """
+    schedules = importlib.import_module(_SCHEDULES)
+    previous = schedules.torch
+    schedules.torch = _CpuAllocTorch()
+    try:
+        yield
+    finally:
+        schedules.torch = previous

@@ -1,0 +1,67 @@
+"""Megatron-core's parallel state (TP/PP/CP/EP process groups) and model-parallel RNG seeds.
+
+A worker first initialises ``torch.distributed`` itself (nccl on GPU workers, gloo on CPU ones:
+that choice belongs to whoever knows the device), then calls
+:func:`initialize_megatron_parallel` once before building a model, and
+:func:`destroy_megatron_parallel` at teardown.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+_PARALLEL_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+)
+
+
+def initialize_megatron_parallel(megatron_cfg: dict[str, Any], *, seed: int, on_gpu: bool) -> None:
+    """Create Megatron's process groups from ``megatron_cfg`` and seed every RNG with ``seed``.
+
+    Sizes default to 1; ``expert_tensor_parallel_size`` None means "same as tensor parallel"
+    (Megatron's rule). Python's and torch's CPU generators get ``seed`` on every rank, because
+    CPU-initialised weights are drawn whole and then sliced per tensor-parallel rank, so all
+    ranks must draw the same numbers. Megatron's model-parallel tracker then derives its
+    per-rank streams from the same seed: CUDA generator states on GPU; on CPU the tracker of
+    :mod:`nemo_rl_offload.models.cpu_compat` (enabled here), where every draw uses the CPU
+    generator.
+    """
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "initialize_megatron_parallel: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first (nccl on GPU workers, gloo on CPU)"
+        )
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    sizes = {name: int(megatron_cfg.get(name) or 1) for name in _PARALLEL_SIZES}
+    expert_tp = megatron_cfg.get("expert_tensor_parallel_size")
+    if not on_gpu:
+        from nemo_rl_offload.models.cpu_compat import enable_cpu_execution
+
+        enable_cpu_execution()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=sizes["pipeline_model_parallel_size"],
+        context_parallel_size=sizes["context_parallel_size"],
+        expert_model_parallel_size=sizes["expert_model_parallel_size"],
+        expert_tensor_parallel_size=None if expert_tp is None else int(expert_tp),
+    )
+    random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_megatron_parallel() -> None:
+    """Tear down Megatron's process groups (torch.distributed itself stays up: its owner ends
+    it). The RNG tracker and the CPU patches stay too; tests undo the latter with
+    ``cpu_compat.disable_cpu_execution``."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()

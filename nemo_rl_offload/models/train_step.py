@@ -1,0 +1,168 @@
+"""One forward(-backward) pass over a step's micro-batches, through Megatron-core's schedules.
+
+There is one code path: :func:`run_microbatches` hands the micro-batches to
+``megatron.core.pipeline_parallel.get_forward_backward_func()``, the schedule Megatron picks for
+the parallel state (no pipelining, 1F1B, interleaved), so pipeline parallelism, MoE auxiliary
+losses and full-iteration CUDA graphs behave exactly as upstream. On CPU the same schedule runs
+inside :func:`cpu_compat.cpu_schedule_allocations`, which only moves the schedule's one
+``device="cuda"`` allocation (its token counter) to the CPU for the duration of the call.
+
+The loss contract (every algorithm's loss goes through it):
+
+``loss_fn(batch, output) -> (loss, num_tokens, metrics)`` where ``output`` is what GPTModel
+returns for the micro-batch: when ``batch`` has ``"labels"``, the per-token loss [b, s], which
+is minus the log-probability of each label (RL losses need token log-probs; asking the model for
+them avoids materialising the logits a second time); otherwise the logits [b, s, vocab] (split
+over the vocabulary across tensor-parallel ranks). ``loss`` is a scalar SUM over the tokens it
+counts, ``num_tokens`` how many tokens that is, ``metrics`` any tensors to report.
+
+Normalisation: the step's loss is the per-token mean over every counted token of every
+micro-batch (over all data-parallel ranks when the model is wrapped in Megatron's DDP), which is
+what SFT and GRPO's token-level loss need, and gradient accumulation is exact: each micro-batch
+backpropagates its sum, and after the last one the gradients are divided by the step's total
+token count. That is Megatron's per-token mode (``config.calculate_per_token_loss``, which
+``models.builder`` turns on): the division happens in ``config.finalize_model_grads_func``. A
+DDP-wrapped model brings Megatron's ``finalize_model_grads`` (all-reduce across data-parallel
+ranks, then the division); for a bare model (single rank, tests) this module supplies a
+function that only divides, for the duration of the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+LossFn = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor | int, dict[str, Tensor]]]
+
+
+def _default_position_ids(input_ids: Tensor) -> Tensor:
+    batch, seq = input_ids.shape
+    return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
+
+
+def _forward_step(loss_fn: LossFn, data_iterator: Iterator[dict[str, Tensor]], model: Any):
+    """Megatron's forward_step_func: run one micro-batch, return its output and reducer."""
+    batch = next(data_iterator)
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = _default_position_ids(batch["input_ids"])
+    output = model(
+        batch["input_ids"],
+        position_ids,
+        batch.get("attention_mask"),
+        labels=batch.get("labels"),
+    )
+    return output, functools.partial(_reduce, loss_fn, batch)
+
+
+def _reduce(
+    loss_fn: LossFn, batch: dict[str, Tensor], output: Tensor
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Megatron's loss_func: (summed loss, token count, what the caller gets back)."""
+    loss, num_tokens, metrics = loss_fn(batch, output)
+    # Megatron adds this into an int32 counter on the loss's device.
+    num_tokens = torch.as_tensor(num_tokens, device=loss.device).to(torch.int)
+    report = {name: value.detach() for name, value in metrics.items()}
+    report["loss"] = loss.detach()
+    report["num_tokens"] = num_tokens.detach().clone()
+    return loss, num_tokens, report
+
+
+def _divide_bare_model_grads(
+    models: list[torch.nn.Module], num_tokens: Tensor | None, **_: Any
+) -> None:
+    """finalize_model_grads for a model without Megatron's DDP wrapper: the token count lives on
+    the last pipeline stage, so it is broadcast there first; then gradients are divided by it."""
+    if num_tokens is None:
+        return
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(
+            num_tokens,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+    scale = 1.0 / torch.clamp(num_tokens, min=1)
+    for model in models:
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scale.to(param.grad.dtype))
+
+
+@contextlib.contextmanager
+def _bare_model_finalize(config: Any) -> Iterator[None]:
+    if config.finalize_model_grads_func is not None:
+        yield
+        return
+    config.finalize_model_grads_func = _divide_bare_model_grads
+    try:
+        yield
+    finally:
+        config.finalize_model_grads_func = None
+
+
+def run_microbatches(
+    model: torch.nn.Module,
+    microbatches: list[dict[str, Tensor]],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool,
+) -> list[dict[str, Tensor]]:
+    """Forward (and, unless ``forward_only``, backward) over ``microbatches`` as one step.
+
+    Each micro-batch is a dict with ``input_ids`` [b, s] and optionally ``position_ids``
+    (default 0..s-1), ``attention_mask`` (default None: causal; right padding needs none),
+    ``labels`` (ask the model for per-token losses) and anything ``loss_fn`` reads. Gradients
+    accumulate into the parameters' existing gradients (zero them between steps), normalised
+    per token over the step as the module docstring says. Forward-only passes run under
+    ``torch.no_grad()`` and leave gradients untouched.
+
+    Returns one dict per micro-batch (on the last pipeline stage; other stages get []):
+    ``metrics`` from ``loss_fn`` plus ``loss`` (the micro-batch's summed loss) and
+    ``num_tokens``, all detached.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        raise ValueError("run_microbatches: no micro-batches")
+    config = model.config
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "run_microbatches: the model's TransformerConfig needs calculate_per_token_loss=True "
+            "(models.builder sets it): the loss is normalised per token over the whole step"
+        )
+    shape = tuple(microbatches[0]["input_ids"].shape)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1 and any(
+        tuple(mb["input_ids"].shape) != shape for mb in microbatches
+    ):
+        raise ValueError(
+            "run_microbatches: with pipeline parallelism every micro-batch needs the same "
+            f"[batch, sequence] shape (the first is {list(shape)}); pad them to one length"
+        )
+
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if on_cpu:
+        from nemo_rl_offload.models.cpu_compat import cpu_schedule_allocations
+
+        schedule_context: contextlib.AbstractContextManager[None] = cpu_schedule_allocations()
+    else:
+        schedule_context = contextlib.nullcontext()
+    grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
+
+    with schedule_context, grad_context, _bare_model_finalize(config):
+        return get_forward_backward_func()(
+            forward_step_func=functools.partial(_forward_step, loss_fn),
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=len(microbatches),
+            seq_length=shape[1],
+            micro_batch_size=shape[0],
+            forward_only=forward_only,
+        )

@@ -1,0 +1,146 @@
+"""The GPU path (nccl, CUDA RNG tracker, no CPU patches, fine-grained offloading on): run with
+the device tool; skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def megatron_gpu(tmp_path_factory):
+    import torch.distributed as dist
+
+    from nemo_rl_offload.models.cpu_compat import cpu_execution_enabled
+    from nemo_rl_offload.models.parallel import (
+        destroy_megatron_parallel,
+        initialize_megatron_parallel,
+    )
+
+    torch.cuda.set_device(0)
+    store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    try:
+        initialize_megatron_parallel({}, seed=1234, on_gpu=True)
+        assert not cpu_execution_enabled()
+        yield
+    finally:
+        destroy_megatron_parallel()
+        dist.destroy_process_group()
+
+
+def _build(model="tiny-dense", seed=0, precision="float32", **cfg):
+    from support.policies import make_policy
+
+    from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.models.builder import build_gpt_model
+    from nemo_rl_offload.offload.apply import effective_settings
+
+    policy = make_policy(model, **cfg)
+    policy["precision"] = precision
+    effective = effective_settings(policy, architecture_for(model), te_installed=False)
+    torch.manual_seed(seed)
+    return build_gpt_model(effective, architecture_for(model), on_gpu=True)
+
+
+def _batches(vocab, n, seq=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, vocab, (2, seq), generator=g)
+        mask = torch.ones(2, seq)
+        mask[:, seq - 4 * (i + 1) :] = 0
+        out.append(
+            {
+                "input_ids": ids.cuda(),
+                "labels": torch.roll(ids, -1, 1).cuda(),
+                "loss_mask": mask.cuda(),
+            }
+        )
+    return out
+
+
+def _token_loss(batch, output):
+    mask = batch["loss_mask"]
+    return (output.float() * mask).sum(), mask.sum().to(torch.int), {}
+
+
+def test_sdpa_equals_local_attention_on_gpu(megatron_gpu):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_rl_offload.models.attention import SDPACoreAttention
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        attention_dropout=0.0,
+    )
+    args = dict(
+        config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+    )
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(48, 2, 4, 16, generator=g).cuda()
+    k = torch.randn(48, 2, 2, 16, generator=g).cuda()
+    v = torch.randn(48, 2, 2, 16, generator=g).cuda()
+    out = SDPACoreAttention(**args)(q, k, v, None)
+    ref = DotProductAttention(**args)(q, k, v, None)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_gradient_accumulation_is_exact_on_gpu(megatron_gpu):
+    from nemo_rl_offload.models.train_step import run_microbatches
+
+    model, warnings = _build()
+    assert warnings == [] and next(model.parameters()).is_cuda
+    batches = _batches(model.vocab_size, 3)
+    run_microbatches(model, batches, _token_loss, forward_only=False)
+    accumulated = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ids = torch.cat([b["input_ids"] for b in batches])
+    mask = torch.cat([b["loss_mask"] for b in batches])
+    pos = torch.arange(ids.shape[1], device="cuda").expand_as(ids)
+    per_token = model(ids, pos, None, labels=torch.cat([b["labels"] for b in batches]))
+    ((per_token * mask).sum() / mask.sum()).backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(accumulated[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_fgo_model_trains_and_offloads_on_gpu(megatron_gpu, preset):
+    import megatron.core.extensions.transformer_engine as te_extension
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        PipelineOffloadManager,
+    )
+
+    from nemo_rl_offload.models.train_step import run_microbatches
+
+    model, warnings = _build(
+        preset,
+        precision="bfloat16",
+        fine_grained_activation_offloading=True,
+        offload_modules=["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"],
+        min_offloaded_tensor_size=1024,
+    )
+    assert warnings == []
+    assert model.config.fine_grained_activation_offloading is True
+    assert te_extension.cpu_offload is not None
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batches = _batches(model.vocab_size, 4, seed=1)
+    losses = []
+    for _ in range(6):
+        optimizer.zero_grad(set_to_none=True)
+        outs = run_microbatches(model, batches, _token_loss, forward_only=False)
+        optimizer.step()
+        losses.append(sum(float(o["loss"]) for o in outs) / sum(int(o["num_tokens"]) for o in outs))
+    assert losses[-1] < losses[0] - 0.5, losses
+    offloaded = PipelineOffloadManager.get_instance().offload_summary_bytes
+    assert sum(offloaded.values()) > 0, offloaded
