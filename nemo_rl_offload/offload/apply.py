@@ -82,7 +82,8 @@ class Setting:
 @dataclass(frozen=True)
 class EffectiveSettings:
     settings: dict[str, Setting]
-    # (field, named-key path, model_overrides path) where the two disagree.
+    # (field, path, other path): a named key and model_overrides disagree, or model_overrides
+    # sets a key that only its named form may set.
     conflicts: list[tuple[str, str, str]]
     # recompute_* keys given while activation_checkpointing is off (NeMo-RL ignores them).
     ignored_recompute_keys: list[str]
@@ -148,6 +149,16 @@ def effective_settings(
             settings[name] = Setting(value, f"{prefix}.model_overrides.{name}")
 
     conflicts: list[tuple[str, str, str]] = []
+    # Keys with their own meaning in the recipe (a switch gates the recompute keys, "auto"
+    # resolves the implementation) cannot come through model_overrides at all.
+    for name in (*RECOMPUTE_KEYS, "transformer_impl"):
+        if isinstance(overrides, dict) and name in overrides:
+            conflicts.append((name, f"{prefix}.model_overrides.{name}", f"{prefix}.{name}"))
+            settings.pop(name, None)
+            if name in RECOMPUTE_DEFAULTS and megatron_cfg.get("activation_checkpointing") is True:
+                settings[name] = Setting(
+                    megatron_cfg.get(name) or RECOMPUTE_DEFAULTS[name], f"{prefix}.{name}"
+                )
     for name in DIRECT_TRANSFORMER_KEYS:
         if name not in megatron_cfg:
             continue

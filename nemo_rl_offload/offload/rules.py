@@ -156,8 +156,11 @@ def _backend(ctx: _Context) -> None:
 
 
 def _overrides(ctx: _Context) -> None:
-    for name, named_path, override_path in ctx.effective.conflicts:
-        ctx.error(f"{named_path}: disagrees with {override_path}; set {name} in one place only")
+    for name, path, other in ctx.effective.conflicts:
+        if path.startswith(f"{ctx.prefix}.model_overrides."):
+            ctx.error(f"{path}: {name} cannot be set through model_overrides; set {other} instead")
+        else:
+            ctx.error(f"{path}: disagrees with {other}; set {name} in one place only")
     overrides = ctx.megatron_cfg.get("model_overrides")
     known = transformer_config_fields()
     if not isinstance(overrides, dict) or known is None:
@@ -175,6 +178,8 @@ def _overrides(ctx: _Context) -> None:
 def _module_list(ctx: _Context) -> None:
     raw = ctx.value("offload_modules")
     path = ctx.path("offload_modules")
+    if not isinstance(ctx.value("fine_grained_activation_offloading", False), bool):
+        return  # the schema reports the switch's type; "off" would be a guess
     if not ctx.fgo_on:
         # The recipe's own list counts too: an explicit false clears the effective one.
         if _names(ctx.megatron_cfg.get("offload_modules")) or ctx.modules:
@@ -276,10 +281,15 @@ def _exclusions(ctx: _Context) -> None:
             if ctx.value("moe_layer_recompute") is True
             else ctx.path("recompute_modules")
         )
+        undo = (
+            "turn moe_layer_recompute off"
+            if ctx.value("moe_layer_recompute") is True
+            else "remove 'moe' from recompute_modules"
+        )
         ctx.error(
             f"{source}: recomputing the whole 'moe' module makes offloading inside it "
-            f"({_fmt(moe_modules)}) redundant and breaks it; remove 'moe' from recompute_modules "
-            f"or remove {_fmt(moe_modules)} from offload_modules"
+            f"({_fmt(moe_modules)}) redundant and breaks it; {undo} or remove "
+            f"{_fmt(moe_modules)} from offload_modules"
         )
 
 

@@ -169,7 +169,7 @@ REJECTED = [
             "model_overrides": {"moe_grouped_gemm": True, "moe_layer_recompute": True},
         },
         f"{P}.model_overrides.moe_layer_recompute",
-        ["recomputing the whole 'moe' module"],
+        ["recomputing the whole 'moe' module", "turn moe_layer_recompute off"],
     ),
     (
         "fraction_high",
@@ -338,6 +338,25 @@ REJECTED = [
         },
         f"{P}.offload_modules",
         ["disagrees with policy.megatron_cfg.model_overrides.offload_modules"],
+    ),
+    (
+        "override_named_recompute",
+        "tiny-dense",
+        NO_TE,
+        {
+            "activation_checkpointing": True,
+            "model_overrides": {"recompute_granularity": "selective"},
+        },
+        f"{P}.model_overrides.recompute_granularity",
+        ["cannot be set through model_overrides", "policy.megatron_cfg.recompute_granularity"],
+    ),
+    (
+        "override_transformer_impl",
+        "tiny-dense",
+        NO_TE,
+        {"model_overrides": {"transformer_impl": "local"}},
+        f"{P}.model_overrides.transformer_impl",
+        ["cannot be set through model_overrides"],
     ),
     (
         "override_unknown_field",

@@ -33,6 +33,8 @@ STRICTER_BY_DESIGN = {
     "te_impl_without_te",
     "nvte_env_wrong",  # an environment variable, not a TransformerConfig field
     "override_conflict",  # the recipe's own consistency
+    "override_named_recompute",
+    "override_transformer_impl",
     "override_unknown_field",  # Megatron raises TypeError: also a rejection, checked below
     "recompute_layernorm_without_te",  # fails at run time (NameError), not in the config
     "inflight_negative",  # Megatron checks it only under full_iteration graphs

@@ -145,3 +145,97 @@ def distillation_kl(
     else:
         raise ValueError(f"unknown kl_type {kl_type!r}")
     return masked_sum(per_token, mask)
+
+
+# ------------------------------------------------------------------ micro-batch loss functions
+# Adapters between the losses above and the training step's contract
+# (models.train_step: loss_fn(batch, output) -> (summed loss, count, metric sums)). ``output``
+# is the model's per-token loss, i.e. minus the log-probability of each label, unless the loss
+# needs the whole distribution (distillation), in which case the batch has no labels and
+# ``output`` holds the logits.
+
+LOSS_NAMES = ("nll", "dpo", "grpo", "distillation")
+
+
+def _nll_fn(spec: dict, batch: dict, output: torch.Tensor):
+    total, count = nll_loss(-output.float(), batch["loss_mask"])
+    return total, count, {"nll_sum": total.detach()}
+
+
+def _dpo_fn(spec: dict, batch: dict, output: torch.Tensor):
+    mask = batch["loss_mask"]
+    average = bool(spec.get("preference_average_log_probs", False))
+    per_sequence = sequence_logprobs(-output.float(), mask, average=average)
+    reference = batch["reference_sequence_logprobs"]
+    loss, metrics = dpo_loss(
+        per_sequence[0::2],
+        per_sequence[1::2],
+        reference[0::2],
+        reference[1::2],
+        beta=float(spec["beta"]),
+    )
+    loss = float(spec.get("preference_loss_weight", 1.0)) * loss
+    sft_weight = float(spec.get("sft_loss_weight", 0.0))
+    if sft_weight:
+        chosen = sequence_logprobs(
+            -output.float()[0::2], mask[0::2], average=bool(spec.get("sft_average_log_probs"))
+        )
+        loss = loss - sft_weight * chosen.sum()
+    pairs = per_sequence.shape[0] // 2
+    return loss, pairs, metrics
+
+
+def _grpo_fn(spec: dict, batch: dict, output: torch.Tensor):
+    mask = batch["loss_mask"]
+    loss, metrics = grpo_loss(
+        -output.float(),
+        batch["old_logprobs"],
+        batch["advantages"],
+        mask,
+        ratio_clip_min=float(spec["ratio_clip_min"]),
+        ratio_clip_max=float(spec["ratio_clip_max"]),
+        ratio_clip_c=spec.get("ratio_clip_c"),
+        reference_logprobs=batch.get("reference_logprobs"),
+        kl_penalty=float(spec.get("kl_penalty", 0.0)),
+    )
+    return loss, mask.sum(), metrics
+
+
+def _distillation_fn(spec: dict, batch: dict, output: torch.Tensor):
+    from megatron.core import parallel_state, tensor_parallel
+
+    logits = output
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    logits = logits[..., : int(spec["vocab_size"])]
+    mask = batch["loss_mask"]
+    loss = distillation_kl(
+        logits,
+        batch["teacher_logprobs"],
+        batch.get("teacher_indices"),
+        mask,
+        kl_type=str(spec["kl_type"]),
+        mixed_kl_weight=float(spec.get("mixed_kl_weight", 0.5)),
+    )
+    return loss, mask.sum(), {"kl_sum": loss.detach()}
+
+
+_ADAPTERS = {"nll": _nll_fn, "dpo": _dpo_fn, "grpo": _grpo_fn, "distillation": _distillation_fn}
+
+
+def needs_logits(spec: dict) -> bool:
+    """Whether the loss reads the whole next-token distribution (no labels in the batch)."""
+    return spec["name"] == "distillation"
+
+
+def make_loss_fn(spec: dict):
+    """The micro-batch loss function named by ``spec["name"]`` with the settings in ``spec``."""
+    try:
+        adapter = _ADAPTERS[spec["name"]]
+    except KeyError:
+        raise ValueError(f"unknown loss {spec.get('name')!r}; one of {LOSS_NAMES}") from None
+
+    def loss_fn(batch: dict, output: torch.Tensor):
+        return adapter(spec, batch, output)
+
+    return loss_fn

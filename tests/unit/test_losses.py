@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nemo_rl_offload.algorithms import losses
+from nemo_rl_offload import losses
 
 
 def test_nll_sums_only_masked_tokens():

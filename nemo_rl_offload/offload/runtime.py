@@ -1,0 +1,77 @@
+"""Keep Megatron's fine-grained offloading correct across the phases of an RL step.
+
+Megatron-core's PipelineOffloadManager records one offload plan during the first training step
+and replays it on every later one. RL steps do not repeat (shared/measurements/RESULTS.md):
+
+- a forward-only pass (logprobs, reference or teacher scores, generation) in between crashes the
+  next backward (``AssertionError: Chunk mismatch``): :meth:`OffloadRuntime.forward_only`
+  suspends offloading for such passes (measured: the suspension avoids the crash);
+- a different micro-batch count silently drops the savings: :meth:`OffloadRuntime.before_step`
+  records a fresh plan whenever the count changes (measured: savings hold).
+
+The runtime is owned by the policy worker; it does nothing when offloading is off (CPU workers,
+recipes without FGO). Shape buckets, the host-pool budget, first-step numerics and per-module
+telemetry build on this class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+
+class OffloadRuntime:
+    def __init__(self, config: Any) -> None:
+        """``config`` is the model's TransformerConfig (offloading is on when its flag is)."""
+        self.config = config
+        self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
+        self._plan_microbatches: int | None = None
+        self.plans_recorded = 0
+        self.last_step_offloaded_bytes = 0
+
+    @staticmethod
+    def _manager() -> Any:
+        from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+            PipelineOffloadManager,
+        )
+
+        return PipelineOffloadManager
+
+    def before_step(self, num_microbatches: int) -> None:
+        """Call before each training step: a new micro-batch count records a new plan."""
+        if not self.enabled:
+            return
+        if num_microbatches != self._plan_microbatches:
+            self._manager().reset_instance()
+            self._plan_microbatches = num_microbatches
+            self.plans_recorded += 1
+
+    def after_step(self, num_microbatches: int) -> dict[str, float]:
+        """Offload metrics of the step just run (Megatron's own summary counts one micro-batch:
+        the step moved that many bytes per micro-batch)."""
+        if not self.enabled:
+            return {}
+        manager = self._manager().get_instance()
+        per_microbatch = int(getattr(manager, "_offload_summary_total_bytes", 0) or 0)
+        self.last_step_offloaded_bytes = per_microbatch * num_microbatches
+        return {
+            "offloaded_gib_per_step": self.last_step_offloaded_bytes / 2**30,
+            "offload_plans_recorded": float(self.plans_recorded),
+        }
+
+    @contextlib.contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """Run a pass without gradients outside the offload plan: the modules see offloading
+        off, and the manager neither records nor replays anything."""
+        if not self.enabled:
+            yield
+            return
+        manager = self._manager().get_instance()
+        self.config.fine_grained_activation_offloading = False
+        manager.disable_offload()
+        try:
+            yield
+        finally:
+            manager.enable_offload()
+            self.config.fine_grained_activation_offloading = True
