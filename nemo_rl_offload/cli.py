@@ -7,6 +7,7 @@ stderr, never a traceback), 1 anything else.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -66,6 +67,47 @@ def _cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0 if report.ok else EXIT_USER_ERROR
 
 
+_TRAINING_COMMANDS = (
+    ("sft", "nemo_rl_offload.algorithms.sft", "run_sft", "supervised fine-tuning"),
+    ("dpo", "nemo_rl_offload.algorithms.dpo", "run_dpo", "direct preference optimisation"),
+    ("grpo", "nemo_rl_offload.algorithms.grpo", "run_grpo", "GRPO"),
+    (
+        "distill",
+        "nemo_rl_offload.algorithms.distillation",
+        "run_distillation",
+        "on-policy distillation",
+    ),
+)
+
+
+def _training_handler(module: str, function: str):
+    def handler(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+        import importlib
+
+        from nemo_rl_offload.distributed.worker_group import WorkerError
+
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=err)
+        try:
+            return getattr(importlib.import_module(module), function)(args.config, args.overrides)
+        except WorkerError as exc:
+            print(f"error: {exc}", file=err)
+            return 1
+
+    return handler
+
+
+def _demo_handler(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from nemo_rl_offload.demo import run_demo
+    from nemo_rl_offload.distributed.worker_group import WorkerError
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=err)
+    try:
+        return run_demo(args.output_dir)
+    except WorkerError as exc:
+        print(f"error: {exc}", file=err)
+        return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nemo-rl-offload",
@@ -85,6 +127,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="Hydra-style overrides: key=value, +key=value (add), ++key=value (set or add), ~key",
     )
     validate.set_defaults(handler=_cmd_validate)
+    demo = commands.add_parser(
+        "demo",
+        help="the embedded default: tiny SFT then GRPO on the arithmetic task",
+        description="Run tiny SFT, then GRPO from its checkpoint, on the built-in arithmetic "
+        "task on an embedded Ray cluster (one GPU if present, else two CPU workers).",
+    )
+    demo.add_argument("--output-dir", default="results/demo", help="where runs are written")
+    demo.set_defaults(handler=_demo_handler)
+    for name, module, function, what in _TRAINING_COMMANDS:
+        command = commands.add_parser(
+            name,
+            help=f"run {what} from a recipe",
+            description=f"Run {what}. The recipe is checked first (as validate does); metrics "
+            "go to stdout and <logger.log_dir>/metrics.jsonl, checkpoints to "
+            "checkpointing.checkpoint_dir, and an existing checkpoint there is resumed.",
+        )
+        command.add_argument("--config", required=True, help="recipe YAML file")
+        command.add_argument("overrides", nargs="*", help="Hydra-style overrides")
+        command.set_defaults(handler=_training_handler(module, function))
     return parser
 
 

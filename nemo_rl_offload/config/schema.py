@@ -173,6 +173,9 @@ class PolicyConfig(TypedDict):
     make_sequence_length_divisible_by: NotRequired[int]
     megatron_cfg: MegatronConfig
     generation: NotRequired[GenerationConfig | None]
+    # Start from these weights: a checkpoint step directory, or a checkpoint_dir (its latest
+    # step), e.g. the SFT run's before GRPO. Resuming the run's own checkpoint_dir wins.
+    init_checkpoint: NotRequired[str | None]
 
 
 # ------------------------------------------------------------------------- the other sections
@@ -218,6 +221,10 @@ class DataConfig(TypedDict):
     val_data_path: NotRequired[str | None]
     num_train_samples: NotRequired[int]
     num_val_samples: NotRequired[int]
+    # The arithmetic task's problems: operators and operand ranges (0..max).
+    arithmetic_ops: NotRequired[list[Literal["+", "-", "*"]]]
+    max_operand: NotRequired[int]  # default 99
+    max_factor: NotRequired[int]  # default 12 (multiplication)
     prompt_file: NotRequired[str | None]
     system_prompt_file: NotRequired[str | None]
     input_key: NotRequired[str]

@@ -29,6 +29,20 @@ DEFAULT_SEED = 42
 _MAX_REPORTED = 20
 
 
+def arithmetic_spec(data_cfg: Mapping[str, Any]) -> arithmetic.ArithmeticSpec:
+    """The arithmetic task's problem spec from ``data`` (defaults: +, -, * up to 99 / 12)."""
+    default = arithmetic.DEFAULT_SPEC
+    for key in ("max_operand", "max_factor"):
+        value = data_cfg.get(key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise UserInputError(f"data.{key}: must be an integer >= 1 (got: {value!r})")
+    return arithmetic.ArithmeticSpec(
+        ops=tuple(data_cfg.get("arithmetic_ops") or default.ops),
+        max_operand=int(data_cfg.get("max_operand") or default.max_operand),
+        max_factor=int(data_cfg.get("max_factor") or default.max_factor),
+    )
+
+
 def load_split(data_cfg: Mapping[str, Any], kind: Kind, split: Split) -> list[dict[str, Any]]:
     """The ``split`` examples of ``kind`` for the recipe's ``data`` section.
 
@@ -47,6 +61,7 @@ def load_split(data_cfg: Mapping[str, Any], kind: Kind, split: Split) -> list[di
             int(data_cfg.get("num_train_samples", DEFAULT_NUM_TRAIN)),
             int(data_cfg.get("num_val_samples", DEFAULT_NUM_VAL)),
             int(data_cfg.get("seed", DEFAULT_SEED)),
+            spec=arithmetic_spec(data_cfg),
         )
         return train if split == "train" else val
     if name == "jsonl":

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from nemo_rl_offload.errors import UserInputError
@@ -33,9 +35,14 @@ def _error_text(exc: BaseException) -> str:
     import ray.exceptions
 
     if isinstance(exc, ray.exceptions.RayTaskError):
-        cause = exc.as_instanceof_cause()
         inner = getattr(exc, "cause", None)
-        text = f"{type(inner).__name__}: {inner}" if inner is not None else str(cause)
+        text = f"{type(inner).__name__}: {inner}" if inner is not None else str(exc)
+        trace = str(exc)  # Ray's text of the worker's traceback, then its error
+        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', trace)
+        if frames:  # where in the worker it happened: the innermost frame
+            path, line, function = frames[-1]
+            text += f" (at {Path(path).name}:{line} in {function})"
+        _LOG.debug("worker traceback:\n%s", trace)
         return text.strip()
     if isinstance(exc, ray.exceptions.RayActorError):
         return "the worker process died (" + " ".join(str(exc).split())[:400] + ")"
@@ -107,10 +114,22 @@ class WorkerGroup:
             futures.append(getattr(worker, method).remote(*call_args, **call_kwargs))
         return self._gather(futures, method, timeout_s)
 
-    def _gather(self, futures: list[Any], method: str, timeout_s: float | None) -> list[Any]:
+    def run_on(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on one worker only (with the same failure handling as :meth:`run`)."""
+        future = getattr(self.workers[rank], method).remote(*args, **kwargs)
+        return self._gather([future], method, None, ranks=[rank])[0]
+
+    def _gather(
+        self,
+        futures: list[Any],
+        method: str,
+        timeout_s: float | None,
+        ranks: list[int] | None = None,
+    ) -> list[Any]:
         import ray
 
-        rank_of = {future: rank for rank, future in enumerate(futures)}
+        ranks = ranks if ranks is not None else list(range(len(futures)))
+        rank_of = dict(zip(futures, ranks, strict=True))
         results: dict[int, Any] = {}
         pending = list(futures)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -130,7 +149,7 @@ class WorkerGroup:
                 rank = rank_of[pending[0]]
                 self.shutdown()
                 raise WorkerError(self.name, rank, f"{method} did not finish in {timeout_s:g} s")
-        return [results[rank] for rank in range(len(futures))]
+        return [results[rank] for rank in ranks]
 
     def shutdown(self) -> None:
         """Stop every worker and release their resources (safe to call twice)."""

@@ -403,6 +403,16 @@ def _recompute(ctx: _Context) -> None:
             )
 
 
+def _gradient_reduction(ctx: _Context) -> None:
+    ddp = ctx.megatron_cfg.get("distributed_data_parallel_config")
+    if isinstance(ddp, dict) and ddp.get("average_in_collective") is True:
+        ctx.error(
+            f"{ctx.prefix}.distributed_data_parallel_config.average_in_collective: must be false:"
+            " losses are normalised per token over the whole step (Megatron's per-token loss), "
+            "which cannot average in the collective; set it to false"
+        )
+
+
 def _pipeline(ctx: _Context) -> None:
     delta = ctx.value("delta_offload_bytes_across_pp_ranks")
     pp = ctx.value("pipeline_model_parallel_size", 1)
@@ -499,6 +509,7 @@ _RULES = (
     _cuda_graphs,
     _recompute,
     _pipeline,
+    _gradient_reduction,
     _environment,
     _tensor_sizes,
 )

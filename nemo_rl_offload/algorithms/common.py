@@ -1,0 +1,207 @@
+"""What every algorithm loop shares: the pre-start check, the cluster, the tokenizer, data
+encoding, checkpoints with resume, and the metrics logger.
+
+A run directory layout (``checkpointing.checkpoint_dir``)::
+
+    step_000010/policy/model_tp0_pp0.pt   one file per model-parallel shard
+    step_000010/state.json                the driver's state: step, data position, metrics
+
+A checkpoint directory is written under a temporary name and renamed when complete, so a crash
+never leaves a half-written checkpoint that resume would pick up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nemo_rl_offload.algorithms.batching import TokenSequence
+from nemo_rl_offload.algorithms.policy_group import PolicyGroup
+from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.data.datasets import encode_and_check_lengths
+from nemo_rl_offload.data.tokenizer import Tokenizer, load_tokenizer
+from nemo_rl_offload.distributed import cluster
+from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.metrics_logger import MetricsLogger
+from nemo_rl_offload.preflight import Report, load_and_check
+
+_LOG = logging.getLogger("nemo_rl_offload.run")
+STATE_FILE = "state.json"
+
+
+def checkpoint_dirs(root: str | Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def resolve_checkpoint(path: str, where: str) -> Path:
+    """A checkpoint step directory, or the latest one under a checkpoint_dir."""
+    candidate = Path(path)
+    if (candidate / STATE_FILE).is_file():
+        return candidate
+    found = checkpoint_dirs(candidate)
+    if not found:
+        raise UserInputError(
+            f"{where}: no checkpoint at '{path}' (expected a step_N directory with {STATE_FILE},"
+            " or a checkpoint_dir that holds some); run the earlier stage first"
+        )
+    return found[-1]
+
+
+@dataclass
+class Run:
+    """Everything a loop needs, prepared before any worker starts."""
+
+    algorithm: str
+    recipe: dict[str, Any]
+    report: Report
+    tokenizer: Tokenizer
+    logger: MetricsLogger
+    cluster_info: cluster.ClusterInfo | None
+    start_step: int = 0
+    driver_state: dict[str, Any] = field(default_factory=dict)
+    resume_from: Path | None = None
+
+    @property
+    def policy_cfg(self) -> dict[str, Any]:
+        return self.recipe["policy"]
+
+    @property
+    def max_len(self) -> int:
+        return int(self.policy_cfg["max_total_sequence_length"])
+
+    @property
+    def round_to(self) -> int:
+        return int(self.policy_cfg.get("make_sequence_length_divisible_by", 1) or 1)
+
+    def encode(self, examples: list[dict[str, Any]], where: str) -> list[TokenSequence]:
+        encoded = encode_and_check_lengths(examples, self.tokenizer, self.max_len, where)
+        return [TokenSequence(list(e.input_ids), e.prompt_len) for e in encoded]
+
+    # ------------------------------------------------------------------- checkpoints
+    def save(self, policy: Any, step: int, state: dict[str, Any]) -> Path | None:
+        ckpt = self.recipe["checkpointing"]
+        if not ckpt.get("enabled", True):
+            return None
+        root = Path(ckpt["checkpoint_dir"])
+        final = root / f"step_{step:06d}"
+        tmp = root / f".tmp_step_{step:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        policy.save(str(tmp / "policy"))
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        keep = ckpt.get("keep_top_k")
+        if keep:
+            for old in checkpoint_dirs(root)[: -int(keep)]:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def restore(self, policy: Any) -> None:
+        """Load the resume checkpoint (full state) or ``policy.init_checkpoint`` (weights)."""
+        if self.resume_from is not None:
+            policy.load(str(self.resume_from / "policy"))
+            print(f"resumed from {self.resume_from} (step {self.start_step})", file=sys.stderr)
+            return
+        init = self.policy_cfg.get("init_checkpoint")
+        if init:
+            path = resolve_checkpoint(init, "policy.init_checkpoint")
+            policy.load(str(path / "policy"), weights_only=True)
+            print(f"policy weights loaded from {path}", file=sys.stderr)
+
+    def connect(self) -> None:
+        """Start or join Ray: after the data has loaded, so a bad data file fails in seconds."""
+        self.cluster_info = cluster.start_or_join(
+            self.recipe["cluster"], num_cpus=max(os.cpu_count() or 1, 4)
+        )
+
+    def start_group(
+        self,
+        where: str,
+        *,
+        seed: int,
+        trainable: bool,
+        with_reference: bool = False,
+        gpu_fraction: float = 1.0,
+    ) -> PolicyGroup:
+        """The workers of one policy section (``policy`` or ``teacher``), set up and ready;
+        their environment carries what the offload rules require, and their warnings (e.g.
+        offloading not applied on CPU) are shown."""
+        group = PolicyGroup(
+            self.recipe[where],
+            where=where,
+            cluster_cfg=self.recipe["cluster"],
+            seed=seed,
+            trainable=trainable,
+            with_reference=with_reference,
+            env_vars=self.report.worker_environment(where) or None,
+            gpu_fraction=gpu_fraction,
+        )
+        for line in group.warnings:
+            print(f"warning: {line}", file=sys.stderr)
+        return group
+
+    def close(self) -> None:
+        self.logger.close()
+        if self.cluster_info is not None:
+            cluster.shutdown(self.cluster_info)
+
+
+def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_steps_key: str) -> Run:
+    """Check the recipe, load the tokenizer, find a checkpoint to resume (Ray starts later,
+    in :meth:`Run.connect`)."""
+    report = load_and_check(config_path, overrides)
+    if report.errors:
+        raise UserInputError(report.errors)
+    for line in report.warnings:
+        print(line, file=sys.stderr)
+    if report.algorithm != algorithm:
+        command = "distill" if report.algorithm == "distillation" else report.algorithm
+        raise UserInputError(
+            f"{config_path}: a recipe for {report.algorithm}, not {algorithm}; run "
+            f"nemo-rl-offload {command} --config {config_path}"
+        )
+    recipe = report.recipe
+    policy = recipe["policy"]
+    architecture = architecture_for(policy["model_name"], base_dir=Path.cwd())
+    tokenizer_cfg = policy.get("tokenizer") or {}
+    tokenizer = load_tokenizer(tokenizer_cfg.get("name"), architecture.hf_directory)
+    if tokenizer.vocab_size > architecture.vocab_size:
+        raise UserInputError(
+            f"policy.tokenizer.name: the tokenizer has {tokenizer.vocab_size} tokens but "
+            f"{policy['model_name']} only {architecture.vocab_size}; use the model's tokenizer"
+        )
+    ckpt = recipe["checkpointing"]
+    resume_from, start_step, driver_state = None, 0, {}
+    if ckpt.get("enabled", True) and checkpoint_dirs(ckpt["checkpoint_dir"]):
+        resume_from = checkpoint_dirs(ckpt["checkpoint_dir"])[-1]
+        driver_state = json.loads((resume_from / STATE_FILE).read_text())
+        start_step = int(driver_state.get("step", 0))
+    logger_cfg = recipe["logger"]
+    logger = MetricsLogger(
+        logger_cfg["log_dir"],
+        total_steps=int(recipe[algorithm][total_steps_key]),
+        tensorboard=bool(logger_cfg.get("tensorboard_enabled", False)),
+        resume=resume_from is not None,
+    )
+    print(
+        f"{algorithm}: metrics -> {logger.path}; checkpoints -> {ckpt['checkpoint_dir']}",
+        file=sys.stderr,
+    )
+    return Run(
+        algorithm, recipe, report, tokenizer, logger, None, start_step, driver_state, resume_from
+    )
+
+
+def mean(total: float, count: float) -> float:
+    return total / count if count else float("nan")

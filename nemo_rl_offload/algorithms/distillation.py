@@ -1,0 +1,147 @@
+"""On-policy distillation: the student samples responses, the teacher scores every position of
+them (its top-k next-token log-probabilities), and the student moves towards the teacher's
+distribution on its own samples (forward, reverse or mixed KL).
+
+The teacher is a second, forward-only group of workers (``teacher`` section; its weights from
+``teacher.init_checkpoint``). On GPU both groups share the GPUs (half a GPU each).
+
+Run: ``nemo-rl-offload distill --config examples/configs/tiny/distillation.yaml``
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from nemo_rl_offload.algorithms import batching
+from nemo_rl_offload.algorithms.batching import TokenSequence
+from nemo_rl_offload.algorithms.common import mean, prepare, resolve_checkpoint
+from nemo_rl_offload.algorithms.grpo import attach, generate_and_score, validate
+from nemo_rl_offload.algorithms.policy_group import worker_count
+from nemo_rl_offload.algorithms.sft import EpochSampler, data_where
+from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.data.datasets import load_split
+from nemo_rl_offload.environments.math import MathEnvironment
+from nemo_rl_offload.errors import UserInputError
+
+
+def shared_vocab_size(policy_cfg: dict, teacher_cfg: dict) -> int:
+    """Student and teacher must score the same vocabulary for a KL between them."""
+    student = architecture_for(policy_cfg["model_name"], base_dir=Path.cwd())
+    teacher = architecture_for(
+        teacher_cfg["model_name"], base_dir=Path.cwd(), where="teacher.model_name"
+    )
+    if student.vocab_size != teacher.vocab_size:
+        raise UserInputError(
+            f"teacher.model_name: its vocabulary ({teacher.vocab_size}) differs from the "
+            f"student's ({student.vocab_size}); distillation needs one shared tokenizer"
+        )
+    return student.vocab_size
+
+
+def run_distillation(config_path: str, overrides: list[str]) -> int:
+    run = prepare(config_path, overrides, "distillation", total_steps_key="max_num_steps")
+    policy = teacher = None
+    try:
+        cfg, loss_cfg, data_cfg = (
+            run.recipe["distillation"],
+            run.recipe["loss_fn"],
+            run.recipe["data"],
+        )
+        policy_cfg, teacher_cfg = run.policy_cfg, run.recipe["teacher"]
+        seed = int(cfg["seed"])
+        train_raw = load_split(data_cfg, "prompts", "train")
+        val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
+        train = run.encode(train_raw, data_where(data_cfg, "train"))
+        val = run.encode(val_raw, data_where(data_cfg, "val"))
+        _, on_gpu = worker_count(run.recipe["cluster"])
+        share = 0.5 if on_gpu else 1.0
+        run.connect()
+        policy = run.start_group("policy", seed=seed, trainable=True, gpu_fraction=share)
+        teacher = run.start_group("teacher", seed=seed + 1, trainable=False, gpu_fraction=share)
+        if teacher_cfg.get("init_checkpoint"):
+            path = resolve_checkpoint(teacher_cfg["init_checkpoint"], "teacher.init_checkpoint")
+            teacher.load(str(Path(path) / "policy"), weights_only=True)
+        else:
+            print(
+                "warning: teacher.init_checkpoint is not set: the teacher has random weights",
+                file=sys.stderr,
+            )
+        run.restore(policy)
+        env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
+        num_prompts = int(cfg["num_prompts_per_step"])
+        group = int(cfg.get("num_generations_per_prompt", 1))
+        micro = int(policy_cfg["train_micro_batch_size"])
+        if (num_prompts * group) % (micro * policy.dp_size):
+            raise UserInputError(
+                f"distillation.num_prompts_per_step: {num_prompts} x {group} responses do not "
+                f"split into {policy.dp_size} data-parallel rank(s) x micro-batches of {micro}"
+            )
+        top_k = cfg.get("topk_logits_k")
+        spec = {
+            "name": "distillation",
+            "kl_type": loss_cfg["kl_type"],
+            "mixed_kl_weight": float(loss_cfg.get("mixed_kl_weight", 0.5)),
+            "vocab_size": shared_vocab_size(policy_cfg, teacher_cfg),
+        }
+        sampler = EpochSampler(
+            len(train),
+            seed=seed,
+            shuffle=bool(data_cfg.get("shuffle", True)),
+            position=int(run.driver_state.get("position", 0)),
+        )
+        val_answers = [str(v["answer"]) for v in val_raw]
+        if cfg.get("val_at_start") and run.start_step == 0:
+            run.logger.log(0, validate(run, policy, env, val, val_answers, seed), phase="val")
+        max_steps = int(cfg["max_num_steps"])
+        for step in range(run.start_step + 1, max_steps + 1):
+            if sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)):
+                break
+            start = time.perf_counter()
+            picked = sampler.take(num_prompts)
+            prompts = [train[i] for i in picked for _ in range(group)]
+            answers = [str(train_raw[i]["answer"]) for i in picked for _ in range(group)]
+            responses, rewards = generate_and_score(
+                run, policy, env, prompts, answers, greedy=False, seed=seed * 1000003 + step
+            )
+            sequences = [
+                TokenSequence(p.ids + r, len(p.ids))
+                for p, r in zip(prompts, responses, strict=True)
+            ]
+            mbs = batching.microbatches(
+                sequences, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
+            )
+            for mb in mbs:
+                del mb["labels"]  # the loss reads the student's logits, not label logprobs
+            scores = teacher.topk_logprobs(mbs, None if top_k is None else int(top_k))
+            attach(mbs, "teacher_logprobs", [values for values, _ in scores])
+            if top_k is not None:
+                attach(mbs, "teacher_indices", [indices for _, indices in scores])
+            metrics = policy.train(batching.split(mbs, policy.dp_size), spec)
+            elapsed = time.perf_counter() - start
+            tokens = metrics["num_tokens"]
+            record = {
+                "loss": mean(metrics.pop("loss"), tokens),
+                "kl": mean(metrics.pop("kl_sum"), tokens),
+                "reward": float(np.mean(rewards)),
+                "tokens_per_s": sum(len(s.ids) for s in sequences) / elapsed,
+                "step_time_s": elapsed,
+                **{k: v for k, v in metrics.items() if k != "step_time_s"},
+            }
+            run.logger.log(step, record)
+            if cfg["val_period"] and step % int(cfg["val_period"]) == 0:
+                run.logger.log(
+                    step, validate(run, policy, env, val, val_answers, seed), phase="val"
+                )
+            save_period = int(run.recipe["checkpointing"].get("save_period", 0) or 0)
+            if step == max_steps or (save_period and step % save_period == 0):
+                run.save(policy, step, {"position": sampler.position})
+        return 0
+    finally:
+        for group_ in (policy, teacher):
+            if group_ is not None:
+                group_.shutdown()
+        run.close()

@@ -1,0 +1,138 @@
+"""Direct preference optimisation: raise the chosen response's likelihood ratio to the frozen
+reference policy above the rejected one's (sigmoid loss with beta).
+
+Each preference pair becomes two adjacent rows (chosen, rejected) of one micro-batch, so a
+micro-batch of ``train_micro_batch_size`` pairs has twice as many rows.
+
+Run: ``nemo-rl-offload dpo --config examples/configs/tiny/dpo.yaml``
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from nemo_rl_offload.algorithms import batching
+from nemo_rl_offload.algorithms.batching import TokenSequence
+from nemo_rl_offload.algorithms.common import Run, mean, prepare
+from nemo_rl_offload.algorithms.grpo import attach
+from nemo_rl_offload.algorithms.policy_group import PolicyGroup
+from nemo_rl_offload.algorithms.sft import EpochSampler, check_batch_sizes, data_where
+from nemo_rl_offload.data.datasets import encode_and_check_lengths, load_split
+
+
+def encode_pairs(run: Run, examples: list[dict], where: str) -> list[tuple[TokenSequence, ...]]:
+    encoded = encode_and_check_lengths(examples, run.tokenizer, run.max_len, where)
+    return [
+        (
+            TokenSequence(list(e.input_ids), e.prompt_len),
+            TokenSequence(list(e.rejected_ids), e.prompt_len),
+        )
+        for e in encoded
+    ]
+
+
+def sequence_logprobs(arrays: list[np.ndarray], mbs: list[dict], average: bool) -> list:
+    out = []
+    for array, mb in zip(arrays, mbs, strict=True):
+        total = (array * mb["loss_mask"]).sum(axis=-1)
+        if average:
+            total = total / np.maximum(mb["loss_mask"].sum(axis=-1), 1)
+        out.append(total.astype(np.float32))
+    return out
+
+
+def with_reference(run: Run, policy: PolicyGroup, pairs: list, micro: int, average: bool):
+    """Micro-batches of the pairs, each carrying the reference policy's sequence logprobs."""
+    rows = [seq for pair in pairs for seq in pair]
+    mbs = batching.microbatches(rows, 2 * micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to)
+    reference = policy.token_logprobs(mbs, reference=True)
+    attach(mbs, "reference_sequence_logprobs", sequence_logprobs(reference, mbs, average))
+    return mbs
+
+
+def evaluate(run: Run, policy: PolicyGroup, pairs: list, micro: int, spec: dict) -> dict:
+    """Held-out preference accuracy and DPO loss (forward passes only)."""
+    if not pairs:
+        return {}
+    average = bool(spec["preference_average_log_probs"])
+    mbs = with_reference(run, policy, pairs, micro, average)
+    current = sequence_logprobs(policy.token_logprobs(mbs), mbs, average)
+    chosen = np.concatenate([c[0::2] for c in current])
+    rejected = np.concatenate([c[1::2] for c in current])
+    reference = np.concatenate([mb["reference_sequence_logprobs"] for mb in mbs])
+    margin = spec["beta"] * ((chosen - reference[0::2]) - (rejected - reference[1::2]))
+    return {
+        "val_preference_accuracy": float((margin > 0).mean()),
+        "val_loss": float(np.mean(np.logaddexp(0.0, -margin))),
+    }
+
+
+def run_dpo(config_path: str, overrides: list[str]) -> int:
+    run = prepare(config_path, overrides, "dpo", total_steps_key="max_num_steps")
+    policy = None
+    try:
+        cfg, data_cfg, policy_cfg = run.recipe["dpo"], run.recipe["data"], run.policy_cfg
+        seed = int(cfg["seed"])
+        train = encode_pairs(
+            run, load_split(data_cfg, "preference", "train"), data_where(data_cfg, "train")
+        )
+        val = encode_pairs(
+            run, load_split(data_cfg, "preference", "val"), data_where(data_cfg, "val")
+        )
+        val = val[: int(cfg.get("val_batches", 8)) * int(cfg.get("val_global_batch_size", 8))]
+        run.connect()
+        policy = run.start_group("policy", seed=seed, trainable=True, with_reference=True)
+        check_batch_sizes(policy_cfg, policy.dp_size)
+        run.restore(policy)
+        spec = {
+            "name": "dpo",
+            "beta": float(cfg["reference_policy_kl_penalty"]),
+            "preference_average_log_probs": bool(cfg.get("preference_average_log_probs", False)),
+            "sft_average_log_probs": bool(cfg.get("sft_average_log_probs", False)),
+            "preference_loss_weight": float(cfg.get("preference_loss_weight", 1.0)),
+            "sft_loss_weight": float(cfg.get("sft_loss_weight", 0.0)),
+        }
+        gbs, micro = (
+            int(policy_cfg["train_global_batch_size"]),
+            int(policy_cfg["train_micro_batch_size"]),
+        )
+        val_micro = int(cfg.get("val_micro_batch_size", micro))
+        sampler = EpochSampler(
+            len(train),
+            seed=seed,
+            shuffle=bool(data_cfg.get("shuffle", True)),
+            position=int(run.driver_state.get("position", 0)),
+        )
+        if cfg.get("val_at_start") and run.start_step == 0:
+            run.logger.log(0, evaluate(run, policy, val, val_micro, spec), phase="val")
+        max_steps = int(cfg["max_num_steps"])
+        for step in range(run.start_step + 1, max_steps + 1):
+            if sampler.epoch >= int(cfg["max_num_epochs"]):
+                break
+            start = time.perf_counter()
+            pairs = [train[i] for i in sampler.take(gbs)]
+            mbs = with_reference(run, policy, pairs, micro, spec["preference_average_log_probs"])
+            metrics = policy.train(batching.split(mbs, policy.dp_size), spec)
+            elapsed = time.perf_counter() - start
+            pairs_done = metrics["num_tokens"]
+            record = {
+                "loss": mean(metrics.pop("loss"), pairs_done),
+                "preference_accuracy": mean(metrics.pop("preference_accuracy_sum"), pairs_done),
+                "reward_margin": mean(metrics.pop("reward_margin_sum"), pairs_done),
+                "tokens_per_s": sum(len(s.ids) for p in pairs for s in p) / elapsed,
+                "step_time_s": elapsed,
+                **{k: v for k, v in metrics.items() if k not in ("step_time_s", "num_pairs")},
+            }
+            run.logger.log(step, record)
+            if cfg["val_period"] and step % int(cfg["val_period"]) == 0:
+                run.logger.log(step, evaluate(run, policy, val, val_micro, spec), phase="val")
+            save_period = int(run.recipe["checkpointing"].get("save_period", 0) or 0)
+            if step == max_steps or (save_period and step % save_period == 0):
+                run.save(policy, step, {"position": sampler.position})
+        return 0
+    finally:
+        if policy is not None:
+            policy.shutdown()
+        run.close()

@@ -1,0 +1,140 @@
+"""The driver's handle on a group of policy workers: data-parallel sharding and gathering.
+
+Workers in one data-parallel group (tensor/pipeline partners) receive the same data; each
+data-parallel group gets its own shard. Outputs are read from one reporting rank per group and
+returned in the caller's order, so algorithms never see the parallel layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from nemo_rl_offload.algorithms.batching import split
+from nemo_rl_offload.distributed.worker_group import WorkerGroup
+from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+# Metrics that describe one rank (its memory, time, learning rate): the step's value is the
+# largest over ranks, not the sum.
+_PER_RANK_KEYS = ("peak_", "gpu_memory", "step_time", "lr", "grad_norm", "offload")
+
+
+def worker_count(cluster_cfg: dict[str, Any]) -> tuple[int, bool]:
+    """(number of workers, on GPU) for a recipe's cluster section."""
+    gpus = int(cluster_cfg.get("gpus_per_node", 0))
+    if gpus > 0:
+        return gpus * int(cluster_cfg.get("num_nodes", 1)), True
+    return int(cluster_cfg.get("num_cpu_workers", 1)), False
+
+
+class PolicyGroup:
+    def __init__(
+        self,
+        section: dict[str, Any],
+        *,
+        where: str,
+        cluster_cfg: dict[str, Any],
+        seed: int,
+        trainable: bool,
+        with_reference: bool = False,
+        env_vars: dict[str, str] | None = None,
+        gpu_fraction: float = 1.0,
+    ) -> None:
+        num_workers, self.on_gpu = worker_count(cluster_cfg)
+        self.where = where
+        self.group = WorkerGroup(
+            PolicyWorker,
+            num_workers,
+            name=where,
+            gpus_per_worker=gpu_fraction if self.on_gpu else 0,
+            cpus_per_worker=1 if self.on_gpu else 0.5,
+            env_vars=env_vars,
+            init_kwargs=lambda rank, world: {
+                "section": section,
+                "where": where,
+                "rank": rank,
+                "world_size": world,
+                "seed": seed,
+                "on_gpu": self.on_gpu,
+                "trainable": trainable,
+                "with_reference": with_reference,
+            },
+        )
+        address, port = self.group.run_on(0, "node_address")
+        self.setup_info = self.group.run("setup", address, port)
+        layouts = self.group.run("parallel_layout")
+        self.dp_size = int(layouts[0]["dp_size"])
+        self.dp_rank_of = [int(layout["dp_rank"]) for layout in layouts]
+        self.reporters = {
+            int(layout["dp_rank"]): rank for rank, layout in enumerate(layouts) if layout["reports"]
+        }
+
+    @property
+    def warnings(self) -> list[str]:
+        return sorted({line for info in self.setup_info for line in info.get("warnings", [])})
+
+    def _per_worker(self, shards: list[Any], *extra: Any, **kwargs: Any) -> list:
+        return [((shards[dp], *extra), kwargs) for dp in self.dp_rank_of]
+
+    def train(self, shards: list[list[dict[str, np.ndarray]]], loss: dict[str, Any]) -> dict:
+        """One step: ``shards[d]`` are the micro-batches of data-parallel rank d. Returns the
+        summed metrics over data-parallel ranks, plus per-rank maxima of memory and time."""
+        results = self.group.run("train", per_worker=self._per_worker(shards, loss))
+        reporting = [results[rank] for rank in self.reporters.values()]
+        totals: dict[str, float] = {}
+        for result in reporting:
+            for key, value in result.items():
+                if key.startswith(_PER_RANK_KEYS):
+                    totals[key] = max(totals.get(key, 0.0), value)
+                else:
+                    totals[key] = totals.get(key, 0.0) + value
+        for result in results:  # memory is per rank, and every rank matters for the peak
+            for key in ("peak_gpu_memory_gib",):
+                if key in result:
+                    totals[key] = max(totals.get(key, 0.0), result[key])
+        return totals
+
+    def _map(self, method: str, microbatches: list[Any], *args: Any, **kwargs: Any) -> list:
+        """Spread independent items over the data-parallel ranks; results in input order."""
+        shards = split(list(range(len(microbatches))), self.dp_size)
+        per_dp = [[microbatches[i] for i in shard] for shard in shards]
+        results = self.group.run(method, per_worker=self._per_worker(per_dp, *args, **kwargs))
+        ordered: list[Any] = [None] * len(microbatches)
+        for dp, shard in enumerate(shards):
+            for position, index in enumerate(shard):
+                ordered[index] = results[self.reporters[dp]][position]
+        return ordered
+
+    def token_logprobs(self, microbatches: list[dict], *, reference: bool = False) -> list:
+        return self._map("token_logprobs", microbatches, reference=reference)
+
+    def topk_logprobs(self, microbatches: list[dict], k: int | None) -> list:
+        return self._map("topk_logprobs", microbatches, k)
+
+    def generate(
+        self, prompts: list[list[int]], settings: dict[str, Any], *, seed: int, pad_id: int
+    ) -> list[list[int]]:
+        shards = split(list(range(len(prompts))), self.dp_size)
+        per_dp = [[prompts[i] for i in shard] for shard in shards]
+        results = self.group.run(
+            "generate",
+            per_worker=[
+                ((per_dp[dp], settings), {"seed": seed + 7919 * dp, "pad_id": pad_id})
+                for dp in self.dp_rank_of
+            ],
+        )
+        ordered: list[Any] = [None] * len(prompts)
+        for dp, shard in enumerate(shards):
+            for position, index in enumerate(shard):
+                ordered[index] = results[self.reporters[dp]][position]
+        return ordered
+
+    def save(self, directory: str) -> None:
+        self.group.run("save_checkpoint", directory)
+
+    def load(self, directory: str, *, weights_only: bool = False) -> int:
+        return max(self.group.run("load_checkpoint", directory, weights_only=weights_only))
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

@@ -1,0 +1,128 @@
+"""Supervised fine-tuning: token negative log-likelihood of the responses.
+
+Run: ``nemo-rl-offload sft --config examples/configs/tiny/sft.yaml``
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from nemo_rl_offload.algorithms import batching
+from nemo_rl_offload.algorithms.common import Run, mean, prepare
+from nemo_rl_offload.algorithms.policy_group import PolicyGroup
+from nemo_rl_offload.data.datasets import load_split
+from nemo_rl_offload.errors import UserInputError
+
+
+def data_where(data_cfg: dict, split: str) -> str:
+    return f"data.{split}_data_path" if data_cfg.get("dataset_name") == "jsonl" else "data"
+
+
+def check_batch_sizes(policy_cfg: dict, dp_size: int, rows_per_example: int = 1) -> None:
+    """The global batch must split evenly into data-parallel shards of whole micro-batches."""
+    gbs = int(policy_cfg["train_global_batch_size"])
+    mbs = int(policy_cfg["train_micro_batch_size"])
+    if gbs % (mbs * dp_size):
+        raise UserInputError(
+            f"policy.train_global_batch_size: {gbs} does not split into {dp_size} data-parallel "
+            f"rank(s) x micro-batches of {mbs}; use a multiple of {mbs * dp_size}"
+        )
+
+
+class EpochSampler:
+    """Examples in a (seeded) shuffled order, epoch after epoch; its position is checkpointed."""
+
+    def __init__(self, size: int, *, seed: int, shuffle: bool, position: int = 0) -> None:
+        if size == 0:
+            raise UserInputError("data: the training split is empty; add examples")
+        self.size, self.seed, self.shuffle, self.position = size, seed, shuffle, position
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.size
+
+    def take(self, count: int) -> list[int]:
+        out = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, self.size)
+            order = np.arange(self.size)
+            if self.shuffle:
+                order = np.random.default_rng(self.seed + epoch).permutation(self.size)
+            out.append(int(order[index]))
+            self.position += 1
+        return out
+
+
+def evaluate_nll(run: Run, policy: PolicyGroup, sequences: list, micro: int) -> float:
+    if not sequences:
+        return float("nan")
+    mbs = batching.microbatches(
+        sequences, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
+    )
+    logprobs = policy.token_logprobs(mbs)
+    total = sum(float(-(lp * mb["loss_mask"]).sum()) for lp, mb in zip(logprobs, mbs, strict=True))
+    count = sum(float(mb["loss_mask"].sum()) for mb in mbs)
+    return mean(total, count)
+
+
+def run_sft(config_path: str, overrides: list[str]) -> int:
+    run = prepare(config_path, overrides, "sft", total_steps_key="max_num_steps")
+    policy = None
+    try:
+        cfg, data_cfg, policy_cfg = run.recipe["sft"], run.recipe["data"], run.policy_cfg
+        train = run.encode(load_split(data_cfg, "sft", "train"), data_where(data_cfg, "train"))
+        val = run.encode(load_split(data_cfg, "sft", "val"), data_where(data_cfg, "val"))
+        val = val[: int(cfg.get("val_batches", 8)) * int(cfg.get("val_global_batch_size", 32))]
+        run.connect()
+        policy = run.start_group("policy", seed=int(cfg["seed"]), trainable=True)
+        check_batch_sizes(policy_cfg, policy.dp_size)
+        run.restore(policy)
+        sampler = EpochSampler(
+            len(train),
+            seed=int(cfg["seed"]),
+            shuffle=bool(data_cfg.get("shuffle", True)),
+            position=int(run.driver_state.get("position", 0)),
+        )
+        gbs, micro = (
+            int(policy_cfg["train_global_batch_size"]),
+            int(policy_cfg["train_micro_batch_size"]),
+        )
+        val_micro = int(cfg.get("val_micro_batch_size", micro))
+        if cfg.get("val_at_start") and run.start_step == 0:
+            run.logger.log(0, {"val_loss": evaluate_nll(run, policy, val, val_micro)}, phase="val")
+        max_steps = int(cfg["max_num_steps"])
+        for step in range(run.start_step + 1, max_steps + 1):
+            if sampler.epoch >= int(cfg["max_num_epochs"]):
+                break
+            batch = [train[i] for i in sampler.take(gbs)]
+            shards = [
+                batching.microbatches(
+                    shard, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
+                )
+                for shard in batching.split(batch, policy.dp_size)
+            ]
+            start = time.perf_counter()
+            metrics = policy.train(shards, {"name": "nll"})
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(seq.ids) for seq in batch)
+            record = {
+                "loss": mean(metrics.pop("loss"), metrics["num_tokens"]),
+                "tokens_per_s": tokens / elapsed,
+                "step_time_s": elapsed,
+                "epoch": sampler.epoch,
+                **{k: v for k, v in metrics.items() if not k.endswith("_sum")},
+            }
+            run.logger.log(step, record)
+            if cfg["val_period"] and step % int(cfg["val_period"]) == 0:
+                val_loss = evaluate_nll(run, policy, val, val_micro)
+                run.logger.log(step, {"val_loss": val_loss}, phase="val")
+            save_period = int(run.recipe["checkpointing"].get("save_period", 0) or 0)
+            if step == max_steps or (save_period and step % save_period == 0):
+                run.save(policy, step, {"position": sampler.position})
+        return 0
+    finally:
+        if policy is not None:
+            policy.shutdown()
+        run.close()

@@ -1,0 +1,121 @@
+"""Autoregressive sampling with the policy itself (no separate inference engine).
+
+Prompts are right-padded into one batch; with causal attention the padding after a row's last
+token cannot influence that token's logits, so each step runs the model over the batch and
+samples, for every unfinished row, the token after its current end. There is no KV cache: each
+step recomputes the prefix, which is cheap for the short answers of the built-in tasks and keeps
+one model code path (training and sampling share the forward). Every tensor-parallel rank draws
+with the same generator state, so they agree on each token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_recipe(
+        cls,
+        generation: dict[str, Any] | None,
+        *,
+        eos_id: int,
+        greedy: bool = False,
+        max_new_tokens: int | None = None,
+    ) -> SamplingSettings:
+        generation = generation or {}
+        stops = tuple(generation.get("stop_token_ids") or ()) + (eos_id,)
+        return cls(
+            max_new_tokens=max_new_tokens or int(generation.get("max_new_tokens", 64)),
+            temperature=float(generation.get("temperature", 1.0)),
+            top_p=float(generation.get("top_p", 1.0)),
+            top_k=generation.get("top_k"),
+            greedy=greedy,
+            stop_token_ids=stops,
+        )
+
+
+def _filter_logits(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    logits = logits / max(settings.temperature, 1e-6)
+    if settings.top_k:
+        kth = torch.topk(logits, settings.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if settings.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > settings.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Logits are split over the vocabulary across tensor-parallel ranks: gather them."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    return logits
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    settings: SamplingSettings,
+    *,
+    pad_id: int,
+    vocab_size: int,
+    seed: int,
+    device: torch.device,
+) -> list[list[int]]:
+    """Generated token ids per prompt (without the prompt; stop token included when hit)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError(
+            "generation with pipeline parallelism is not supported yet; use "
+            "pipeline_model_parallel_size 1 for algorithms that sample (GRPO, distillation)"
+        )
+    if not prompts:
+        return []
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    total = int(lengths.max()) + settings.max_new_tokens
+    ids = torch.full((len(prompts), total), pad_id, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
+    start = lengths.clone()
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    stops = torch.tensor(settings.stop_token_ids, device=device)
+    rows = torch.arange(len(prompts), device=device)
+    model.eval()
+    for _ in range(settings.max_new_tokens):
+        width = int(lengths.max())
+        positions = torch.arange(width, device=device).unsqueeze(0).expand(len(prompts), width)
+        logits = model(ids[:, :width], positions, None)
+        logits = _full_vocab(logits)[rows, lengths - 1, :vocab_size].float()
+        if settings.greedy:
+            token = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(_filter_logits(logits, settings), dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        ids[rows, lengths] = token
+        lengths = torch.where(done, lengths, lengths + 1)
+        done |= torch.isin(token, stops)
+        if bool(done.all()):
+            break
+    model.train()
+    return [ids[row, start[row] : lengths[row]].tolist() for row in range(len(prompts))]

@@ -1,0 +1,379 @@
+"""The policy worker: one process holding one rank of a Megatron-core GPT model.
+
+Usable in-process (tests) and as a Ray actor (``WorkerGroup``). Construction is cheap; the work
+happens in :meth:`PolicyWorker.setup`, called on every rank of a group together, so that a
+failure there reaches the driver as that rank's error. Order of setup matters: NUMA binding
+first (before any host memory is allocated), then torch.distributed, Megatron's parallel state,
+the model, its data-parallel wrapper and optimizer, and the offload runtime.
+
+All tensors cross the process boundary as numpy arrays or lists; micro-batches are dicts of
+arrays (``input_ids``, ``labels``, ``loss_mask`` and what the loss reads). Loss and metric
+values come back as sums with their counts, so the driver can combine ranks exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_LOG = logging.getLogger("nemo_rl_offload.worker")
+OPTIMIZER_KEYS_FROM_RECIPE = (
+    "optimizer",
+    "lr",
+    "min_lr",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "sgd_momentum",
+    "use_distributed_optimizer",
+    "use_precision_aware_optimizer",
+    "clip_grad",
+    "optimizer_cpu_offload",
+    "optimizer_offload_fraction",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class PolicyWorker:
+    def __init__(
+        self,
+        *,
+        section: dict[str, Any],
+        where: str,
+        rank: int,
+        world_size: int,
+        seed: int,
+        on_gpu: bool,
+        trainable: bool = True,
+        with_reference: bool = False,
+    ) -> None:
+        self.section, self.where = section, where
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.on_gpu, self.trainable, self.with_reference = on_gpu, trainable, with_reference
+        self.model: Any = None
+        self.reference: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.step = 0
+
+    # ------------------------------------------------------------------------------ setup
+    def node_address(self) -> tuple[str, int]:
+        """Where rank 0 listens for torch.distributed's rendezvous."""
+        return socket.gethostbyname(socket.gethostname()), _free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        import torch
+
+        from nemo_rl_offload.config.model_presets import architecture_for
+        from nemo_rl_offload.models.builder import build_gpt_model
+        from nemo_rl_offload.models.parallel import initialize_megatron_parallel
+        from nemo_rl_offload.offload import apply
+        from nemo_rl_offload.offload.capabilities import detect
+        from nemo_rl_offload.offload.runtime import OffloadRuntime
+
+        numa: dict[str, Any] = {}
+        if self.on_gpu:
+            from nemo_rl_offload.distributed.numa import bind_to_gpu_numa_node
+
+            binding = bind_to_gpu_numa_node(0)
+            numa = {"numa_node": binding.numa_node, "numa_skipped": binding.skipped_reason}
+            torch.cuda.set_device(0)
+        torch.distributed.init_process_group(
+            "nccl" if self.on_gpu else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        megatron_cfg = self.section["megatron_cfg"]
+        initialize_megatron_parallel(megatron_cfg, seed=self.seed, on_gpu=self.on_gpu)
+        self.architecture = architecture_for(
+            self.section["model_name"], base_dir=Path.cwd(), where=f"{self.where}.model_name"
+        )
+        effective = apply.effective_settings(
+            self.section,
+            self.architecture,
+            where=self.where,
+            te_installed=detect().has_transformer_engine,
+        )
+        model, warnings = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
+        self.device = self.device or torch.device("cpu")
+        self.runtime = OffloadRuntime(model.config)
+        if self.with_reference:
+            reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
+            reference.load_state_dict(model.state_dict())
+            reference.config.fine_grained_activation_offloading = False
+            self.reference = self._precision_wrap(reference).eval()
+        self.model = self._precision_wrap(model)
+        if self.trainable:
+            self._setup_training(model.config, megatron_cfg)
+        params = sum(p.numel() for p in model.parameters())
+        return {"warnings": warnings, "parameters": params, "device": str(self.device), **numa}
+
+    def parallel_layout(self) -> dict[str, int | bool]:
+        """This rank's data-parallel coordinates, and whether it returns outputs (the first
+        tensor-parallel rank of the last pipeline stage: every such rank has identical ones)."""
+        from megatron.core import parallel_state
+
+        return {
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "dp_size": parallel_state.get_data_parallel_world_size(),
+            "reports": parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.is_pipeline_last_stage(),
+        }
+
+    def _precision_wrap(self, model: Any) -> Any:
+        """Megatron's Float16Module for bf16/fp16 (casts inputs, returns float32 outputs)."""
+        if model.config.bf16 or model.config.fp16:
+            from megatron.core.transformer.module import Float16Module
+
+            return Float16Module(model.config, model)
+        return model
+
+    def _setup_training(self, config: Any, megatron_cfg: dict[str, Any]) -> None:
+        import torch
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        opt_cfg = dict(megatron_cfg.get("optimizer") or {})
+        ddp_cfg = dict(megatron_cfg.get("distributed_data_parallel_config") or {})
+        use_distributed = bool(opt_cfg.get("use_distributed_optimizer", False)) and self.on_gpu
+        ddp_cfg.pop("use_custom_fsdp", None)
+        # Parameter all-gathers exist only with the distributed optimizer (sharded parameters).
+        ddp_cfg["overlap_param_gather"] = (
+            bool(ddp_cfg.get("overlap_param_gather")) and use_distributed
+        )
+        ddp = DistributedDataParallelConfig(
+            **{
+                k: v
+                for k, v in ddp_cfg.items()
+                if k in DistributedDataParallelConfig.__annotations__
+            },
+            use_distributed_optimizer=use_distributed,
+        )
+        self.model = DistributedDataParallel(config=config, ddp_config=ddp, module=self.model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = self.model.no_sync
+        precision = self.section.get("precision", "float32")
+        kwargs = {k: opt_cfg[k] for k in OPTIMIZER_KEYS_FROM_RECIPE if k in opt_cfg}
+        kwargs["use_distributed_optimizer"] = use_distributed
+        kwargs["use_precision_aware_optimizer"] = bool(
+            kwargs.get("use_precision_aware_optimizer", False) and self.on_gpu
+        )
+        kwargs["clip_grad"] = float(kwargs.get("clip_grad") or 0.0)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                **kwargs,
+                bf16=precision == "bfloat16",
+                fp16=precision == "float16",
+                params_dtype=getattr(torch, str(opt_cfg.get("params_dtype", "float32"))),
+            ),
+            [self.model],
+        )
+        sched = dict(megatron_cfg.get("scheduler") or {})
+        lr = float(opt_cfg["lr"])
+        weight_decay = float(opt_cfg.get("weight_decay", 0.01))
+        decay_steps = max(2, int(sched.get("lr_decay_iters") or 10**9))
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=float(sched.get("lr_warmup_init", 0.0)),
+            max_lr=lr,
+            min_lr=float(opt_cfg.get("min_lr", lr)),
+            lr_warmup_steps=min(int(sched.get("lr_warmup_iters", 0)), decay_steps - 1),
+            lr_decay_steps=decay_steps,
+            lr_decay_style=str(sched.get("lr_decay_style", "constant")),
+            start_wd=float(sched.get("start_weight_decay", weight_decay)),
+            end_wd=float(sched.get("end_weight_decay", weight_decay)),
+            wd_incr_steps=decay_steps,
+            wd_incr_style=str(sched.get("weight_decay_incr_style", "constant")),
+        )
+
+    # ------------------------------------------------------------------------- passes
+    def _tensors(self, microbatches: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+        import torch
+
+        return [
+            {key: torch.tensor(value, device=self.device) for key, value in mb.items()}
+            for mb in microbatches
+        ]
+
+    def train(self, microbatches: list[dict[str, np.ndarray]], loss: dict[str, Any]) -> dict:
+        """One optimizer step over this rank's micro-batches; returns loss and metric sums."""
+        import torch
+
+        from nemo_rl_offload import losses
+        from nemo_rl_offload.models.train_step import run_microbatches
+
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.runtime.before_step(len(microbatches))
+        outputs = run_microbatches(
+            self.model, self._tensors(microbatches), losses.make_loss_fn(loss), forward_only=False
+        )
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.scheduler.step(increment=1)
+        self.step += 1
+        metrics = self._sum_outputs(outputs)
+        metrics.update(
+            grad_norm=float(grad_norm or 0.0),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            step_time_s=time.perf_counter() - start,
+            **self.runtime.after_step(len(microbatches)),
+            **self.memory_stats(),
+        )
+        return metrics
+
+    @staticmethod
+    def _sum_outputs(outputs: list[dict[str, Any]]) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for output in outputs:
+            for key, value in output.items():
+                totals[key] = totals.get(key, 0.0) + float(value)
+        return totals
+
+    def token_logprobs(
+        self, microbatches: list[dict[str, np.ndarray]], *, reference: bool = False
+    ) -> list[np.ndarray]:
+        """log p(label) per position [b, s] for each micro-batch (forward only)."""
+        model = self.reference if reference else self.model
+        outputs = self._forward(model, microbatches, with_labels=True)
+        return [(-output).float().cpu().numpy() for output in outputs]
+
+    def topk_logprobs(
+        self, microbatches: list[dict[str, np.ndarray]], k: int | None
+    ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+        """The top-k next-token log-probabilities and their token ids per position (all of the
+        vocabulary when k is None), for distillation teachers."""
+        import torch
+
+        from nemo_rl_offload.models.generation import _full_vocab
+
+        vocab = self.architecture.vocab_size
+        results = []
+        for output in self._forward(self.model, microbatches, with_labels=False):
+            logprobs = torch.log_softmax(_full_vocab(output)[..., :vocab].float(), dim=-1)
+            if k is None:
+                results.append((logprobs.cpu().numpy(), None))
+            else:
+                values, indices = logprobs.topk(k, dim=-1)
+                results.append((values.cpu().numpy(), indices.cpu().numpy()))
+        return results
+
+    def _forward(self, model: Any, microbatches: list[dict], *, with_labels: bool) -> list[Any]:
+        """Forward-only pass, outside the offload plan: per-token losses (minus the labels'
+        log-probabilities) with labels, else logits."""
+        import torch
+
+        results = []
+        with self.runtime.forward_only(), torch.no_grad():
+            model.eval()
+            for batch in self._tensors(microbatches):
+                positions = torch.arange(batch["input_ids"].shape[1], device=self.device)
+                positions = positions.unsqueeze(0).expand_as(batch["input_ids"])
+                output = model(
+                    batch["input_ids"],
+                    positions,
+                    None,
+                    labels=batch.get("labels") if with_labels else None,
+                )
+                results.append(output)
+            model.train()
+        return results
+
+    def generate(
+        self, prompts: list[list[int]], settings: dict[str, Any], *, seed: int, pad_id: int
+    ) -> list[list[int]]:
+        """Sampled continuations of ``prompts`` (token ids, without the prompt)."""
+        from nemo_rl_offload.models.generation import SamplingSettings, sample
+
+        with self.runtime.forward_only():
+            return sample(
+                self.model,
+                prompts,
+                SamplingSettings(**settings),
+                pad_id=pad_id,
+                vocab_size=self.architecture.vocab_size,
+                seed=seed,
+                device=self.device,
+            )
+
+    # ------------------------------------------------------------------------- state
+    def memory_stats(self) -> dict[str, float]:
+        if not self.on_gpu:
+            return {}
+        import torch
+
+        return {
+            "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "gpu_memory_gib": torch.cuda.memory_allocated() / 2**30,
+        }
+
+    def _shard_name(self) -> str:
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_rank()
+        pp = parallel_state.get_pipeline_model_parallel_rank()
+        return f"model_tp{tp}_pp{pp}.pt"
+
+    def save_checkpoint(self, directory: str) -> str | None:
+        """Each model-parallel shard is written once (by data-parallel rank 0)."""
+        import torch
+        from megatron.core import parallel_state
+
+        if parallel_state.get_data_parallel_rank() != 0:
+            return None
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"model": self._unwrapped().state_dict(), "step": self.step}
+        if self.optimizer is not None and not self.optimizer.config.use_distributed_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["scheduler"] = self.scheduler.state_dict()
+        tmp = path / (self._shard_name() + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path / self._shard_name())
+        return str(path / self._shard_name())
+
+    def load_checkpoint(self, directory: str, *, weights_only: bool = False) -> int:
+        import torch
+
+        state = torch.load(Path(directory) / self._shard_name(), map_location=self.device)
+        self._unwrapped().load_state_dict(state["model"])
+        if self.reference is not None:
+            reference = self.reference
+            while hasattr(reference, "module"):
+                reference = reference.module
+            reference.load_state_dict(state["model"])
+        if weights_only:
+            return 0
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state.get("step", 0))
+        return self.step
+
+    def _unwrapped(self) -> Any:
+        model = self.model
+        while hasattr(model, "module"):
+            model = model.module
+        return model

@@ -1,0 +1,182 @@
+"""Each algorithm end to end through the CLI, on a local Ray cluster with 2 CPU workers, judged
+from the metrics file it wrote. One SFT run is shared: GRPO and DPO start from its checkpoint and
+distillation uses it as the teacher, as a user would chain them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "configs" / "tiny"
+
+
+def cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_rl_offload.cli", *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def outputs(root: Path) -> list[str]:
+    return [f"checkpointing.checkpoint_dir={root / 'ckpt'}", f"logger.log_dir={root / 'logs'}"]
+
+
+def metrics(root: Path, phase: str) -> list[dict]:
+    lines = (root / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["phase"] == phase]
+
+
+def window_mean(records: list[dict], key: str, first: bool, size: int = 10) -> float:
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.mean(values[:size] if first else values[-size:])
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sft")
+    result = cli("sft", "--config", str(TINY / "sft.yaml"), *outputs(root))
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root
+
+
+def test_sft_loss_falls(sft_run):
+    train = metrics(sft_run, "train")
+    assert window_mean(train, "loss", first=True) > 2 * window_mean(train, "loss", first=False)
+    val = [r["val_loss"] for r in metrics(sft_run, "val")]
+    assert val[-1] < 0.5 * val[0], val
+    assert (sft_run / "ckpt").is_dir()
+
+
+def test_grpo_from_sft_raises_held_out_reward(sft_run, tmp_path):
+    result = cli(
+        "grpo", "--config", str(TINY / "grpo.yaml"), *outputs(tmp_path),
+        f"policy.init_checkpoint={sft_run / 'ckpt'}",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "policy weights loaded from" in result.stderr
+    val = metrics(tmp_path, "val")
+    assert val[0]["step"] == 0 and val[-1]["step"] > 0
+    assert val[-1]["val_reward"] > val[0]["val_reward"], val
+    train = metrics(tmp_path, "train")
+    assert all(0.0 <= r["reward"] <= 1.0 for r in train)
+    assert train[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step starts at the reference
+
+
+def test_dpo_preference_accuracy_rises(sft_run, tmp_path):
+    result = cli(
+        "dpo", "--config", str(TINY / "dpo.yaml"), *outputs(tmp_path),
+        f"policy.init_checkpoint={sft_run / 'ckpt'}",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    train = metrics(tmp_path, "train")
+    first = window_mean(train, "preference_accuracy", first=True)
+    last = window_mean(train, "preference_accuracy", first=False)
+    assert last > first + 0.05, (first, last)
+    val = metrics(tmp_path, "val")
+    assert val[-1]["val_preference_accuracy"] > val[0]["val_preference_accuracy"], val
+
+
+def test_distillation_kl_falls(sft_run, tmp_path):
+    result = cli(
+        "distill", "--config", str(TINY / "distillation.yaml"), *outputs(tmp_path),
+        f"teacher.init_checkpoint={sft_run / 'ckpt'}",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    train = metrics(tmp_path, "train")
+    assert window_mean(train, "kl", first=False) < 0.6 * window_mean(train, "kl", first=True)
+
+
+def test_resume_continues_from_the_latest_checkpoint(tmp_path):
+    short = [*outputs(tmp_path), "sft.val_period=0", "sft.val_at_start=false",
+             "checkpointing.save_period=4"]
+    first = cli("sft", "--config", str(TINY / "sft.yaml"), *short, "sft.max_num_steps=6")
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000006"]
+    second = cli("sft", "--config", str(TINY / "sft.yaml"), *short, "sft.max_num_steps=9")
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resumed from" in second.stderr and "step_000006" in second.stderr
+    steps = [r["step"] for r in metrics(tmp_path, "train")]
+    assert steps == list(range(1, 10))  # 1..6 from the first run, 7..9 after resuming
+
+
+def test_dead_worker_fails_the_job_within_a_minute(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nemo_rl_offload.cli", "sft", "--config", str(TINY / "sft.yaml"),
+         *outputs(tmp_path), "sft.max_num_steps=100000", "sft.val_period=0",
+         "sft.val_at_start=false"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        for line in process.stdout:  # wait until training runs
+            if line.startswith("[train 3/"):
+                break
+        pids = subprocess.run(["pgrep", "-f", "PolicyWorker"], capture_output=True, text=True)
+        victims = [int(pid) for pid in pids.stdout.split()]
+        assert victims, "no worker process found"
+        killed_at = time.monotonic()
+        os.kill(victims[-1], signal.SIGKILL)
+        process.wait(timeout=60)
+        assert time.monotonic() - killed_at < 60
+        stderr = process.stderr.read()
+        assert process.returncode != 0
+        assert "policy worker" in stderr and "died" in stderr, stderr[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["data.dataset_name=jsonl", "++data.train_data_path=/nonexistent/train.jsonl"],
+         "data.train_data_path"),
+        (["policy.model_name=tiny-dens"], "policy.model_name: 'tiny-dens' is neither"),
+        (["policy.max_total_sequence_length=12"], "longer than policy.max_total_sequence_length"),
+    ],
+    ids=["missing_data_file", "unknown_preset", "prompt_too_long"],
+)
+def test_bad_input_is_one_clear_line(tmp_path, overrides, expected):
+    result = cli("sft", "--config", str(TINY / "sft.yaml"), *outputs(tmp_path), *overrides,
+                 timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_jsonl_line_is_named(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"input": "Q: 1+1=? A:", "output": " 2"}\n{"input": "Q: 2+2=? A:",\n')
+    result = cli("sft", "--config", str(TINY / "sft.yaml"), *outputs(tmp_path),
+                 "data.dataset_name=jsonl", f"++data.train_data_path={data}", timeout=120)
+    assert result.returncode == 2
+    assert f"{data}:2: not valid JSON" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unreachable_ray_address_fails_in_seconds(tmp_path):
+    start = time.monotonic()
+    result = cli("sft", "--config", str(TINY / "sft.yaml"), *outputs(tmp_path),
+                 f"cluster.address=127.0.0.1:{_free_port()}", timeout=120)
+    assert result.returncode == 2
+    assert "cluster.address: cannot reach a Ray cluster" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 60
