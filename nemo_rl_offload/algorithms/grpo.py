@@ -24,7 +24,6 @@ from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.generation import SamplingSettings
 
-
 # Held-out prompts are sampled this many times each for val_reward: an estimate of the
 # sampling policy's accuracy with a quarter of the single-sample noise.
 VAL_SAMPLES_PER_PROMPT = 4
@@ -45,6 +44,7 @@ def sampling_settings(run: Run, prompts: list[TokenSequence], *, greedy: bool) -
         eos_id=run.tokenizer.eos_id,
         greedy=greedy,
         max_new_tokens=min(int(generation.get("max_new_tokens", room)), room),
+        vocab_limit=run.tokenizer.vocab_size,
     )
     return dataclasses.asdict(settings)
 

@@ -24,6 +24,8 @@ class SamplingSettings:
     top_k: int | None = None
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # Sample only ids the tokenizer knows (a model's embedding table may be larger).
+    vocab_limit: int | None = None
 
     @classmethod
     def from_recipe(
@@ -33,6 +35,7 @@ class SamplingSettings:
         eos_id: int,
         greedy: bool = False,
         max_new_tokens: int | None = None,
+        vocab_limit: int | None = None,
     ) -> SamplingSettings:
         generation = generation or {}
         stops = tuple(generation.get("stop_token_ids") or ()) + (eos_id,)
@@ -43,6 +46,7 @@ class SamplingSettings:
             top_k=generation.get("top_k"),
             greedy=greedy,
             stop_token_ids=stops,
+            vocab_limit=vocab_limit,
         )
 
 
@@ -105,7 +109,8 @@ def sample(
         width = int(lengths.max())
         positions = torch.arange(width, device=device).unsqueeze(0).expand(len(prompts), width)
         logits = model(ids[:, :width], positions, None)
-        logits = _full_vocab(logits)[rows, lengths - 1, :vocab_size].float()
+        limit = min(vocab_size, settings.vocab_limit or vocab_size)
+        logits = _full_vocab(logits)[rows, lengths - 1, :limit].float()
         if settings.greedy:
             token = logits.argmax(dim=-1)
         else:

@@ -230,6 +230,9 @@ class PolicyWorker:
         outputs = run_microbatches(
             self.model, self._tensors(microbatches), losses.make_loss_fn(loss), forward_only=False
         )
+        # Activations (what offloading moves) peak in the forward-backward; the optimizer step
+        # has its own peak (its states), reported separately by memory_stats.
+        fwd_bwd_peak = torch.cuda.max_memory_allocated() / 2**30 if self.on_gpu else None
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
@@ -242,6 +245,8 @@ class PolicyWorker:
             **self.runtime.after_step(len(microbatches)),
             **self.memory_stats(),
         )
+        if fwd_bwd_peak is not None:
+            metrics["peak_fwd_bwd_gpu_memory_gib"] = fwd_bwd_peak
         return metrics
 
     @staticmethod
