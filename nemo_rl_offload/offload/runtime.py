@@ -7,7 +7,9 @@ and replays it on every later one. RL steps do not repeat (shared/measurements/R
   next backward (``AssertionError: Chunk mismatch``): :meth:`OffloadRuntime.forward_only`
   suspends offloading for such passes (measured: the suspension avoids the crash);
 - a different micro-batch count silently drops the savings: :meth:`OffloadRuntime.before_step`
-  records a fresh plan whenever the count changes (measured: savings hold).
+  records a fresh plan whenever the count changes (measured: savings hold);
+- the warm-up step's gradients differ from a model without offload (Megatron-LM issue 7398):
+  :func:`_patch_reload_waits_for_offload` closes the race behind it.
 
 The runtime is owned by the policy worker; it does nothing when offloading is off (CPU workers,
 recipes without FGO). Shape buckets, the host-pool budget, first-step numerics and per-module
@@ -21,11 +23,45 @@ from collections.abc import Iterator
 from typing import Any
 
 
+def _patch_reload_waits_for_offload() -> bool:
+    """Make a synchronous reload wait for its offload copy (megatron-core 0.19).
+
+    Megatron-LM issue 7398: during the warm-up step every group is offloaded, including the
+    last one, whose tensors backward needs at once, before any bulk reload. Then
+    ``ChunkOffloadHandler.tensor_pop`` reloads them on the current stream from pinned memory
+    that the device-to-host copy on the side stream may not have finished writing, so the
+    warm-up step computes with partly stale activations (measured: step-1 gradients differ from
+    an identical model without offload; later steps, which keep that group on the GPU, are
+    bitwise equal). The fix: before such a reload, the current stream waits for the group's
+    offload event, which the group records after its copies. Returns whether it patched.
+    """
+    import torch
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    handler = fgo.ChunkOffloadHandler
+    if getattr(handler.tensor_pop, "_waits_for_offload", False):
+        return False
+    original = handler.tensor_pop
+
+    def tensor_pop(self: Any, tensor_tag: Any) -> Any:
+        if not isinstance(tensor_tag, torch.Tensor):
+            group = self.offload_groups[tensor_tag[0] - 1]
+            if isinstance(group._tensors.get(tensor_tag), tuple):
+                group.wait_offload_event(torch.cuda.current_stream())
+        return original(self, tensor_tag)
+
+    tensor_pop._waits_for_offload = True  # type: ignore[attr-defined]
+    handler.tensor_pop = tensor_pop
+    return True
+
+
 class OffloadRuntime:
     def __init__(self, config: Any) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is)."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
+        if self.enabled:
+            _patch_reload_waits_for_offload()
         self._plan_microbatches: int | None = None
         self.plans_recorded = 0
         self.last_step_offloaded_bytes = 0
