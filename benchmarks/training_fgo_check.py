@@ -131,12 +131,13 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--algorithms", default="sft,grpo")
+    parser.add_argument("--cases", default=",".join(CASES))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for algorithm in args.algorithms.split(","):
-        for case in CASES:
+        for case in args.cases.split(","):
             records.append(run_case(algorithm, case, args.steps, out))
             print(json.dumps({k: v for k, v in records[-1].items() if k != "losses"}), flush=True)
     (out / "training_fgo_check.json").write_text(json.dumps(records, indent=1))
