@@ -6,6 +6,9 @@ the run-to-run spread that the FGO run's losses are compared against.
 
 Usage (on the GPU machine, from the repository root):
     python benchmarks/training_fgo_check.py --out DIR [--steps 8] [--algorithms sft,grpo]
+        [--cases plain_a,plain_b,fgo_all5] [--setup TAG=override,override ...]
+e.g. two GPUs: --setup dp2=cluster.gpus_per_node=2
+               --setup tp2=cluster.gpus_per_node=2,policy.megatron_cfg.tensor_model_parallel_size=2
 Writes DIR/training_fgo_check.json and prints a markdown table.
 """
 
@@ -23,7 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 DENSE_ALL = "[attn_norm,qkv_linear,core_attn,attn_proj,mlp_norm]"
 COMMON = [
     "policy.model_name=llama-1b",
-    "cluster.gpus_per_node=1",
     "checkpointing.enabled=false",
     # Arithmetic sequences are short; padding them to 4096 tokens gives the activations (and
     # offloaded bytes) of a realistic sequence length, large enough to dominate the step's peak.
@@ -63,9 +65,11 @@ CASES = {
 }
 
 
-def run_case(algorithm: str, case: str, steps: int, out: Path) -> dict:
+def run_case(
+    algorithm: str, case: str, steps: int, out: Path, extra_overrides: list[str], tag: str
+) -> dict:
     command, recipe, extra, steps_key = ALGORITHMS[algorithm]
-    log_dir = out / f"{algorithm}_{case}"
+    log_dir = out / f"{tag}{algorithm}_{case}"
     args = [
         sys.executable,
         "-m",
@@ -77,13 +81,20 @@ def run_case(algorithm: str, case: str, steps: int, out: Path) -> dict:
         *extra,
         f"{command}.{steps_key}={steps}",
         f"logger.log_dir={log_dir}",
-        *CASES[case],
+        *CASES[case], *extra_overrides,
     ]
     start = time.monotonic()
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=os.environ)
     wall = time.monotonic() - start
-    (out / f"{algorithm}_{case}.stderr.txt").write_text(result.stderr[-20000:])
-    record: dict = {"algorithm": algorithm, "case": case, "rc": result.returncode, "wall_s": wall}
+    (out / f"{tag}{algorithm}_{case}.stderr.txt").write_text(result.stderr[-20000:])
+    record: dict = {
+        "algorithm": algorithm,
+        "case": case,
+        "setup": tag.rstrip("_") or "1gpu",
+        "overrides": extra_overrides,
+        "rc": result.returncode,
+        "wall_s": wall,
+    }
     metrics_file = log_dir / "metrics.jsonl"
     if metrics_file.exists():
         train = [json.loads(x) for x in metrics_file.read_text().splitlines()]
@@ -110,15 +121,15 @@ def summarise(records: list[dict]) -> str:
         " | median step s | max abs loss diff vs plain_a |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    by_key = {(r["algorithm"], r["case"]): r for r in records}
+    by_key = {(r["setup"], r["algorithm"], r["case"]): r for r in records}
     for r in records:
-        base = by_key.get((r["algorithm"], "plain_a"), {}).get("losses") or []
+        base = by_key.get((r["setup"], r["algorithm"], "plain_a"), {}).get("losses") or []
         diff = max(
             (abs(a - b) for a, b in zip(r.get("losses") or [], base, strict=False)), default=0.0
         )
         step = r.get("median_step_s")
         lines.append(
-            f"| {r['algorithm']} | {r['case']} | {r['rc']} | {r.get('peak_gib', 0):.2f} | "
+            f"| {r['setup']} | {r['algorithm']} | {r['case']} | {r['rc']} | {r.get('peak_gib', 0):.2f} | "
             f"{r.get('peak_fwd_bwd_gib', 0):.2f} | "
             f"{r.get('offloaded_gib_per_step', 0):.3f} | "
             f"{step if step is None else round(step, 3)} | {diff:.2e} |"
@@ -132,14 +143,30 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--algorithms", default="sft,grpo")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        help="TAG=override,override... (repeatable); default: one GPU",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    setups = [s.split("=", 1) for s in args.setup] or [["", "cluster.gpus_per_node=1"]]
     records = []
-    for algorithm in args.algorithms.split(","):
-        for case in args.cases.split(","):
-            records.append(run_case(algorithm, case, args.steps, out))
-            print(json.dumps({k: v for k, v in records[-1].items() if k != "losses"}), flush=True)
+    for tag, overrides in setups:
+        for algorithm in args.algorithms.split(","):
+            for case in args.cases.split(","):
+                records.append(
+                    run_case(
+                        algorithm, case, args.steps, out, overrides.split(","),
+                        f"{tag}_" if tag else "",
+                    )
+                )
+                    print(
+                    json.dumps({k: v for k, v in records[-1].items() if k != "losses"}),
+                    flush=True,
+                )
     (out / "training_fgo_check.json").write_text(json.dumps(records, indent=1))
     table = summarise(records)
     (out / "training_fgo_check.md").write_text(table + "\n")
