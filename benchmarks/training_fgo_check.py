@@ -81,7 +81,8 @@ def run_case(
         *extra,
         f"{command}.{steps_key}={steps}",
         f"logger.log_dir={log_dir}",
-        *CASES[case], *extra_overrides,
+        *CASES[case],
+        *extra_overrides,
     ]
     start = time.monotonic()
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=os.environ)
@@ -129,7 +130,8 @@ def summarise(records: list[dict]) -> str:
         )
         step = r.get("median_step_s")
         lines.append(
-            f"| {r['setup']} | {r['algorithm']} | {r['case']} | {r['rc']} | {r.get('peak_gib', 0):.2f} | "
+            f"| {r['setup']} | {r['algorithm']} | {r['case']} | {r['rc']} | "
+            f"{r.get('peak_gib', 0):.2f} | "
             f"{r.get('peak_fwd_bwd_gib', 0):.2f} | "
             f"{r.get('offloaded_gib_per_step', 0):.3f} | "
             f"{step if step is None else round(step, 3)} | {diff:.2e} |"
@@ -159,14 +161,16 @@ def main() -> int:
             for case in args.cases.split(","):
                 records.append(
                     run_case(
-                        algorithm, case, args.steps, out, overrides.split(","),
+                        algorithm,
+                        case,
+                        args.steps,
+                        out,
+                        overrides.split(","),
                         f"{tag}_" if tag else "",
                     )
                 )
-                    print(
-                    json.dumps({k: v for k, v in records[-1].items() if k != "losses"}),
-                    flush=True,
-                )
+                summary = {k: v for k, v in records[-1].items() if k != "losses"}
+                print(json.dumps(summary), flush=True)
     (out / "training_fgo_check.json").write_text(json.dumps(records, indent=1))
     table = summarise(records)
     (out / "training_fgo_check.md").write_text(table + "\n")
