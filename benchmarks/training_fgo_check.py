@@ -171,6 +171,7 @@ def main() -> int:
                 )
                 summary = {k: v for k, v in records[-1].items() if k != "losses"}
                 print(json.dumps(summary), flush=True)
+                (out / "training_fgo_check.json").write_text(json.dumps(records, indent=1))
     (out / "training_fgo_check.json").write_text(json.dumps(records, indent=1))
     table = summarise(records)
     (out / "training_fgo_check.md").write_text(table + "\n")
