@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,10 @@ class Run:
     start_step: int = 0
     driver_state: dict[str, Any] = field(default_factory=dict)
     resume_from: Path | None = None
+    max_steps: int = 0
+    last_step: int = 0
+    last_position: int = 0
+    _saved_step: int = 0
 
     @property
     def policy_cfg(self) -> dict[str, Any]:
@@ -101,11 +106,35 @@ class Run:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        self._saved_step = step
         keep = ckpt.get("keep_top_k")
         if keep:
             for old in checkpoint_dirs(root)[: -int(keep)]:
                 shutil.rmtree(old, ignore_errors=True)
         return final
+
+    def end_step(
+        self,
+        step: int,
+        policy: Any,
+        position: int,
+        *,
+        val_period: int,
+        validate: Callable[[], dict[str, Any]],
+    ) -> None:
+        """After a training step: validate every ``val_period`` steps, save every
+        ``checkpointing.save_period`` steps and at the last step."""
+        if val_period and step % val_period == 0:
+            self.logger.log(step, validate(), phase="val")
+        save_period = int(self.recipe["checkpointing"].get("save_period", 0) or 0)
+        if step == self.max_steps or (save_period and step % save_period == 0):
+            self.save(policy, step, {"position": position})
+        self.last_step, self.last_position = step, position
+
+    def finish(self, policy: Any) -> None:
+        """Save the last step when the loop ended early (data epochs used up)."""
+        if self.last_step and self.last_step != self._saved_step:
+            self.save(policy, self.last_step, {"position": self.last_position})
 
     def restore(self, policy: Any) -> None:
         """Load the resume checkpoint (full state) or ``policy.init_checkpoint`` (weights)."""
@@ -181,6 +210,13 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
             f"policy.tokenizer.name: the tokenizer has {tokenizer.vocab_size} tokens but "
             f"{policy['model_name']} only {architecture.vocab_size}; use the model's tokenizer"
         )
+    if architecture.hf_directory and not policy.get("init_checkpoint"):
+        print(
+            f"warning: policy.model_name: only the architecture of {architecture.hf_directory} "
+            "is used (its config.json); loading Hugging Face weights is not supported yet, so "
+            "the policy starts from random weights",
+            file=sys.stderr,
+        )
     ckpt = recipe["checkpointing"]
     resume_from, start_step, driver_state = None, 0, {}
     if ckpt.get("enabled", True) and checkpoint_dirs(ckpt["checkpoint_dir"]):
@@ -199,7 +235,16 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
         file=sys.stderr,
     )
     return Run(
-        algorithm, recipe, report, tokenizer, logger, None, start_step, driver_state, resume_from
+        algorithm,
+        recipe,
+        report,
+        tokenizer,
+        logger,
+        None,
+        start_step,
+        driver_state,
+        resume_from,
+        max_steps=int(recipe[algorithm][total_steps_key]),
     )
 
 

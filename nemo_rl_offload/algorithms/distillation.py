@@ -132,13 +132,14 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
                 **{k: v for k, v in metrics.items() if k != "step_time_s"},
             }
             run.logger.log(step, record)
-            if cfg["val_period"] and step % int(cfg["val_period"]) == 0:
-                run.logger.log(
-                    step, validate(run, policy, env, val, val_answers, seed), phase="val"
-                )
-            save_period = int(run.recipe["checkpointing"].get("save_period", 0) or 0)
-            if step == max_steps or (save_period and step % save_period == 0):
-                run.save(policy, step, {"position": sampler.position})
+            run.end_step(
+                step,
+                policy,
+                sampler.position,
+                val_period=int(cfg["val_period"]),
+                validate=lambda: validate(run, policy, env, val, val_answers, seed),
+            )
+        run.finish(policy)
         return 0
     finally:
         for group_ in (policy, teacher):

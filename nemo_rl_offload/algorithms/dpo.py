@@ -126,11 +126,14 @@ def run_dpo(config_path: str, overrides: list[str]) -> int:
                 **{k: v for k, v in metrics.items() if k not in ("step_time_s", "num_pairs")},
             }
             run.logger.log(step, record)
-            if cfg["val_period"] and step % int(cfg["val_period"]) == 0:
-                run.logger.log(step, evaluate(run, policy, val, val_micro, spec), phase="val")
-            save_period = int(run.recipe["checkpointing"].get("save_period", 0) or 0)
-            if step == max_steps or (save_period and step % save_period == 0):
-                run.save(policy, step, {"position": sampler.position})
+            run.end_step(
+                step,
+                policy,
+                sampler.position,
+                val_period=int(cfg["val_period"]),
+                validate=lambda: evaluate(run, policy, val, val_micro, spec),
+            )
+        run.finish(policy)
         return 0
     finally:
         if policy is not None:

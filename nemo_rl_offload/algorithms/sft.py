@@ -115,12 +115,14 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
                 **{k: v for k, v in metrics.items() if not k.endswith("_sum")},
             }
             run.logger.log(step, record)
-            if cfg["val_period"] and step % int(cfg["val_period"]) == 0:
-                val_loss = evaluate_nll(run, policy, val, val_micro)
-                run.logger.log(step, {"val_loss": val_loss}, phase="val")
-            save_period = int(run.recipe["checkpointing"].get("save_period", 0) or 0)
-            if step == max_steps or (save_period and step % save_period == 0):
-                run.save(policy, step, {"position": sampler.position})
+            run.end_step(
+                step,
+                policy,
+                sampler.position,
+                val_period=int(cfg["val_period"]),
+                validate=lambda: {"val_loss": evaluate_nll(run, policy, val, val_micro)},
+            )
+        run.finish(policy)
         return 0
     finally:
         if policy is not None:

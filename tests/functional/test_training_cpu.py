@@ -25,7 +25,11 @@ def cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "nemo_rl_offload.cli", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -61,22 +65,30 @@ def test_sft_loss_falls(sft_run):
 
 def test_grpo_from_sft_raises_held_out_reward(sft_run, tmp_path):
     result = cli(
-        "grpo", "--config", str(TINY / "grpo.yaml"), *outputs(tmp_path),
+        "grpo",
+        "--config",
+        str(TINY / "grpo.yaml"),
+        *outputs(tmp_path),
         f"policy.init_checkpoint={sft_run / 'ckpt'}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "policy weights loaded from" in result.stderr
     val = metrics(tmp_path, "val")
-    assert val[0]["step"] == 0 and val[-1]["step"] > 0
-    assert val[-1]["val_reward"] > val[0]["val_reward"], val
+    assert val[0]["step"] == 0 and len(val) >= 3
+    # Held-out reward (4 samples per prompt): the last two validations beat the start.
+    assert statistics.mean(r["val_reward"] for r in val[-2:]) > val[0]["val_reward"], val
     train = metrics(tmp_path, "train")
     assert all(0.0 <= r["reward"] <= 1.0 for r in train)
+    assert window_mean(train, "reward", first=False) > window_mean(train, "reward", first=True)
     assert train[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step starts at the reference
 
 
 def test_dpo_preference_accuracy_rises(sft_run, tmp_path):
     result = cli(
-        "dpo", "--config", str(TINY / "dpo.yaml"), *outputs(tmp_path),
+        "dpo",
+        "--config",
+        str(TINY / "dpo.yaml"),
+        *outputs(tmp_path),
         f"policy.init_checkpoint={sft_run / 'ckpt'}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -90,7 +102,10 @@ def test_dpo_preference_accuracy_rises(sft_run, tmp_path):
 
 def test_distillation_kl_falls(sft_run, tmp_path):
     result = cli(
-        "distill", "--config", str(TINY / "distillation.yaml"), *outputs(tmp_path),
+        "distill",
+        "--config",
+        str(TINY / "distillation.yaml"),
+        *outputs(tmp_path),
         f"teacher.init_checkpoint={sft_run / 'ckpt'}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -99,8 +114,12 @@ def test_distillation_kl_falls(sft_run, tmp_path):
 
 
 def test_resume_continues_from_the_latest_checkpoint(tmp_path):
-    short = [*outputs(tmp_path), "sft.val_period=0", "sft.val_at_start=false",
-             "checkpointing.save_period=4"]
+    short = [
+        *outputs(tmp_path),
+        "sft.val_period=0",
+        "sft.val_at_start=false",
+        "checkpointing.save_period=4",
+    ]
     first = cli("sft", "--config", str(TINY / "sft.yaml"), *short, "sft.max_num_steps=6")
     assert first.returncode == 0, first.stderr[-4000:]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000006"]
@@ -114,10 +133,23 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path):
 def test_dead_worker_fails_the_job_within_a_minute(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "nemo_rl_offload.cli", "sft", "--config", str(TINY / "sft.yaml"),
-         *outputs(tmp_path), "sft.max_num_steps=100000", "sft.val_period=0",
-         "sft.val_at_start=false"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "nemo_rl_offload.cli",
+            "sft",
+            "--config",
+            str(TINY / "sft.yaml"),
+            *outputs(tmp_path),
+            "sft.max_num_steps=100000",
+            "sft.val_period=0",
+            "sft.val_at_start=false",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         for line in process.stdout:  # wait until training runs
@@ -147,16 +179,19 @@ def _free_port() -> int:
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        (["data.dataset_name=jsonl", "++data.train_data_path=/nonexistent/train.jsonl"],
-         "data.train_data_path"),
+        (
+            ["data.dataset_name=jsonl", "++data.train_data_path=/nonexistent/train.jsonl"],
+            "data.train_data_path",
+        ),
         (["policy.model_name=tiny-dens"], "policy.model_name: 'tiny-dens' is neither"),
         (["policy.max_total_sequence_length=12"], "longer than policy.max_total_sequence_length"),
     ],
     ids=["missing_data_file", "unknown_preset", "prompt_too_long"],
 )
 def test_bad_input_is_one_clear_line(tmp_path, overrides, expected):
-    result = cli("sft", "--config", str(TINY / "sft.yaml"), *outputs(tmp_path), *overrides,
-                 timeout=120)
+    result = cli(
+        "sft", "--config", str(TINY / "sft.yaml"), *outputs(tmp_path), *overrides, timeout=120
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
@@ -165,8 +200,15 @@ def test_bad_input_is_one_clear_line(tmp_path, overrides, expected):
 def test_malformed_jsonl_line_is_named(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"input": "Q: 1+1=? A:", "output": " 2"}\n{"input": "Q: 2+2=? A:",\n')
-    result = cli("sft", "--config", str(TINY / "sft.yaml"), *outputs(tmp_path),
-                 "data.dataset_name=jsonl", f"++data.train_data_path={data}", timeout=120)
+    result = cli(
+        "sft",
+        "--config",
+        str(TINY / "sft.yaml"),
+        *outputs(tmp_path),
+        "data.dataset_name=jsonl",
+        f"++data.train_data_path={data}",
+        timeout=120,
+    )
     assert result.returncode == 2
     assert f"{data}:2: not valid JSON" in result.stderr
     assert "Traceback" not in result.stderr
@@ -174,8 +216,14 @@ def test_malformed_jsonl_line_is_named(tmp_path):
 
 def test_unreachable_ray_address_fails_in_seconds(tmp_path):
     start = time.monotonic()
-    result = cli("sft", "--config", str(TINY / "sft.yaml"), *outputs(tmp_path),
-                 f"cluster.address=127.0.0.1:{_free_port()}", timeout=120)
+    result = cli(
+        "sft",
+        "--config",
+        str(TINY / "sft.yaml"),
+        *outputs(tmp_path),
+        f"cluster.address=127.0.0.1:{_free_port()}",
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "cluster.address: cannot reach a Ray cluster" in result.stderr
     assert "Traceback" not in result.stderr
