@@ -55,6 +55,28 @@ def _patch_reload_waits_for_offload() -> bool:
     return True
 
 
+def plan_metrics(manager: Any) -> dict[str, float]:
+    """Bytes the manager's recorded plan offloads per step, per module and in all, and the
+    pinned host bytes held by its tensor pool (GiB)."""
+    per_module: dict[str, int] = {}
+    for chunk in getattr(manager, "_cached_chunks_forward", []):
+        for group in chunk.offload_groups:
+            if group.offload:
+                per_module[group._name] = per_module.get(group._name, 0) + int(
+                    group.total_offload_bytes
+                )
+    pool = getattr(manager, "_cpu_tensor_pool", None)
+    pinned = sum(
+        tensor.numel() * tensor.element_size()
+        for entry in getattr(pool, "_pools", {}).values()
+        for tensor in entry["all"]
+    )
+    metrics = {f"offloaded_gib_{name}": count / 2**30 for name, count in per_module.items()}
+    metrics["offloaded_gib_per_step"] = sum(per_module.values()) / 2**30
+    metrics["pinned_host_gib"] = pinned / 2**30
+    return metrics
+
+
 class OffloadRuntime:
     def __init__(self, config: Any) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is)."""
@@ -84,17 +106,15 @@ class OffloadRuntime:
             self.plans_recorded += 1
 
     def after_step(self, num_microbatches: int) -> dict[str, float]:
-        """Offload metrics of the step just run (Megatron's own summary counts one micro-batch:
-        the step moved that many bytes per micro-batch)."""
+        """Offload metrics of the step just run, from the plan the manager replays: bytes per
+        module over every micro-batch of the step (Megatron's own summary table counts only
+        the first micro-batch), and the pinned host memory its pool holds."""
         if not self.enabled:
             return {}
-        manager = self._manager().get_instance()
-        per_microbatch = int(getattr(manager, "_offload_summary_total_bytes", 0) or 0)
-        self.last_step_offloaded_bytes = per_microbatch * num_microbatches
-        return {
-            "offloaded_gib_per_step": self.last_step_offloaded_bytes / 2**30,
-            "offload_plans_recorded": float(self.plans_recorded),
-        }
+        metrics = plan_metrics(self._manager().get_instance())
+        self.last_step_offloaded_bytes = int(metrics["offloaded_gib_per_step"] * 2**30)
+        metrics["offload_plans_recorded"] = float(self.plans_recorded)
+        return metrics
 
     @contextlib.contextmanager
     def forward_only(self) -> Iterator[None]:
