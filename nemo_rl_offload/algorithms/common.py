@@ -113,6 +113,30 @@ class Run:
                 shutil.rmtree(old, ignore_errors=True)
         return final
 
+    def log_train_step(
+        self,
+        step: int,
+        metrics: dict[str, float],
+        *,
+        elapsed: float,
+        tokens: int,
+        per_count: dict[str, str] | None = None,
+        **values: float,
+    ) -> None:
+        """Log one training step: the loss and each ``per_count`` sum divided by the step's
+        count (tokens, or pairs for DPO), the algorithm's own ``values``, the workers' other
+        metrics, and the driver's wall time and throughput (generation included)."""
+        count = metrics["num_tokens"]
+        record = {"loss": mean(metrics.pop("loss"), count)}
+        for name, sum_key in (per_count or {}).items():
+            if sum_key in metrics:
+                record[name] = mean(metrics.pop(sum_key), count)
+        record.update(values)
+        record.update({k: v for k, v in metrics.items() if not k.endswith("_sum")})
+        record["train_time_s"] = record.pop("step_time_s", elapsed)
+        record.update(tokens_per_s=tokens / elapsed, step_time_s=elapsed)
+        self.logger.log(step, record)
+
     def end_step(
         self,
         step: int,

@@ -18,7 +18,7 @@ import numpy as np
 
 from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.common import mean, prepare, resolve_checkpoint
+from nemo_rl_offload.algorithms.common import prepare, resolve_checkpoint
 from nemo_rl_offload.algorithms.grpo import attach, generate_and_score, validate
 from nemo_rl_offload.algorithms.policy_group import worker_count
 from nemo_rl_offload.algorithms.sft import EpochSampler, data_where
@@ -122,16 +122,14 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
                 attach(mbs, "teacher_indices", [indices for _, indices in scores])
             metrics = policy.train(batching.split(mbs, policy.dp_size), spec)
             elapsed = time.perf_counter() - start
-            tokens = metrics["num_tokens"]
-            record = {
-                "loss": mean(metrics.pop("loss"), tokens),
-                "kl": mean(metrics.pop("kl_sum"), tokens),
-                "reward": float(np.mean(rewards)),
-                "tokens_per_s": sum(len(s.ids) for s in sequences) / elapsed,
-                "step_time_s": elapsed,
-                **{k: v for k, v in metrics.items() if k != "step_time_s"},
-            }
-            run.logger.log(step, record)
+            run.log_train_step(
+                step,
+                metrics,
+                elapsed=elapsed,
+                tokens=sum(len(s.ids) for s in sequences),
+                per_count={"kl": "kl_sum"},
+                reward=float(np.mean(rewards)),
+            )
             run.end_step(
                 step,
                 policy,

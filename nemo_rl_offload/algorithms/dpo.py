@@ -15,7 +15,7 @@ import numpy as np
 
 from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.common import Run, mean, prepare
+from nemo_rl_offload.algorithms.common import Run, prepare
 from nemo_rl_offload.algorithms.grpo import attach
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup
 from nemo_rl_offload.algorithms.sft import EpochSampler, check_batch_sizes, data_where
@@ -116,16 +116,17 @@ def run_dpo(config_path: str, overrides: list[str]) -> int:
             mbs = with_reference(run, policy, pairs, micro, spec["preference_average_log_probs"])
             metrics = policy.train(batching.split(mbs, policy.dp_size), spec)
             elapsed = time.perf_counter() - start
-            pairs_done = metrics["num_tokens"]
-            record = {
-                "loss": mean(metrics.pop("loss"), pairs_done),
-                "preference_accuracy": mean(metrics.pop("preference_accuracy_sum"), pairs_done),
-                "reward_margin": mean(metrics.pop("reward_margin_sum"), pairs_done),
-                "tokens_per_s": sum(len(s.ids) for p in pairs for s in p) / elapsed,
-                "step_time_s": elapsed,
-                **{k: v for k, v in metrics.items() if k not in ("step_time_s", "num_pairs")},
-            }
-            run.logger.log(step, record)
+            metrics.pop("num_pairs", None)
+            run.log_train_step(
+                step,
+                metrics,
+                elapsed=elapsed,
+                tokens=sum(len(s.ids) for p in pairs for s in p),
+                per_count={
+                    "preference_accuracy": "preference_accuracy_sum",
+                    "reward_margin": "reward_margin_sum",
+                },
+            )
             run.end_step(
                 step,
                 policy,

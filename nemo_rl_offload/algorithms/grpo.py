@@ -16,7 +16,7 @@ import torch
 from nemo_rl_offload import losses
 from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.common import Run, mean, prepare
+from nemo_rl_offload.algorithms.common import Run, prepare
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup
 from nemo_rl_offload.algorithms.sft import EpochSampler, data_where
 from nemo_rl_offload.data.datasets import load_split
@@ -163,18 +163,15 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
                 attach(mbs, "reference_logprobs", policy.token_logprobs(mbs, reference=True))
             metrics = policy.train(batching.split(mbs, policy.dp_size), loss_spec)
             elapsed = time.perf_counter() - start
-            tokens = metrics["num_tokens"]
-            record = {
-                "loss": mean(metrics.pop("loss"), tokens),
-                "reward": float(np.mean(rewards)),
-                "response_tokens_mean": float(np.mean([len(r) for r in responses])),
-                "clip_fraction": mean(metrics.pop("clip_fraction_sum", 0.0), tokens),
-                "tokens_per_s": sum(len(s.ids) for s in sequences) / elapsed,
-                "step_time_s": elapsed,
-                **({"kl": mean(metrics.pop("kl_sum"), tokens)} if "kl_sum" in metrics else {}),
-                **{k: v for k, v in metrics.items() if k != "step_time_s"},
-            }
-            run.logger.log(step, record)
+            run.log_train_step(
+                step,
+                metrics,
+                elapsed=elapsed,
+                tokens=sum(len(s.ids) for s in sequences),
+                per_count={"clip_fraction": "clip_fraction_sum", "kl": "kl_sum"},
+                reward=float(np.mean(rewards)),
+                response_tokens_mean=float(np.mean([len(r) for r in responses])),
+            )
             run.end_step(
                 step,
                 policy,

@@ -106,15 +106,13 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
             start = time.perf_counter()
             metrics = policy.train(shards, {"name": "nll"})
             elapsed = time.perf_counter() - start
-            tokens = sum(len(seq.ids) for seq in batch)
-            record = {
-                "loss": mean(metrics.pop("loss"), metrics["num_tokens"]),
-                "tokens_per_s": tokens / elapsed,
-                "step_time_s": elapsed,
-                "epoch": sampler.epoch,
-                **{k: v for k, v in metrics.items() if not k.endswith("_sum")},
-            }
-            run.logger.log(step, record)
+            run.log_train_step(
+                step,
+                metrics,
+                elapsed=elapsed,
+                tokens=sum(len(seq.ids) for seq in batch),
+                epoch=sampler.epoch,
+            )
             run.end_step(
                 step,
                 policy,
