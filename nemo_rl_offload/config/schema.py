@@ -114,6 +114,9 @@ class MegatronConfig(TypedDict):
     delay_offload_until_cuda_graph: NotRequired[bool]  # Megatron default false
     delta_offload_bytes_across_pp_ranks: NotRequired[int]  # Megatron default 0
     fine_grained_offloading_max_inflight_offloads: NotRequired[int | None]  # Megatron default null
+    # Pinned host memory the offload plans of one worker may hold (one plan per step shape);
+    # null: half the host's RAM divided by its GPUs.
+    offload_host_memory_budget_gib: NotRequired[Number | None]
     # Training CUDA graphs.
     cuda_graph_impl: NotRequired[CudaGraphImpl]  # default "none"
     cuda_graph_modules: NotRequired[list[CudaGraphModuleName] | None]  # [] = whole layer

@@ -81,7 +81,7 @@ class PolicyWorker:
         from nemo_rl_offload.models.parallel import initialize_megatron_parallel
         from nemo_rl_offload.offload import apply
         from nemo_rl_offload.offload.capabilities import detect
-        from nemo_rl_offload.offload.runtime import OffloadRuntime
+        from nemo_rl_offload.offload.runtime import OffloadRuntime, default_host_budget_bytes
 
         numa: dict[str, Any] = {}
         if self.on_gpu:
@@ -110,7 +110,13 @@ class PolicyWorker:
         model, warnings = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
         self.device = self.device or torch.device("cpu")
-        self.runtime = OffloadRuntime(model.config)
+        budget_gib = megatron_cfg.get("offload_host_memory_budget_gib")
+        self.runtime = OffloadRuntime(
+            model.config,
+            host_budget_bytes=int(budget_gib * 2**30)
+            if budget_gib
+            else default_host_budget_bytes(),
+        )
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
             reference.load_state_dict(model.state_dict())
@@ -226,7 +232,9 @@ class PolicyWorker:
         start = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.runtime.before_step(len(microbatches))
+        self.runtime.before_step(
+            len(microbatches), max(mb["input_ids"].shape[1] for mb in microbatches)
+        )
         outputs = run_microbatches(
             self.model, self._tensors(microbatches), losses.make_loss_fn(loss), forward_only=False
         )

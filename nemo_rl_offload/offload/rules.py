@@ -310,6 +310,12 @@ def _ranges(ctx: _Context) -> None:
         value = ctx.value(name)
         if _is_int(value) and value < 0:
             ctx.error(f"{ctx.path(name)}: must be >= 0 (got: {value})")
+    budget = ctx.megatron_cfg.get("offload_host_memory_budget_gib")
+    if _is_number(budget) and budget <= 0:
+        ctx.error(
+            f"{ctx.prefix}.offload_host_memory_budget_gib: must be > 0 (got: {budget}); it caps "
+            "the pinned host memory of the offload plans, or set null for the default"
+        )
     inflight = ctx.value("fine_grained_offloading_max_inflight_offloads")
     if _is_int(inflight) and inflight < 0:
         ctx.error(

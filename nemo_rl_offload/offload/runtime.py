@@ -6,19 +6,20 @@ and replays it on every later one. RL steps do not repeat (shared/measurements/R
 - a forward-only pass (logprobs, reference or teacher scores, generation) in between crashes the
   next backward (``AssertionError: Chunk mismatch``): :meth:`OffloadRuntime.forward_only`
   suspends offloading for such passes (measured: the suspension avoids the crash);
-- a different micro-batch count silently drops the savings: :meth:`OffloadRuntime.before_step`
-  records a fresh plan whenever the count changes (measured: savings hold);
+- a different micro-batch count silently drops the savings, and changing lengths grow the
+  pinned pool without bound: :meth:`OffloadRuntime.before_step` keeps one plan per step shape
+  (measured: a plan recorded for its shape keeps the savings), under a host-memory budget;
 - the warm-up step's gradients differ from a model without offload (Megatron-LM issue 7398):
   :func:`_patch_reload_waits_for_offload` closes the race behind it.
 
 The runtime is owned by the policy worker; it does nothing when offloading is off (CPU workers,
-recipes without FGO). Shape buckets, the host-pool budget, first-step numerics and per-module
-telemetry build on this class.
+recipes without FGO).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,28 +66,62 @@ def plan_metrics(manager: Any) -> dict[str, float]:
                 per_module[group._name] = per_module.get(group._name, 0) + int(
                     group.total_offload_bytes
                 )
+    metrics = {f"offloaded_gib_{name}": count / 2**30 for name, count in per_module.items()}
+    metrics["offloaded_gib_per_step"] = sum(per_module.values()) / 2**30
+    metrics["pinned_host_gib"] = _pinned_bytes(manager) / 2**30
+    return metrics
+
+
+def _pinned_bytes(manager: Any) -> int:
     pool = getattr(manager, "_cpu_tensor_pool", None)
-    pinned = sum(
+    return sum(
         tensor.numel() * tensor.element_size()
         for entry in getattr(pool, "_pools", {}).values()
         for tensor in entry["all"]
     )
-    metrics = {f"offloaded_gib_{name}": count / 2**30 for name, count in per_module.items()}
-    metrics["offloaded_gib_per_step"] = sum(per_module.values()) / 2**30
-    metrics["pinned_host_gib"] = pinned / 2**30
-    return metrics
+
+
+def default_host_budget_bytes() -> int:
+    """Half of this host's RAM, shared by the GPUs on it (each runs one worker)."""
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpus = 1
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        gpus = max(1, pynvml.nvmlDeviceGetCount())
+    except Exception:  # no NVML: count this worker's GPU only
+        pass
+    return ram // 2 // gpus
 
 
 class OffloadRuntime:
-    def __init__(self, config: Any) -> None:
+    """One offload plan per step shape, under a host-memory budget.
+
+    A step's shape is its micro-batch count and padded sequence length (lengths are padded to
+    ``policy.make_sequence_length_divisible_by``, which bounds how many shapes there are).
+    Megatron's manager is a process-wide singleton holding one recorded plan and the pinned
+    pool that plan fills, so the runtime keeps one manager per shape and installs the right
+    one before each step: a shape seen before replays its own plan and reuses its pinned
+    buffers; a new shape records a new plan. When the pinned memory of all kept plans exceeds
+    ``host_budget_bytes``, the least recently used plans are released (and counted in the
+    metrics) until it fits, so host memory never grows without bound.
+    """
+
+    def __init__(self, config: Any, *, host_budget_bytes: int | None = None) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is)."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
+        self.host_budget_bytes = host_budget_bytes
+        self._plans: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        self._current: tuple[int, int] | None = None
+        self.plans_recorded = 0
+        self.plans_released = 0
+        self.last_step_offloaded_bytes = 0
         if self.enabled:
             _patch_reload_waits_for_offload()
-        self._plan_microbatches: int | None = None
-        self.plans_recorded = 0
-        self.last_step_offloaded_bytes = 0
 
     @staticmethod
     def _manager() -> Any:
@@ -96,24 +131,50 @@ class OffloadRuntime:
 
         return PipelineOffloadManager
 
-    def before_step(self, num_microbatches: int) -> None:
-        """Call before each training step: a new micro-batch count records a new plan."""
+    def before_step(self, num_microbatches: int, seq_len: int = 0) -> None:
+        """Call before each training step: install the plan of this shape (or record one)."""
         if not self.enabled:
             return
-        if num_microbatches != self._plan_microbatches:
-            self._manager().reset_instance()
-            self._plan_microbatches = num_microbatches
+        shape = (num_microbatches, seq_len)
+        if shape == self._current:
+            return
+        manager_cls = self._manager()
+        if shape in self._plans:
+            manager_cls.OFFLOAD_MGR = self._plans[shape]
+            self._plans.move_to_end(shape)
+        else:
+            manager_cls.reset_instance()
+            self._plans[shape] = manager_cls.OFFLOAD_MGR
             self.plans_recorded += 1
+        self._current = shape
+
+    def _enforce_budget(self) -> None:
+        if self.host_budget_bytes is None:
+            return
+        while len(self._plans) > 1 and self.pinned_bytes() > self.host_budget_bytes:
+            oldest = next(iter(self._plans))
+            if oldest == self._current:
+                break
+            del self._plans[oldest]  # its pinned pool is freed with it
+            self.plans_released += 1
+
+    def pinned_bytes(self) -> int:
+        """Pinned host bytes held by the pools of every kept plan."""
+        return sum(_pinned_bytes(manager) for manager in self._plans.values())
 
     def after_step(self, num_microbatches: int) -> dict[str, float]:
         """Offload metrics of the step just run, from the plan the manager replays: bytes per
         module over every micro-batch of the step (Megatron's own summary table counts only
-        the first micro-batch), and the pinned host memory its pool holds."""
+        the first micro-batch), and the pinned host memory of all kept plans."""
         if not self.enabled:
             return {}
+        self._enforce_budget()
         metrics = plan_metrics(self._manager().get_instance())
         self.last_step_offloaded_bytes = int(metrics["offloaded_gib_per_step"] * 2**30)
+        metrics["pinned_host_gib"] = self.pinned_bytes() / 2**30
         metrics["offload_plans_recorded"] = float(self.plans_recorded)
+        metrics["offload_plans_kept"] = float(len(self._plans))
+        metrics["offload_plans_released"] = float(self.plans_released)
         return metrics
 
     @contextlib.contextmanager

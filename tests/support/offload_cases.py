@@ -340,6 +340,14 @@ REJECTED = [
         ["disagrees with policy.megatron_cfg.model_overrides.offload_modules"],
     ),
     (
+        "host_budget_zero",
+        "tiny-dense",
+        NO_TE,
+        {**FGO, "offload_modules": ["core_attn"], "offload_host_memory_budget_gib": 0},
+        f"{P}.offload_host_memory_budget_gib",
+        ["must be > 0", "null for the default"],
+    ),
+    (
         "override_named_recompute",
         "tiny-dense",
         NO_TE,
@@ -382,6 +390,12 @@ REJECTED = [
 
 # (id, model, caps, settings) that must pass with no error at all: the nearest fixes.
 ACCEPTED = [
+    (
+        "host_budget_set",
+        "tiny-dense",
+        NO_TE,
+        {**FGO, "offload_modules": ["core_attn"], "offload_host_memory_budget_gib": 8.5},
+    ),
     ("backend_on", "tiny-dense", NO_TE, {**FGO, "offload_modules": ["core_attn"]}),
     ("fgo_off_no_modules", "tiny-dense", NO_TE, {"fine_grained_activation_offloading": False}),
     ("attn_pair", "tiny-dense", NO_TE, {**FGO, "offload_modules": ["core_attn", "attn_proj"]}),

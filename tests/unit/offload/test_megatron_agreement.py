@@ -33,6 +33,7 @@ STRICTER_BY_DESIGN = {
     "te_impl_without_te",
     "nvte_env_wrong",  # an environment variable, not a TransformerConfig field
     "override_conflict",  # the recipe's own consistency
+    "host_budget_zero",  # a runtime setting, not a TransformerConfig field
     "override_named_recompute",
     "override_transformer_impl",
     "override_unknown_field",  # Megatron raises TypeError: also a rejection, checked below

@@ -32,23 +32,30 @@ def test_plan_metrics_count_every_microbatch_and_skip_groups_kept_on_gpu():
 
 
 class _FakeManager:
-    instance = None
+    """Megatron's PipelineOffloadManager as the runtime sees it: a class-level singleton."""
+
+    OFFLOAD_MGR = None
     resets = 0
+    pinned_per_plan = 0
 
     def __init__(self) -> None:
         self.enabled = True
         self._cached_chunks_forward = []
+        pool = (
+            [torch.empty(self.pinned_per_plan, dtype=torch.uint8)] if self.pinned_per_plan else []
+        )
+        self._cpu_tensor_pool = SimpleNamespace(_pools={"shape": {"all": pool}})
 
     @classmethod
     def get_instance(cls):
-        if cls.instance is None:
-            cls.instance = cls()
-        return cls.instance
+        if cls.OFFLOAD_MGR is None:
+            cls.OFFLOAD_MGR = cls()
+        return cls.OFFLOAD_MGR
 
     @classmethod
     def reset_instance(cls):
         cls.resets += 1
-        cls.instance = cls()
+        cls.OFFLOAD_MGR = cls()
 
     def disable_offload(self):
         self.enabled = False
@@ -57,22 +64,48 @@ class _FakeManager:
         self.enabled = True
 
 
-def _runtime(monkeypatch, on: bool = True) -> runtime.OffloadRuntime:
+def _runtime(monkeypatch, on: bool = True, budget: int | None = None, pinned: int = 0):
     monkeypatch.setattr(runtime, "_patch_reload_waits_for_offload", lambda: True)
     monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
-    _FakeManager.instance, _FakeManager.resets = None, 0
-    return runtime.OffloadRuntime(SimpleNamespace(fine_grained_activation_offloading=on))
+    _FakeManager.OFFLOAD_MGR, _FakeManager.resets, _FakeManager.pinned_per_plan = None, 0, pinned
+    config = SimpleNamespace(fine_grained_activation_offloading=on)
+    return runtime.OffloadRuntime(config, host_budget_bytes=budget)
 
 
-def test_new_plan_only_when_the_microbatch_count_changes(monkeypatch):
+def test_one_plan_per_shape_recorded_once_and_reused(monkeypatch):
     rt = _runtime(monkeypatch)
-    for count in (4, 4, 3, 3, 6, 4, 4):
-        rt.before_step(count)
-    assert _FakeManager.resets == 4 and rt.plans_recorded == 4
+    installed = {}
+    for shape in [(4, 1024), (4, 1024), (3, 1024), (3, 2048), (4, 1024), (3, 1024)]:
+        rt.before_step(*shape)
+        installed.setdefault(shape, _FakeManager.OFFLOAD_MGR)
+        assert _FakeManager.OFFLOAD_MGR is installed[shape]  # the shape's own plan, every time
+    assert _FakeManager.resets == 3 and rt.plans_recorded == 3
+    assert rt.after_step(3)["offload_plans_kept"] == 3.0
+
+
+def test_budget_releases_least_recently_used_plans(monkeypatch):
+    mib = 2**20
+    rt = _runtime(monkeypatch, budget=int(2.5 * mib), pinned=mib)
+    for shape in [(4, 512), (4, 1024), (4, 512), (4, 2048)]:
+        rt.before_step(*shape)
+        metrics = rt.after_step(shape[0])
+    # Three plans of 1 MiB exceed 2.5 MiB: the least recently used one, (4, 1024), went.
+    assert metrics["offload_plans_released"] == 1.0 and metrics["offload_plans_kept"] == 2.0
+    assert rt.pinned_bytes() == 2 * mib <= rt.host_budget_bytes
+    assert list(rt._plans) == [(4, 512), (4, 2048)]
+    rt.before_step(4, 1024)  # released, so recorded again
+    assert rt.plans_recorded == 4
+
+
+def test_budget_never_releases_the_plan_in_use(monkeypatch):
+    rt = _runtime(monkeypatch, budget=1, pinned=2**20)
+    rt.before_step(2, 64)
+    assert rt.after_step(2)["offload_plans_kept"] == 1.0 and rt.plans_released == 0
 
 
 def test_forward_only_suspends_and_restores_offloading(monkeypatch):
     rt = _runtime(monkeypatch)
+    rt.before_step(2, 64)
     manager = _FakeManager.get_instance()
     with rt.forward_only():
         assert rt.config.fine_grained_activation_offloading is False
@@ -82,8 +115,15 @@ def test_forward_only_suspends_and_restores_offloading(monkeypatch):
 
 def test_off_runtime_touches_nothing(monkeypatch):
     rt = _runtime(monkeypatch, on=False)
-    rt.before_step(4)
+    rt.before_step(4, 128)
     with rt.forward_only():
         pass
-    assert _FakeManager.resets == 0 and _FakeManager.instance is None
+    assert _FakeManager.resets == 0 and _FakeManager.OFFLOAD_MGR is None
     assert rt.after_step(4) == {}
+
+
+def test_default_budget_is_half_the_ram_at_most():
+    import os
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < runtime.default_host_budget_bytes() <= ram // 2

@@ -1,0 +1,68 @@
+"""The offload runtime on a GPU: an RL-shaped sequence of steps (changing micro-batch counts and
+lengths, forward-only passes in between) on the ~1B dense preset with offloading on.
+
+Run with the device tool (docs/training.md); skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+SHAPES = [(2, 1024), (3, 1024), (2, 2048)]  # (micro-batches, padded length)
+
+
+def _microbatches(count: int, length: int, rng: np.random.Generator) -> list[dict]:
+    out = []
+    for _ in range(count):
+        ids = rng.integers(0, 32000, (2, length))
+        out.append({"input_ids": ids, "labels": ids, "loss_mask": np.ones((2, length), np.float32)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker():
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    section = {
+        "model_name": "llama-1b",
+        "precision": "bfloat16",
+        "max_total_sequence_length": 2048,
+        "megatron_cfg": {
+            "enabled": True,
+            "fine_grained_activation_offloading": True,
+            "offload_modules": ["core_attn", "attn_proj"],
+            "optimizer": {"optimizer": "adam", "lr": 1e-5, "use_distributed_optimizer": False},
+        },
+    }
+    policy = PolicyWorker(
+        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=True
+    )
+    address, port = policy.node_address()
+    policy.setup(address, port)
+    return policy
+
+
+def test_rl_shaped_steps_keep_one_plan_per_shape_with_stable_memory(worker):
+    rng = np.random.default_rng(0)
+    peaks: dict[tuple[int, int], list[float]] = {shape: [] for shape in SHAPES}
+    pinned_after_round: list[float] = []
+    for _ in range(3):
+        for count, length in SHAPES:
+            batch = _microbatches(count, length, rng)
+            worker.token_logprobs(batch[:1])  # a forward-only pass between training steps
+            metrics = worker.train(batch, {"name": "nll"})
+            assert metrics["offloaded_gib_per_step"] > 0
+            peaks[(count, length)].append(metrics["peak_fwd_bwd_gpu_memory_gib"])
+        pinned_after_round.append(metrics["pinned_host_gib"])
+    assert worker.runtime.plans_recorded == len(SHAPES)  # recorded once, then replayed
+    assert metrics["offload_plans_released"] == 0
+    for shape, values in peaks.items():  # after its first (warm-up) step, a shape's peak holds
+        assert abs(values[2] - values[1]) <= 0.05 * values[1], (shape, values)
+    assert pinned_after_round[1] == pinned_after_round[2], pinned_after_round
