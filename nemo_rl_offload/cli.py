@@ -7,9 +7,10 @@ stderr, never a traceback), 1 anything else.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from nemo_rl_offload.errors import UserInputError
@@ -80,15 +81,16 @@ _TRAINING_COMMANDS = (
 )
 
 
-def _training_handler(module: str, function: str):
-    def handler(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-        import importlib
+def _job(run: Callable[[argparse.Namespace], int]):
+    """A handler for a command that starts workers: logs to stderr; a worker's failure is one
+    line and exit 1."""
 
+    def handler(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         from nemo_rl_offload.distributed.worker_group import WorkerError
 
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=err)
         try:
-            return getattr(importlib.import_module(module), function)(args.config, args.overrides)
+            return run(args)
         except WorkerError as exc:
             print(f"error: {exc}", file=err)
             return 1
@@ -96,16 +98,17 @@ def _training_handler(module: str, function: str):
     return handler
 
 
-def _demo_handler(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from nemo_rl_offload.demo import run_demo
-    from nemo_rl_offload.distributed.worker_group import WorkerError
+def _training_job(module: str, function: str):
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), function)(args.config, args.overrides)
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=err)
-    try:
-        return run_demo(args.output_dir)
-    except WorkerError as exc:
-        print(f"error: {exc}", file=err)
-        return 1
+    return _job(run)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from nemo_rl_offload.demo import run_demo
+
+    return run_demo(args.output_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         "task on an embedded Ray cluster (one GPU if present, else two CPU workers).",
     )
     demo.add_argument("--output-dir", default="results/demo", help="where runs are written")
-    demo.set_defaults(handler=_demo_handler)
+    demo.set_defaults(handler=_job(_run_demo))
     for name, module, function, what in _TRAINING_COMMANDS:
         command = commands.add_parser(
             name,
@@ -145,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--config", required=True, help="recipe YAML file")
         command.add_argument("overrides", nargs="*", help="Hydra-style overrides")
-        command.set_defaults(handler=_training_handler(module, function))
+        command.set_defaults(handler=_training_job(module, function))
     return parser
 
 

@@ -223,11 +223,6 @@ def _distillation_fn(spec: dict, batch: dict, output: torch.Tensor):
 _ADAPTERS = {"nll": _nll_fn, "dpo": _dpo_fn, "grpo": _grpo_fn, "distillation": _distillation_fn}
 
 
-def needs_logits(spec: dict) -> bool:
-    """Whether the loss reads the whole next-token distribution (no labels in the batch)."""
-    return spec["name"] == "distillation"
-
-
 def make_loss_fn(spec: dict):
     """The micro-batch loss function named by ``spec["name"]`` with the settings in ``spec``."""
     try:

@@ -76,15 +76,3 @@ def microbatches(
         make_microbatch(sequences[i : i + micro_batch_size], pad_id=pad_id, round_to=round_to)
         for i in range(0, len(sequences), micro_batch_size)
     ]
-
-
-def unpad_token_values(
-    arrays: Sequence[np.ndarray], sequences: Sequence[TokenSequence], micro_batch_size: int
-) -> list[np.ndarray]:
-    """Per-sequence per-token values (e.g. logprobs [rows, length] per micro-batch) back as one
-    array per sequence, of length len(ids) (position t: the value for label t+1)."""
-    out = []
-    for index, seq in enumerate(sequences):
-        array = arrays[index // micro_batch_size]
-        out.append(np.asarray(array[index % micro_batch_size, : len(seq.ids)]))
-    return out

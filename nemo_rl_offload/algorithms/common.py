@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup
 from nemo_rl_offload.config.model_presets import architecture_for
@@ -57,6 +59,46 @@ def resolve_checkpoint(path: str, where: str) -> Path:
             " or a checkpoint_dir that holds some); run the earlier stage first"
         )
     return found[-1]
+
+
+def data_where(data_cfg: dict, split: str) -> str:
+    """The recipe key to name in a data error: the file's key for jsonl data."""
+    return f"data.{split}_data_path" if data_cfg.get("dataset_name") == "jsonl" else "data"
+
+
+def check_batch_sizes(policy_cfg: dict, dp_size: int) -> None:
+    """The global batch must split evenly into data-parallel shards of whole micro-batches."""
+    gbs = int(policy_cfg["train_global_batch_size"])
+    mbs = int(policy_cfg["train_micro_batch_size"])
+    if gbs % (mbs * dp_size):
+        raise UserInputError(
+            f"policy.train_global_batch_size: {gbs} does not split into {dp_size} data-parallel "
+            f"rank(s) x micro-batches of {mbs}; use a multiple of {mbs * dp_size}"
+        )
+
+
+class EpochSampler:
+    """Examples in a (seeded) shuffled order, epoch after epoch; its position is checkpointed."""
+
+    def __init__(self, size: int, *, seed: int, shuffle: bool, position: int = 0) -> None:
+        if size == 0:
+            raise UserInputError("data: the training split is empty; add examples")
+        self.size, self.seed, self.shuffle, self.position = size, seed, shuffle, position
+
+    @property
+    def epoch(self) -> int:
+        return self.position // self.size
+
+    def take(self, count: int) -> list[int]:
+        out = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, self.size)
+            order = np.arange(self.size)
+            if self.shuffle:
+                order = np.random.default_rng(self.seed + epoch).permutation(self.size)
+            out.append(int(order[index]))
+            self.position += 1
+        return out
 
 
 @dataclass
@@ -112,6 +154,19 @@ class Run:
             for old in checkpoint_dirs(root)[: -int(keep)]:
                 shutil.rmtree(old, ignore_errors=True)
         return final
+
+    def sampler(self, size: int, seed: int) -> EpochSampler:
+        """The training-data order, continuing where a resumed run stopped."""
+        return EpochSampler(
+            size,
+            seed=seed,
+            shuffle=bool(self.recipe["data"].get("shuffle", True)),
+            position=int(self.driver_state.get("position", 0)),
+        )
+
+    def steps(self) -> range:
+        """The step numbers still to run (1-based; after a resume, from the next one)."""
+        return range(self.start_step + 1, self.max_steps + 1)
 
     def log_train_step(
         self,
@@ -243,8 +298,9 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
         )
     ckpt = recipe["checkpointing"]
     resume_from, start_step, driver_state = None, 0, {}
-    if ckpt.get("enabled", True) and checkpoint_dirs(ckpt["checkpoint_dir"]):
-        resume_from = checkpoint_dirs(ckpt["checkpoint_dir"])[-1]
+    existing = checkpoint_dirs(ckpt["checkpoint_dir"]) if ckpt.get("enabled", True) else []
+    if existing:
+        resume_from = existing[-1]
         driver_state = json.loads((resume_from / STATE_FILE).read_text())
         start_step = int(driver_state.get("step", 0))
     logger_cfg = recipe["logger"]

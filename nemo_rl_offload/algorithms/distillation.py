@@ -18,10 +18,13 @@ import numpy as np
 
 from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.common import prepare, resolve_checkpoint
-from nemo_rl_offload.algorithms.grpo import attach, generate_and_score, validate
+from nemo_rl_offload.algorithms.common import (
+    data_where,
+    prepare,
+    resolve_checkpoint,
+)
+from nemo_rl_offload.algorithms.grpo import attach, rollout, validate
 from nemo_rl_offload.algorithms.policy_group import worker_count
-from nemo_rl_offload.algorithms.sft import EpochSampler, data_where
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.environments.math import MathEnvironment
@@ -87,25 +90,23 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
             "mixed_kl_weight": float(loss_cfg.get("mixed_kl_weight", 0.5)),
             "vocab_size": shared_vocab_size(policy_cfg, teacher_cfg),
         }
-        sampler = EpochSampler(
-            len(train),
-            seed=seed,
-            shuffle=bool(data_cfg.get("shuffle", True)),
-            position=int(run.driver_state.get("position", 0)),
-        )
+        sampler = run.sampler(len(train), seed)
         val_answers = [str(v["answer"]) for v in val_raw]
         if cfg.get("val_at_start") and run.start_step == 0:
             run.logger.log(0, validate(run, policy, env, val, val_answers, seed), phase="val")
-        max_steps = int(cfg["max_num_steps"])
-        for step in range(run.start_step + 1, max_steps + 1):
+        for step in run.steps():
             if sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)):
                 break
             start = time.perf_counter()
-            picked = sampler.take(num_prompts)
-            prompts = [train[i] for i in picked for _ in range(group)]
-            answers = [str(train_raw[i]["answer"]) for i in picked for _ in range(group)]
-            responses, rewards = generate_and_score(
-                run, policy, env, prompts, answers, greedy=False, seed=seed * 1000003 + step
+            prompts, responses, rewards = rollout(
+                run,
+                policy,
+                env,
+                train,
+                train_raw,
+                sampler.take(num_prompts),
+                group,
+                seed=seed * 1000003 + step,
             )
             sequences = [
                 TokenSequence(p.ids + r, len(p.ids))

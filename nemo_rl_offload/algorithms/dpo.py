@@ -15,10 +15,14 @@ import numpy as np
 
 from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.common import Run, prepare
+from nemo_rl_offload.algorithms.common import (
+    Run,
+    check_batch_sizes,
+    data_where,
+    prepare,
+)
 from nemo_rl_offload.algorithms.grpo import attach
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup
-from nemo_rl_offload.algorithms.sft import EpochSampler, check_batch_sizes, data_where
 from nemo_rl_offload.data.datasets import encode_and_check_lengths, load_split
 
 
@@ -99,16 +103,10 @@ def run_dpo(config_path: str, overrides: list[str]) -> int:
             int(policy_cfg["train_micro_batch_size"]),
         )
         val_micro = int(cfg.get("val_micro_batch_size", micro))
-        sampler = EpochSampler(
-            len(train),
-            seed=seed,
-            shuffle=bool(data_cfg.get("shuffle", True)),
-            position=int(run.driver_state.get("position", 0)),
-        )
+        sampler = run.sampler(len(train), seed)
         if cfg.get("val_at_start") and run.start_step == 0:
             run.logger.log(0, evaluate(run, policy, val, val_micro, spec), phase="val")
-        max_steps = int(cfg["max_num_steps"])
-        for step in range(run.start_step + 1, max_steps + 1):
+        for step in run.steps():
             if sampler.epoch >= int(cfg["max_num_epochs"]):
                 break
             start = time.perf_counter()

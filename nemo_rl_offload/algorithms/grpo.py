@@ -16,9 +16,12 @@ import torch
 from nemo_rl_offload import losses
 from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.common import Run, prepare
+from nemo_rl_offload.algorithms.common import (
+    Run,
+    data_where,
+    prepare,
+)
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup
-from nemo_rl_offload.algorithms.sft import EpochSampler, data_where
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
@@ -65,6 +68,26 @@ def generate_and_score(
     )
     texts = [run.tokenizer.decode(r) for r in responses]
     return responses, env.score(texts, answers)
+
+
+def rollout(
+    run: Run,
+    policy: PolicyGroup,
+    env: MathEnvironment,
+    train: list[TokenSequence],
+    train_raw: list[dict],
+    picked: list[int],
+    group: int,
+    *,
+    seed: int,
+) -> tuple[list[TokenSequence], list[list[int]], list[float]]:
+    """``group`` sampled responses to each picked training prompt, with their rewards."""
+    prompts = [train[i] for i in picked for _ in range(group)]
+    answers = [str(train_raw[i]["answer"]) for i in picked for _ in range(group)]
+    responses, rewards = generate_and_score(
+        run, policy, env, prompts, answers, greedy=False, seed=seed
+    )
+    return prompts, responses, rewards
 
 
 def attach(microbatches: list[dict], key: str, arrays: list[np.ndarray]) -> None:
@@ -119,12 +142,7 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
                 f"grpo.num_prompts_per_step: {num_prompts} prompts x {group} generations do not "
                 f"split into {policy.dp_size} data-parallel rank(s) x micro-batches of {micro}"
             )
-        sampler = EpochSampler(
-            len(train),
-            seed=seed,
-            shuffle=bool(data_cfg.get("shuffle", True)),
-            position=int(run.driver_state.get("position", 0)),
-        )
+        sampler = run.sampler(len(train), seed)
         val_answers = [str(v["answer"]) for v in val_raw]
         if cfg.get("val_at_start") and run.start_step == 0:
             run.logger.log(0, validate(run, policy, env, val, val_answers, seed), phase="val")
@@ -135,16 +153,19 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
             "ratio_clip_c": loss_cfg.get("ratio_clip_c"),
             "kl_penalty": kl_penalty,
         }
-        max_steps = int(cfg["max_num_steps"])
-        for step in range(run.start_step + 1, max_steps + 1):
+        for step in run.steps():
             if sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)):
                 break
             start = time.perf_counter()
-            picked = sampler.take(num_prompts)
-            prompts = [train[i] for i in picked for _ in range(group)]
-            answers = [str(train_raw[i]["answer"]) for i in picked for _ in range(group)]
-            responses, rewards = generate_and_score(
-                run, policy, env, prompts, answers, greedy=False, seed=seed * 1000003 + step
+            prompts, responses, rewards = rollout(
+                run,
+                policy,
+                env,
+                train,
+                train_raw,
+                sampler.take(num_prompts),
+                group,
+                seed=seed * 1000003 + step,
             )
             advantages = losses.group_advantages(
                 torch.tensor(rewards).view(num_prompts, group),

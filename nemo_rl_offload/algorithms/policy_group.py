@@ -81,18 +81,14 @@ class PolicyGroup:
         """One step: ``shards[d]`` are the micro-batches of data-parallel rank d. Returns the
         summed metrics over data-parallel ranks, plus per-rank maxima of memory and time."""
         results = self.group.run("train", per_worker=self._per_worker(shards, loss))
-        reporting = [results[rank] for rank in self.reporters.values()]
+        reporters = set(self.reporters.values())
         totals: dict[str, float] = {}
-        for result in reporting:
+        for rank, result in enumerate(results):
             for key, value in result.items():
-                if key.startswith(_PER_RANK_KEYS):
+                if key.startswith(_PER_RANK_KEYS):  # every rank's memory and time count
                     totals[key] = max(totals.get(key, 0.0), value)
-                else:
+                elif rank in reporters:  # sums: once per data-parallel group
                     totals[key] = totals.get(key, 0.0) + value
-        for result in results:  # memory is per rank, and every rank matters for the peak
-            for key in ("peak_gpu_memory_gib",):
-                if key in result:
-                    totals[key] = max(totals.get(key, 0.0), result[key])
         return totals
 
     def _map(self, method: str, microbatches: list[Any], *args: Any, **kwargs: Any) -> list:

@@ -7,52 +7,16 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from nemo_rl_offload.algorithms import batching
-from nemo_rl_offload.algorithms.common import Run, mean, prepare
+from nemo_rl_offload.algorithms.common import (
+    Run,
+    check_batch_sizes,
+    data_where,
+    mean,
+    prepare,
+)
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup
 from nemo_rl_offload.data.datasets import load_split
-from nemo_rl_offload.errors import UserInputError
-
-
-def data_where(data_cfg: dict, split: str) -> str:
-    return f"data.{split}_data_path" if data_cfg.get("dataset_name") == "jsonl" else "data"
-
-
-def check_batch_sizes(policy_cfg: dict, dp_size: int, rows_per_example: int = 1) -> None:
-    """The global batch must split evenly into data-parallel shards of whole micro-batches."""
-    gbs = int(policy_cfg["train_global_batch_size"])
-    mbs = int(policy_cfg["train_micro_batch_size"])
-    if gbs % (mbs * dp_size):
-        raise UserInputError(
-            f"policy.train_global_batch_size: {gbs} does not split into {dp_size} data-parallel "
-            f"rank(s) x micro-batches of {mbs}; use a multiple of {mbs * dp_size}"
-        )
-
-
-class EpochSampler:
-    """Examples in a (seeded) shuffled order, epoch after epoch; its position is checkpointed."""
-
-    def __init__(self, size: int, *, seed: int, shuffle: bool, position: int = 0) -> None:
-        if size == 0:
-            raise UserInputError("data: the training split is empty; add examples")
-        self.size, self.seed, self.shuffle, self.position = size, seed, shuffle, position
-
-    @property
-    def epoch(self) -> int:
-        return self.position // self.size
-
-    def take(self, count: int) -> list[int]:
-        out = []
-        for _ in range(count):
-            epoch, index = divmod(self.position, self.size)
-            order = np.arange(self.size)
-            if self.shuffle:
-                order = np.random.default_rng(self.seed + epoch).permutation(self.size)
-            out.append(int(order[index]))
-            self.position += 1
-        return out
 
 
 def evaluate_nll(run: Run, policy: PolicyGroup, sequences: list, micro: int) -> float:
@@ -79,12 +43,7 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
         policy = run.start_group("policy", seed=int(cfg["seed"]), trainable=True)
         check_batch_sizes(policy_cfg, policy.dp_size)
         run.restore(policy)
-        sampler = EpochSampler(
-            len(train),
-            seed=int(cfg["seed"]),
-            shuffle=bool(data_cfg.get("shuffle", True)),
-            position=int(run.driver_state.get("position", 0)),
-        )
+        sampler = run.sampler(len(train), int(cfg["seed"]))
         gbs, micro = (
             int(policy_cfg["train_global_batch_size"]),
             int(policy_cfg["train_micro_batch_size"]),
@@ -92,8 +51,7 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
         val_micro = int(cfg.get("val_micro_batch_size", micro))
         if cfg.get("val_at_start") and run.start_step == 0:
             run.logger.log(0, {"val_loss": evaluate_nll(run, policy, val, val_micro)}, phase="val")
-        max_steps = int(cfg["max_num_steps"])
-        for step in range(run.start_step + 1, max_steps + 1):
+        for step in run.steps():
             if sampler.epoch >= int(cfg["max_num_epochs"]):
                 break
             batch = [train[i] for i in sampler.take(gbs)]

@@ -108,8 +108,11 @@ class PolicyWorker:
             te_installed=detect().has_transformer_engine,
         )
         model, warnings = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
-        self.device = self.device or torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.on_gpu
+            else torch.device("cpu")
+        )
         budget_gib = megatron_cfg.get("offload_host_memory_budget_gib")
         self.runtime = OffloadRuntime(
             model.config,

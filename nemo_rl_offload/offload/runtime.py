@@ -119,7 +119,6 @@ class OffloadRuntime:
         self._current: tuple[int, int] | None = None
         self.plans_recorded = 0
         self.plans_released = 0
-        self.last_step_offloaded_bytes = 0
         if self.enabled:
             _patch_reload_waits_for_offload()
 
@@ -170,7 +169,6 @@ class OffloadRuntime:
             return {}
         self._enforce_budget()
         metrics = plan_metrics(self._manager().get_instance())
-        self.last_step_offloaded_bytes = int(metrics["offloaded_gib_per_step"] * 2**30)
         metrics["pinned_host_gib"] = self.pinned_bytes() / 2**30
         metrics["offload_plans_recorded"] = float(self.plans_recorded)
         metrics["offload_plans_kept"] = float(len(self._plans))

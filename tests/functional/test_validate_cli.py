@@ -17,24 +17,14 @@ from pathlib import Path
 import pytest
 
 from nemo_rl_offload.cli import main
+from nemo_rl_offload.offload import apply
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
 FGO = str(CONFIGS / "grpo_math_1B_megatron_fgo.yaml")
 PLAIN = str(CONFIGS / "grpo_math_1B.yaml")
 MCFG = "policy.megatron_cfg"
-OFFLOAD_KEYS = (
-    "fine_grained_activation_offloading",
-    "offload_modules",
-    "min_offloaded_tensor_size",
-    "activation_offload_fraction",
-    "delay_offload_until_cuda_graph",
-    "delta_offload_bytes_across_pp_ranks",
-    "fine_grained_offloading_max_inflight_offloads",
-    "cuda_graph_impl",
-    "cuda_graph_modules",
-    "cuda_graph_warmup_steps",
-)
+OFFLOAD_KEYS = (*apply.FGO_KEYS, *apply.CUDA_GRAPH_KEYS)
 # A problem line starts with where it is: a dotted recipe path.
 DOTTED_PROBLEM = re.compile(r"^[A-Za-z_]\w*(\.\w+)+: \S")
 

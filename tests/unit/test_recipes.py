@@ -12,6 +12,7 @@ import yaml
 
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.offload import apply
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
@@ -26,18 +27,7 @@ EXEMPLARS = (
     "distillation_math",
     "distillation_math_megatron",
 )
-OFFLOAD_KEYS = (
-    "fine_grained_activation_offloading",
-    "offload_modules",
-    "min_offloaded_tensor_size",
-    "activation_offload_fraction",
-    "delay_offload_until_cuda_graph",
-    "delta_offload_bytes_across_pp_ranks",
-    "fine_grained_offloading_max_inflight_offloads",
-    "cuda_graph_impl",
-    "cuda_graph_modules",
-    "cuda_graph_warmup_steps",
-)
+OFFLOAD_KEYS = (*apply.FGO_KEYS, *apply.CUDA_GRAPH_KEYS, "offload_host_memory_budget_gib")
 ALL_RECIPES = sorted(CONFIGS.glob("**/*.yaml"))
 
 
