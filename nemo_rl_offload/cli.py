@@ -105,6 +105,32 @@ def _training_job(module: str, function: str):
     return _job(run)
 
 
+def _run_telemetry(args: argparse.Namespace) -> int:
+    from nemo_rl_offload import telemetry
+
+    result = telemetry.measure(
+        args.config,
+        args.overrides,
+        steps=args.steps,
+        lengths=args.lengths,
+        baseline=args.baseline,
+    )
+    telemetry.format_report(result, sys.stdout)
+    if args.json:
+        telemetry.write_json(result, args.json)
+        print(f"written: {args.json}", file=sys.stderr)
+    return 0
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"'{text}' is not a comma-separated list of token counts, e.g. 1024,2048"
+        ) from None
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from nemo_rl_offload.demo import run_demo
 
@@ -138,6 +164,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--output-dir", default="results/demo", help="where runs are written")
     demo.set_defaults(handler=_job(_run_demo))
+    telemetry = commands.add_parser(
+        "telemetry",
+        help="measure a recipe's offloading: memory, time, bytes and bandwidth per step",
+        description="Start the recipe's policy workers and train a few steps on random tokens "
+        "in the recipe's step shape; print peak GPU memory, step time, bytes offloaded per "
+        "module, copy time and achieved GB/s, and pinned host memory per step.",
+    )
+    telemetry.add_argument("--config", required=True, help="recipe YAML file (any algorithm)")
+    telemetry.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
+    telemetry.add_argument(
+        "--lengths",
+        type=_lengths,
+        default=None,
+        help="comma-separated sequence lengths, cycled over the steps (default: "
+        "policy.max_total_sequence_length)",
+    )
+    telemetry.add_argument(
+        "--baseline",
+        action="store_true",
+        help="run the same steps with offloading off too, and compare",
+    )
+    telemetry.add_argument("--json", default=None, help="also write the records to this file")
+    telemetry.add_argument("overrides", nargs="*", help="Hydra-style overrides")
+    telemetry.set_defaults(handler=_job(_run_telemetry))
     for name, module, function, what in _TRAINING_COMMANDS:
         command = commands.add_parser(
             name,

@@ -95,7 +95,12 @@ def grpo_loss(
     """GRPO's clipped-ratio policy-gradient loss plus an optional KL penalty to the reference.
 
     ``advantages`` is per sequence ([batch]) and broadcast over its tokens. Returns the sum over
-    masked tokens and metrics (sums, to be divided by the token count once)."""
+    masked tokens and metrics (sums, to be divided by the token count once). Padded positions
+    hold arbitrary old and reference log-probabilities; they are replaced by the policy's own
+    there, so their ratio is 1 and their KL 0: an overflowing exp would turn the masked sum and
+    its gradient into NaN (inf * 0)."""
+    keep = mask > 0
+    old_logprobs = torch.where(keep, old_logprobs, logprobs.detach())
     ratio = torch.exp(logprobs - old_logprobs)
     adv = advantages.unsqueeze(-1)
     unclipped = ratio * adv
@@ -106,6 +111,7 @@ def grpo_loss(
         per_token = torch.where(adv < 0, torch.minimum(per_token, -ratio_clip_c * adv), per_token)
     metrics = {"clip_fraction_sum": masked_sum((unclipped != clipped).float(), mask).detach()}
     if reference_logprobs is not None and kl_penalty:
+        reference_logprobs = torch.where(keep, reference_logprobs, logprobs.detach())
         kl = kl_k3(logprobs, reference_logprobs)
         per_token = per_token + kl_penalty * kl
         metrics["kl_sum"] = masked_sum(kl, mask).detach()

@@ -117,6 +117,9 @@ class MegatronConfig(TypedDict):
     # Pinned host memory the offload plans of one worker may hold (one plan per step shape);
     # null: half the host's RAM divided by its GPUs.
     offload_host_memory_budget_gib: NotRequired[Number | None]
+    # Lengths every micro-batch of an offloaded step is padded to (one plan per micro-batch
+    # count x length); null: powers of two and their 1.5x from 32 up to max_total_sequence_length.
+    offload_sequence_length_buckets: NotRequired[list[int] | None]
     # Training CUDA graphs.
     cuda_graph_impl: NotRequired[CudaGraphImpl]  # default "none"
     cuda_graph_modules: NotRequired[list[CudaGraphModuleName] | None]  # [] = whole layer

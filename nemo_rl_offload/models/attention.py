@@ -91,6 +91,18 @@ class SDPACoreAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
 
+    def _kernels(self) -> contextlib.AbstractContextManager[None]:
+        """Under Megatron's deterministic_mode, SDPA's math kernel: measured on an H100, the
+        flash backward differs between two identical passes (torch's flash backward accumulates
+        with atomics) and cuDNN's occasionally does, while the math kernel is bitwise
+        reproducible. It materialises the S x S attention probabilities (O(S^2) memory), the
+        price of reproducibility."""
+        if not self.config.deterministic_mode:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
+
     def forward(
         self,
         query: Tensor,
@@ -138,7 +150,7 @@ class SDPACoreAttention(MegatronModule):
             if dropout_p > 0.0 and not self.config.sequence_parallel
             else contextlib.nullcontext()
         )
-        with rng:
+        with rng, self._kernels():
             context = F.scaled_dot_product_attention(
                 q,
                 k,

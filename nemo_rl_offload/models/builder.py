@@ -112,6 +112,12 @@ def layer_spec(config: Any) -> Any:
         normalization=config.normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if config.num_moe_experts and config.moe_grouped_gemm:
+        # Grouped experts without TE: TEGroupedMLP (where expert_fc1/moe_act are offloaded)
+        # over pure-PyTorch grouped linears; the local spec would build SequentialMLP.
+        from nemo_rl_offload.models.grouped_linear import with_local_grouped_experts
+
+        spec.submodules.mlp = with_local_grouped_experts(spec.submodules.mlp)
     return spec
 
 

@@ -46,13 +46,29 @@ def initialize_megatron_parallel(megatron_cfg: dict[str, Any], *, seed: int, on_
         from nemo_rl_offload.models.cpu_compat import enable_cpu_execution
 
         enable_cpu_execution()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=sizes["tensor_model_parallel_size"],
-        pipeline_model_parallel_size=sizes["pipeline_model_parallel_size"],
-        context_parallel_size=sizes["context_parallel_size"],
-        expert_model_parallel_size=sizes["expert_model_parallel_size"],
-        expert_tensor_parallel_size=None if expert_tp is None else int(expert_tp),
-    )
+    if parallel_state.model_parallel_is_initialized():
+        # A second model in this process (e.g. a copy trained side by side in a test) joins
+        # the existing groups, which must be the ones it asks for.
+        current = {
+            "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "context_parallel_size": parallel_state.get_context_parallel_world_size(),
+            "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size(),
+        }
+        wanted = {name: sizes[name] for name in current}
+        if current != wanted:
+            raise RuntimeError(
+                f"initialize_megatron_parallel: this process already has parallel groups "
+                f"{current}; a second model cannot ask for {wanted}"
+            )
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes["tensor_model_parallel_size"],
+            pipeline_model_parallel_size=sizes["pipeline_model_parallel_size"],
+            context_parallel_size=sizes["context_parallel_size"],
+            expert_model_parallel_size=sizes["expert_model_parallel_size"],
+            expert_tensor_parallel_size=None if expert_tp is None else int(expert_tp),
+        )
     random.seed(seed)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -46,6 +46,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _use_deterministic_algorithms() -> None:
+    """Megatron's deterministic_mode (model_overrides.deterministic_mode): torch's
+    deterministic kernels (attention backward included), with the cuBLAS workspace setting they
+    need; ops without a deterministic kernel warn rather than fail."""
+    import torch
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 class PolicyWorker:
     def __init__(
         self,
@@ -81,7 +91,11 @@ class PolicyWorker:
         from nemo_rl_offload.models.parallel import initialize_megatron_parallel
         from nemo_rl_offload.offload import apply
         from nemo_rl_offload.offload.capabilities import detect
-        from nemo_rl_offload.offload.runtime import OffloadRuntime, default_host_budget_bytes
+        from nemo_rl_offload.offload.runtime import (
+            OffloadRuntime,
+            default_host_budget_bytes,
+            sequence_length_buckets,
+        )
 
         numa: dict[str, Any] = {}
         if self.on_gpu:
@@ -90,12 +104,13 @@ class PolicyWorker:
             binding = bind_to_gpu_numa_node(0)
             numa = {"numa_node": binding.numa_node, "numa_skipped": binding.skipped_reason}
             torch.cuda.set_device(0)
-        torch.distributed.init_process_group(
-            "nccl" if self.on_gpu else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.rank,
-            world_size=self.world_size,
-        )
+        if not torch.distributed.is_initialized():  # else: a second model in this process
+            torch.distributed.init_process_group(
+                "nccl" if self.on_gpu else "gloo",
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+            )
         megatron_cfg = self.section["megatron_cfg"]
         initialize_megatron_parallel(megatron_cfg, seed=self.seed, on_gpu=self.on_gpu)
         self.architecture = architecture_for(
@@ -108,6 +123,8 @@ class PolicyWorker:
             te_installed=detect().has_transformer_engine,
         )
         model, warnings = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
+        if model.config.deterministic_mode:
+            _use_deterministic_algorithms()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if self.on_gpu
@@ -119,6 +136,11 @@ class PolicyWorker:
             host_budget_bytes=int(budget_gib * 2**30)
             if budget_gib
             else default_host_budget_bytes(),
+            sequence_buckets=megatron_cfg.get("offload_sequence_length_buckets")
+            or sequence_length_buckets(
+                int(self.section["max_total_sequence_length"]),
+                int(self.section.get("make_sequence_length_divisible_by") or 1),
+            ),
         )
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
@@ -230,14 +252,15 @@ class PolicyWorker:
         from nemo_rl_offload import losses
         from nemo_rl_offload.models.train_step import run_microbatches
 
-        if self.on_gpu:
-            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         self.model.zero_grad_buffer()
+        # Frees the previous step's float32 copies of the gradients (with bf16 gradient
+        # buffers): measured from here, the peak is this step's own.
         self.optimizer.zero_grad()
-        self.runtime.before_step(
-            len(microbatches), max(mb["input_ids"].shape[1] for mb in microbatches)
-        )
+        if self.on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+            at_start = torch.cuda.memory_allocated() / 2**30
+        microbatches = self.runtime.prepare_step(microbatches)
         outputs = run_microbatches(
             self.model, self._tensors(microbatches), losses.make_loss_fn(loss), forward_only=False
         )
@@ -258,6 +281,9 @@ class PolicyWorker:
         )
         if fwd_bwd_peak is not None:
             metrics["peak_fwd_bwd_gpu_memory_gib"] = fwd_bwd_peak
+            # What the step's activations added over the resident state (weights, gradients,
+            # optimizer): what offloading changes, independent of other models in the process.
+            metrics["peak_activation_gpu_memory_gib"] = fwd_bwd_peak - at_start
         return metrics
 
     @staticmethod

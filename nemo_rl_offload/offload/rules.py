@@ -243,23 +243,14 @@ def _module_dependencies(ctx: _Context) -> None:
                 f"combined with {_fmt(partial)}; keep one of the two"
             )
     grouped = modules & {"expert_fc1", "moe_act"}
-    if grouped and ctx.is_moe:
-        te_impl = ctx.value("transformer_impl") == "transformer_engine"
-        grouped_gemm = ctx.value("moe_grouped_gemm") is True
-        if not (te_impl and ctx.caps.has_transformer_engine and grouped_gemm):
-            why = (
-                "Transformer Engine is not installed"
-                if not ctx.caps.has_transformer_engine
-                else "transformer_impl is local"
-                if not te_impl
-                else "moe_grouped_gemm is off"
-            )
-            ctx.error(
-                f"{path}: {_fmt(grouped)} are offloaded only inside Transformer Engine's grouped "
-                f"expert MLP, and here {why}: the experts would run as SequentialMLP and offload "
-                f"nothing; use transformer_impl transformer_engine with "
-                f"{ctx.prefix}.model_overrides.moe_grouped_gemm=true, or remove {_fmt(grouped)}"
-            )
+    if grouped and ctx.is_moe and ctx.value("moe_grouped_gemm") is not True:
+        ctx.error(
+            f"{path}: {_fmt(grouped)} are offloaded only inside the grouped expert MLP, and "
+            f"moe_grouped_gemm is off: the experts would run as SequentialMLP and offload "
+            f"nothing; set {ctx.prefix}.model_overrides.moe_grouped_gemm=true (Transformer "
+            f"Engine's grouped linears, or this package's local ones without it), or remove "
+            f"{_fmt(grouped)}"
+        )
 
 
 def _exclusions(ctx: _Context) -> None:
@@ -316,11 +307,48 @@ def _ranges(ctx: _Context) -> None:
             f"{ctx.prefix}.offload_host_memory_budget_gib: must be > 0 (got: {budget}); it caps "
             "the pinned host memory of the offload plans, or set null for the default"
         )
+    _sequence_buckets(ctx)
     inflight = ctx.value("fine_grained_offloading_max_inflight_offloads")
     if _is_int(inflight) and inflight < 0:
         ctx.error(
             f"{ctx.path('fine_grained_offloading_max_inflight_offloads')}: must be null or an "
             f"integer >= 0 (got: {inflight})"
+        )
+
+
+def _sequence_buckets(ctx: _Context) -> None:
+    """The offload runtime pads each step to one of these lengths; it must find one for every
+    sequence the recipe allows, and each must keep the padding multiple the model needs."""
+    buckets = ctx.megatron_cfg.get("offload_sequence_length_buckets")
+    if not isinstance(buckets, list):
+        return
+    path = f"{ctx.prefix}.offload_sequence_length_buckets"
+    if not buckets:
+        ctx.error(f"{path}: must list at least one length, or be null for the default buckets")
+        return
+    if any(not _is_int(b) or b <= 0 for b in buckets):
+        ctx.error(f"{path}: every bucket must be an integer > 0 (got: {buckets})")
+        return
+    if any(later <= earlier for earlier, later in zip(buckets, buckets[1:], strict=False)):
+        ctx.error(f"{path}: buckets must be strictly increasing (got: {buckets}); sort them")
+    multiple = ctx.policy_cfg.get("make_sequence_length_divisible_by")
+    if _is_int(multiple) and multiple > 1:
+        odd = [b for b in buckets if b % multiple]
+        if odd:
+            ctx.error(
+                f"{path}: {odd} not divisible by {ctx.where}.make_sequence_length_divisible_by="
+                f"{multiple}; round them up to a multiple of {multiple}"
+            )
+    longest = ctx.policy_cfg.get("max_total_sequence_length")
+    if _is_int(longest) and buckets[-1] < longest:
+        ctx.error(
+            f"{path}: the largest bucket {buckets[-1]} is shorter than "
+            f"{ctx.where}.max_total_sequence_length={longest}; add a bucket >= {longest}"
+        )
+    if not ctx.fgo_on:
+        ctx.warn(
+            f"warning: {path}: set but fine_grained_activation_offloading is off, so nothing "
+            "is padded to them"
         )
 
 

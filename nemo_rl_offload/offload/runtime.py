@@ -7,10 +7,14 @@ and replays it on every later one. RL steps do not repeat (shared/measurements/R
   next backward (``AssertionError: Chunk mismatch``): :meth:`OffloadRuntime.forward_only`
   suspends offloading for such passes (measured: the suspension avoids the crash);
 - a different micro-batch count silently drops the savings, and changing lengths grow the
-  pinned pool without bound: :meth:`OffloadRuntime.before_step` keeps one plan per step shape
+  pinned pool without bound: :meth:`OffloadRuntime.prepare_step` pads every micro-batch of a
+  step to one length bucket (:func:`sequence_length_buckets`) and keeps one plan per step shape
   (measured: a plan recorded for its shape keeps the savings), under a host-memory budget;
 - the warm-up step's gradients differ from a model without offload (Megatron-LM issue 7398):
   :func:`_patch_reload_waits_for_offload` closes the race behind it.
+
+Telemetry: bytes per module come from the replayed plan (:func:`plan_metrics`); copy time and
+achieved bandwidth from CUDA events around each group's copies (:class:`CopyTimer`).
 
 The runtime is owned by the policy worker; it does nothing when offloading is off (CPU workers,
 recipes without FGO).
@@ -19,9 +23,15 @@ recipes without FGO).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import numpy as np
+
+_LOG = logging.getLogger("nemo_rl_offload.offload")
+SMALLEST_BUCKET = 32
 
 
 def _patch_reload_waits_for_offload() -> bool:
@@ -73,10 +83,16 @@ def plan_metrics(manager: Any) -> dict[str, float]:
 
 
 def _pinned_bytes(manager: Any) -> int:
-    pool = getattr(manager, "_cpu_tensor_pool", None)
+    return _pool_bytes(getattr(manager, "_cpu_tensor_pool", None))
+
+
+def _pool_bytes(pool: Any, keys: Any = None) -> int:
+    """Pinned bytes of an OffloadTensorPool (of the given keys only, when given)."""
+    entries = getattr(pool, "_pools", {})
     return sum(
         tensor.numel() * tensor.element_size()
-        for entry in getattr(pool, "_pools", {}).values()
+        for key, entry in entries.items()
+        if keys is None or key in keys
         for tensor in entry["all"]
     )
 
@@ -97,30 +113,211 @@ def default_host_budget_bytes() -> int:
     return ram // 2 // gpus
 
 
-class OffloadRuntime:
-    """One offload plan per step shape, under a host-memory budget.
+def sequence_length_buckets(max_length: int, multiple: int = 1) -> list[int]:
+    """The default padded lengths of a step: powers of two and the midpoints 1.5 x 2^k from
+    32 on, each rounded up to ``multiple``, and last ``max_length`` rounded up to it.
 
-    A step's shape is its micro-batch count and padded sequence length (lengths are padded to
-    ``policy.make_sequence_length_divisible_by``, which bounds how many shapes there are).
-    Megatron's manager is a process-wide singleton holding one recorded plan and the pinned
-    pool that plan fills, so the runtime keeps one manager per shape and installs the right
-    one before each step: a shape seen before replays its own plan and reuses its pinned
-    buffers; a new shape records a new plan. When the pinned memory of all kept plans exceeds
-    ``host_budget_bytes``, the least recently used plans are released (and counted in the
-    metrics) until it fits, so host memory never grows without bound.
+    Every bucket is a step shape with its own offload plan and pinned buffers, so buckets trade
+    padding (at most half a bucket: a length just above 2^k pads to 1.5 x 2^k) against plans
+    (about two per doubling of the length, 15 up to 4096)."""
+    multiple = max(1, multiple)
+    top = -(-max_length // multiple) * multiple
+    buckets: set[int] = {top}
+    size = SMALLEST_BUCKET
+    while size < top:
+        for candidate in (size, size * 3 // 2):
+            rounded = -(-candidate // multiple) * multiple
+            if rounded < top:
+                buckets.add(rounded)
+        size *= 2
+    return sorted(buckets)
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket holding ``length`` (``length`` itself beyond the largest: the
+    recipe's checks keep sequences within max_total_sequence_length, the largest bucket)."""
+    for bucket in buckets:
+        if bucket >= length:
+            return bucket
+    return length
+
+
+def pad_microbatches(
+    microbatches: list[dict[str, np.ndarray]], length: int
+) -> list[dict[str, np.ndarray]]:
+    """Right-pad every per-token array (axis 1 is the sequence) to ``length`` with zeros.
+
+    Zeros are safe: attention is causal, so right padding does not change earlier positions,
+    and padded positions have loss mask 0 (the losses ignore what padding holds there)."""
+    padded = []
+    for batch in microbatches:
+        current = batch["input_ids"].shape[1]
+        out = {}
+        for key, value in batch.items():
+            if value.ndim >= 2 and value.shape[1] == current and current < length:
+                widths = [(0, 0)] * value.ndim
+                widths[1] = (0, length - current)
+                value = np.pad(value, widths)
+            out[key] = value
+        padded.append(out)
+    return padded
+
+
+class CopyTimer:
+    """Time and bytes of the offload (device-to-host) and reload (host-to-device) copies.
+
+    Megatron issues each group's copies on its own side stream between two points we can mark:
+    a CUDA event recorded on that stream just before the copies (after the stream's wait for
+    the compute it depends on) and the group's own completion event after them. The sum of
+    those intervals is the time the copy engine spent on the step's copies; bytes over that
+    time is the bandwidth achieved. Events are read after the step, when they have completed,
+    so the timing adds no synchronisation to the step itself. Not recorded while a CUDA graph
+    is being captured."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, list[tuple[Any, Any, int]]] = {"d2h": [], "h2d": []}
+        self.active = False
+
+    def record(self, direction: str, start: Any, end: Any, nbytes: int) -> None:
+        if self.active:
+            self._pending[direction].append((start, end, nbytes))
+
+    def collect(self) -> dict[str, float]:
+        """Totals since the last call: seconds, GiB and GB/s per direction."""
+        metrics: dict[str, float] = {}
+        for direction, intervals in self._pending.items():
+            seconds = sum(start.elapsed_time(end) for start, end, _ in intervals) / 1e3
+            nbytes = sum(count for *_, count in intervals)
+            metrics[f"{direction}_time_s"] = seconds
+            metrics[f"{direction}_gib"] = nbytes / 2**30
+            metrics[f"{direction}_gb_per_s"] = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+            intervals.clear()
+        return metrics
+
+
+COPY_TIMER = CopyTimer()
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of an offloaded tensor's host copy (Megatron keeps (device, host tensor, pooled))."""
+    host = state[1]
+    return host.numel() * host.element_size()
+
+
+def _patch_copy_timing() -> bool:
+    """Wrap the offload and reload of a group with CUDA events for :data:`COPY_TIMER`."""
+    import torch
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    handler = fgo.ChunkOffloadHandler
+    if getattr(handler.bulk_offload_group, "_timed", False):
+        return False
+    offload_group, reload_group = handler.bulk_offload_group, handler.bulk_reload_group
+
+    def timing_wanted() -> bool:
+        return COPY_TIMER.active and not torch.cuda.is_current_stream_capturing()
+
+    def bulk_offload_group(self: Any, group: Any) -> Any:
+        if not timing_wanted():
+            return offload_group(self, group)
+        before = {tag for tag, value in group._tensors.items() if isinstance(value, tuple)}
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self.d2h_stream)
+        result = offload_group(self, group)
+        moved = sum(
+            _state_bytes(value)
+            for tag, value in group._tensors.items()
+            if isinstance(value, tuple) and tag not in before
+        )
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.d2h_stream)
+        COPY_TIMER.record("d2h", start, end, moved)
+        return result
+
+    def bulk_reload_group(self: Any) -> Any:
+        if not timing_wanted():
+            return reload_group(self)
+        group = self._groups_to_reload[-1]
+        moved = sum(_state_bytes(v) for v in group._tensors.values() if isinstance(v, tuple))
+        with torch.cuda.stream(self.h2d_stream):
+            group.wait_offload_event(self.h2d_stream)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self.h2d_stream)
+        result = reload_group(self)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.h2d_stream)
+        COPY_TIMER.record("h2d", start, end, moved)
+        return result
+
+    pop = handler.tensor_pop
+
+    def tensor_pop(self: Any, tensor_tag: Any) -> Any:
+        """A reload on the compute stream, when backward needs a tensor its group's bulk
+        reload has not brought back (every reload of a MoE warm-up step goes this way)."""
+        if isinstance(tensor_tag, torch.Tensor) or not timing_wanted():
+            return pop(self, tensor_tag)
+        group = self.offload_groups[tensor_tag[0] - 1]
+        state = group._tensors.get(tensor_tag)
+        if not isinstance(state, tuple):
+            return pop(self, tensor_tag)
+        stream = torch.cuda.current_stream()
+        group.wait_offload_event(stream)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        result = pop(self, tensor_tag)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        COPY_TIMER.record("h2d", start, end, _state_bytes(state))
+        return result
+
+    bulk_offload_group._timed = True  # type: ignore[attr-defined]
+    tensor_pop._waits_for_offload = getattr(pop, "_waits_for_offload", False)  # type: ignore[attr-defined]
+    handler.bulk_offload_group = bulk_offload_group
+    handler.bulk_reload_group = bulk_reload_group
+    handler.tensor_pop = tensor_pop
+    return True
+
+
+class OffloadRuntime:
+    """One offload plan per step shape, sharing one pinned pool under a host-memory budget.
+
+    A step's shape is its micro-batch count and padded sequence length: every micro-batch of a
+    step is padded to the smallest of ``sequence_buckets`` that holds its longest sequence, so
+    the tensors a plan offloads have the same shapes whenever the shape recurs. Megatron's
+    manager is a process-wide singleton holding one recorded plan, so the runtime keeps one
+    manager per shape and installs the right one before each step: a shape seen before replays
+    its own plan; a new shape records a new plan.
+
+    The pinned host buffers are Megatron's OffloadTensorPool, keyed by tensor shape; the
+    runtime gives every plan the same pool, so plans of one length (different micro-batch
+    counts) reuse the same buffers: pinned memory grows with the distinct lengths, not the
+    shapes. When the pool exceeds ``host_budget_bytes``, the least recently used plans are
+    released (logged, and counted in the metrics) with the buffers no kept plan uses, until it
+    fits, so host memory never grows without bound.
     """
 
-    def __init__(self, config: Any, *, host_budget_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        *,
+        host_budget_bytes: int | None = None,
+        sequence_buckets: Sequence[int] = (),
+    ) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is)."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
         self.host_budget_bytes = host_budget_bytes
+        self.sequence_buckets = sorted(sequence_buckets)
         self._plans: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        self._buffers_used: dict[tuple[int, int], set[Any]] = {}
+        self._pool: Any = None
         self._current: tuple[int, int] | None = None
         self.plans_recorded = 0
         self.plans_released = 0
         if self.enabled:
             _patch_reload_waits_for_offload()
+            _patch_copy_timing()
+            COPY_TIMER.active = True
 
     @staticmethod
     def _manager() -> Any:
@@ -130,8 +327,22 @@ class OffloadRuntime:
 
         return PipelineOffloadManager
 
+    def prepare_step(
+        self, microbatches: list[dict[str, np.ndarray]]
+    ) -> list[dict[str, np.ndarray]]:
+        """Call before each training step with its micro-batches: pads them to the step's
+        length bucket and installs the plan of the step's shape (or records one). Returns the
+        micro-batches to train on (unchanged when offloading is off)."""
+        if not self.enabled:
+            return microbatches
+        longest = max(batch["input_ids"].shape[1] for batch in microbatches)
+        length = bucket_for(longest, self.sequence_buckets)
+        microbatches = pad_microbatches(microbatches, length)
+        self.before_step(len(microbatches), length)
+        return microbatches
+
     def before_step(self, num_microbatches: int, seq_len: int = 0) -> None:
-        """Call before each training step: install the plan of this shape (or record one)."""
+        """Install the plan of this shape (or record one); :meth:`prepare_step` calls it."""
         if not self.enabled:
             return
         shape = (num_microbatches, seq_len)
@@ -143,9 +354,27 @@ class OffloadRuntime:
             self._plans.move_to_end(shape)
         else:
             manager_cls.reset_instance()
-            self._plans[shape] = manager_cls.OFFLOAD_MGR
+            manager = manager_cls.OFFLOAD_MGR
+            if self._pool is None:
+                self._pool = manager._cpu_tensor_pool
+                self._track_buffers(self._pool)
+            else:
+                manager._cpu_tensor_pool = self._pool
+            self._plans[shape] = manager
             self.plans_recorded += 1
         self._current = shape
+
+    def _track_buffers(self, pool: Any) -> None:
+        """Note which pool entries (tensor shapes) each plan draws from, so that releasing a
+        plan can free the buffers only it used."""
+        allocate = pool.allocate
+
+        def tracked_allocate(shape: Any, dtype: Any = None) -> Any:
+            key = pool._get_pool_key(shape, dtype)
+            self._buffers_used.setdefault(self._current, set()).add(key)  # type: ignore[arg-type]
+            return allocate(shape, dtype) if dtype is not None else allocate(shape)
+
+        pool.allocate = tracked_allocate
 
     def _enforce_budget(self) -> None:
         if self.host_budget_bytes is None:
@@ -154,22 +383,36 @@ class OffloadRuntime:
             oldest = next(iter(self._plans))
             if oldest == self._current:
                 break
-            del self._plans[oldest]  # its pinned pool is freed with it
+            del self._plans[oldest]
+            still_used = set().union(*(self._buffers_used.get(s, set()) for s in self._plans))
+            for key in self._buffers_used.pop(oldest, set()) - still_used:
+                self._pool._pools.pop(key, None)  # its pinned buffers are freed with it
             self.plans_released += 1
+            _LOG.warning(
+                "offload: released the plan of step shape %s (micro-batches x length) to keep "
+                "pinned host memory under offload_host_memory_budget_gib=%.2f; it is recorded "
+                "again when that shape recurs",
+                oldest,
+                self.host_budget_bytes / 2**30,
+            )
 
     def pinned_bytes(self) -> int:
-        """Pinned host bytes held by the pools of every kept plan."""
-        return sum(_pinned_bytes(manager) for manager in self._plans.values())
+        """Pinned host bytes held by the pool the plans share."""
+        return _pool_bytes(self._pool)
 
     def after_step(self, num_microbatches: int) -> dict[str, float]:
-        """Offload metrics of the step just run, from the plan the manager replays: bytes per
-        module over every micro-batch of the step (Megatron's own summary table counts only
-        the first micro-batch), and the pinned host memory of all kept plans."""
+        """Offload metrics of the step just run: bytes per module over every micro-batch of
+        the step, from the plan the manager replays (Megatron's own summary table counts only
+        the first micro-batch), copy time and bandwidth, the step's shape, and the pinned host
+        memory of all kept plans."""
         if not self.enabled:
             return {}
         self._enforce_budget()
         metrics = plan_metrics(self._manager().get_instance())
+        metrics.update(COPY_TIMER.collect())
         metrics["pinned_host_gib"] = self.pinned_bytes() / 2**30
+        metrics["offload_step_microbatches"] = float(num_microbatches)
+        metrics["offload_step_length"] = float(self._current[1] if self._current else 0)
         metrics["offload_plans_recorded"] = float(self.plans_recorded)
         metrics["offload_plans_kept"] = float(len(self._plans))
         metrics["offload_plans_released"] = float(self.plans_released)

@@ -76,6 +76,29 @@ def test_grpo_loss_clips_large_ratios():
     assert metrics["clip_fraction_sum"].item() == 1.0
 
 
+def test_grpo_loss_ignores_padding_values_that_would_overflow():
+    """Padded positions (mask 0) may hold any old/reference log-probability, e.g. the zeros of
+    padding next to a policy log-probability of -200: exp(200) overflows float32, and inf * 0
+    would make the loss and the gradient NaN."""
+    logprobs = torch.tensor([[-1.0, -200.0]], requires_grad=True)
+    padded_old = torch.tensor([[-1.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    loss, metrics = losses.grpo_loss(
+        logprobs,
+        padded_old,
+        torch.tensor([2.0]),
+        mask,
+        ratio_clip_min=0.2,
+        ratio_clip_max=0.2,
+        reference_logprobs=torch.tensor([[-1.0, 0.0]]),
+        kl_penalty=0.1,
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0)
+    assert logprobs.grad.tolist() == [[-2.0, 0.0]]
+    assert metrics["kl_sum"].item() == 0.0
+
+
 def test_grpo_kl_penalty_zero_when_policy_equals_reference():
     logprobs = torch.tensor([[-1.0, -2.0]])
     loss_kl, metrics = losses.grpo_loss(

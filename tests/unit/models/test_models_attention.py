@@ -128,3 +128,25 @@ def test_whole_model_equals_local_attention_model(build_tiny):
         atol=1e-5,
         rtol=0,
     )
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_mode_runs_the_math_kernel(megatron_cpu, monkeypatch, deterministic):
+    """Megatron's deterministic_mode selects SDPA's math kernel (bitwise reproducible on GPU,
+    where the flash backward is not); otherwise SDPA picks its kernel freely."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.flash_sdp_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    sdpa, local = _pair(deterministic_mode=deterministic)
+    q, k, v = _qkv(8, 8)
+    out, _ = _run(sdpa, q, k, v, None)
+    torch.testing.assert_close(out, local(q, k, v, None), atol=1e-5, rtol=0)
+    assert seen == [not deterministic]
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored after the call

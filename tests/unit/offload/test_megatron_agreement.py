@@ -26,14 +26,17 @@ STRICTER_BY_DESIGN = {
     "modules_unset",  # Megatron asserts too, but our default list is [] -> same as empty
     "expert_on_dense",  # Megatron accepts and offloads nothing
     "moe_act_on_dense",
-    "expert_without_te",  # SequentialMLP offloads nothing
-    "expert_local_impl",
-    "expert_no_grouped_gemm",
+    "expert_sequential_mlp",  # SequentialMLP offloads nothing
+    "expert_no_grouped_gemm_te",
     "te_graphs_without_te",  # TE missing is found at run time by Megatron
     "te_impl_without_te",
     "nvte_env_wrong",  # an environment variable, not a TransformerConfig field
     "override_conflict",  # the recipe's own consistency
-    "host_budget_zero",  # a runtime setting, not a TransformerConfig field
+    "host_budget_zero",  # runtime settings, not TransformerConfig fields
+    "buckets_empty",
+    "buckets_not_positive",
+    "buckets_unsorted",
+    "buckets_too_short",
     "override_named_recompute",
     "override_transformer_impl",
     "override_unknown_field",  # Megatron raises TypeError: also a rejection, checked below

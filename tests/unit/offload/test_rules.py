@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 from support.offload_cases import ACCEPTED, FGO, MOE_TE, REJECTED
-from support.policies import NO_TE, TE_2_9, TE_2_10, P, check
+from support.policies import NO_TE, TE_2_9, TE_2_10, P, check, make_policy
+
+from nemo_rl_offload.config.model_presets import architecture_for
 
 
 @pytest.mark.parametrize(
@@ -184,3 +186,31 @@ def test_wrongly_typed_values_are_left_to_the_schema():
     # The schema reports the types; the rules must not crash nor split the string.
     assert not any("unknown module 'c'" in line for line in findings.errors)
     assert not any("activation_offload_fraction" in line for line in findings.errors)
+
+
+def _bucket_findings(buckets, divisible_by, fgo=True):
+    from nemo_rl_offload.offload.rules import check_policy
+
+    policy = make_policy(
+        "tiny-dense",
+        fine_grained_activation_offloading=fgo,
+        offload_modules=["core_attn"] if fgo else None,
+        offload_sequence_length_buckets=buckets,
+    )
+    policy["make_sequence_length_divisible_by"] = divisible_by
+    return check_policy(
+        policy, where="policy", architecture=architecture_for("tiny-dense"), caps=NO_TE
+    )
+
+
+def test_buckets_keep_the_padding_multiple():
+    bad = _bucket_findings([1001, 4096], divisible_by=8)
+    (line,) = [e for e in bad.errors if "offload_sequence_length_buckets" in e]
+    assert "[1001] not divisible by policy.make_sequence_length_divisible_by=8" in line
+    assert not _bucket_findings([1024, 4096], divisible_by=8).errors
+
+
+def test_buckets_without_offloading_are_reported_unused():
+    findings = _bucket_findings([1024, 4096], divisible_by=1, fgo=False)
+    assert not findings.errors
+    assert any("nothing is padded" in w for w in findings.warnings)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 
 from nemo_rl_offload.offload import runtime
@@ -31,20 +33,33 @@ def test_plan_metrics_count_every_microbatch_and_skip_groups_kept_on_gpu():
     assert metrics["pinned_host_gib"] == 2 * 2**20 / 2**30
 
 
+class _FakePool:
+    """Megatron's OffloadTensorPool as the runtime sees it: pinned buffers per tensor shape."""
+
+    def __init__(self) -> None:
+        self._pools: dict = {}
+
+    @staticmethod
+    def _get_pool_key(shape, dtype):
+        return (tuple(shape), dtype)
+
+    def allocate(self, shape, dtype=torch.uint8):
+        entry = self._pools.setdefault(self._get_pool_key(shape, dtype), {"all": []})
+        if not entry["all"]:
+            entry["all"].append(torch.empty(shape, dtype=dtype))
+        return entry["all"][0]
+
+
 class _FakeManager:
     """Megatron's PipelineOffloadManager as the runtime sees it: a class-level singleton."""
 
     OFFLOAD_MGR = None
     resets = 0
-    pinned_per_plan = 0
 
     def __init__(self) -> None:
         self.enabled = True
         self._cached_chunks_forward = []
-        pool = (
-            [torch.empty(self.pinned_per_plan, dtype=torch.uint8)] if self.pinned_per_plan else []
-        )
-        self._cpu_tensor_pool = SimpleNamespace(_pools={"shape": {"all": pool}})
+        self._cpu_tensor_pool = _FakePool()
 
     @classmethod
     def get_instance(cls):
@@ -64,12 +79,30 @@ class _FakeManager:
         self.enabled = True
 
 
-def _runtime(monkeypatch, on: bool = True, budget: int | None = None, pinned: int = 0):
+def _runtime(
+    monkeypatch,
+    on: bool = True,
+    budget: int | None = None,
+    buckets: tuple[int, ...] = (),
+):
     monkeypatch.setattr(runtime, "_patch_reload_waits_for_offload", lambda: True)
+    monkeypatch.setattr(runtime, "_patch_copy_timing", lambda: True)
+    monkeypatch.setattr(runtime, "COPY_TIMER", runtime.CopyTimer())
     monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
-    _FakeManager.OFFLOAD_MGR, _FakeManager.resets, _FakeManager.pinned_per_plan = None, 0, pinned
+    _FakeManager.OFFLOAD_MGR, _FakeManager.resets = None, 0
     config = SimpleNamespace(fine_grained_activation_offloading=on)
-    return runtime.OffloadRuntime(config, host_budget_bytes=budget)
+    return runtime.OffloadRuntime(config, host_budget_bytes=budget, sequence_buckets=buckets)
+
+
+KIB = 2**10
+
+
+def _train(rt, count: int, length: int) -> dict:
+    """One step as Megatron's manager runs it: its offloads draw pinned buffers whose shape
+    follows the length (one micro-batch at a time: the count does not add buffers)."""
+    rt.before_step(count, length)
+    _FakeManager.OFFLOAD_MGR._cpu_tensor_pool.allocate((length, KIB), dtype=torch.uint8)
+    return rt.after_step(count)
 
 
 def test_one_plan_per_shape_recorded_once_and_reused(monkeypatch):
@@ -83,24 +116,44 @@ def test_one_plan_per_shape_recorded_once_and_reused(monkeypatch):
     assert rt.after_step(3)["offload_plans_kept"] == 3.0
 
 
-def test_budget_releases_least_recently_used_plans(monkeypatch):
+def test_plans_of_one_length_share_their_pinned_buffers(monkeypatch):
+    rt = _runtime(monkeypatch)
+    for count in (1, 4, 2, 4):
+        metrics = _train(rt, count, 512)
+    assert rt.plans_recorded == 3
+    assert rt.pinned_bytes() == 512 * KIB  # one set of buffers for the three plans
+    assert metrics["pinned_host_gib"] == 512 * KIB / 2**30
+    pools = {id(manager._cpu_tensor_pool) for manager in rt._plans.values()}
+    assert len(pools) == 1
+
+
+def test_budget_releases_least_recently_used_plans_and_their_buffers(monkeypatch):
     mib = 2**20
-    rt = _runtime(monkeypatch, budget=int(2.5 * mib), pinned=mib)
-    for shape in [(4, 512), (4, 1024), (4, 512), (4, 2048)]:
-        rt.before_step(*shape)
-        metrics = rt.after_step(shape[0])
-    # Three plans of 1 MiB exceed 2.5 MiB: the least recently used one, (4, 1024), went.
+    rt = _runtime(monkeypatch, budget=3 * mib)
+    for length in (512, 1024, 512, 2048):  # 0.5 + 1 + 2 MiB of buffers
+        metrics = _train(rt, 1, length)
+    # 3.5 MiB exceed 3 MiB: the least recently used plan, (1, 1024), went with its buffers.
     assert metrics["offload_plans_released"] == 1.0 and metrics["offload_plans_kept"] == 2.0
-    assert rt.pinned_bytes() == 2 * mib <= rt.host_budget_bytes
-    assert list(rt._plans) == [(4, 512), (4, 2048)]
-    rt.before_step(4, 1024)  # released, so recorded again
+    assert rt.pinned_bytes() == int(2.5 * mib) <= rt.host_budget_bytes
+    assert list(rt._plans) == [(1, 512), (1, 2048)]
+    _train(rt, 1, 1024)  # released, so recorded again
     assert rt.plans_recorded == 4
 
 
+def test_buffers_another_kept_plan_uses_stay(monkeypatch):
+    mib = 2**20
+    rt = _runtime(monkeypatch, budget=int(2.5 * mib))
+    for count, length in ((1, 1024), (4, 1024), (1, 2048)):  # 1 (shared) + 2 MiB
+        metrics = _train(rt, count, length)
+    # Releasing (1, 1024) alone frees nothing ((4, 1024) uses its buffers), so both go.
+    assert metrics["offload_plans_released"] == 2.0
+    assert list(rt._plans) == [(1, 2048)] and rt.pinned_bytes() == 2 * mib
+
+
 def test_budget_never_releases_the_plan_in_use(monkeypatch):
-    rt = _runtime(monkeypatch, budget=1, pinned=2**20)
-    rt.before_step(2, 64)
-    assert rt.after_step(2)["offload_plans_kept"] == 1.0 and rt.plans_released == 0
+    rt = _runtime(monkeypatch, budget=1)
+    metrics = _train(rt, 2, 64)
+    assert metrics["offload_plans_kept"] == 1.0 and rt.plans_released == 0
 
 
 def test_forward_only_suspends_and_restores_offloading(monkeypatch):
@@ -127,3 +180,84 @@ def test_default_budget_is_half_the_ram_at_most():
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 0 < runtime.default_host_budget_bytes() <= ram // 2
+
+
+def test_default_buckets_are_powers_of_two_and_midpoints_up_to_the_longest():
+    assert runtime.sequence_length_buckets(4096) == [
+        32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096
+    ]  # fmt: skip
+    # Rounded to the padding multiple, without duplicates; the longest length closes the list.
+    assert runtime.sequence_length_buckets(3000, 64) == [
+        64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3008
+    ]  # fmt: skip
+    assert runtime.sequence_length_buckets(40) == [32, 40]
+
+
+@pytest.mark.parametrize(
+    "length,expected", [(1, 512), (512, 512), (513, 1024), (4096, 4096), (5000, 5000)]
+)
+def test_bucket_for_picks_the_smallest_that_holds_the_length(length, expected):
+    assert runtime.bucket_for(length, [512, 1024, 4096]) == expected
+
+
+def test_padding_reaches_every_per_token_array_and_leaves_the_rest():
+    batch = {
+        "input_ids": np.ones((2, 5), np.int64),
+        "loss_mask": np.ones((2, 5), np.float32),
+        "teacher_topk": np.ones((2, 5, 3), np.float32),
+        "advantages": np.ones(2, np.float32),
+    }
+    (padded,) = runtime.pad_microbatches([batch], 8)
+    assert padded["input_ids"].shape == (2, 8) and padded["input_ids"][:, 5:].sum() == 0
+    assert padded["loss_mask"][:, :5].all() and not padded["loss_mask"][:, 5:].any()
+    assert padded["teacher_topk"].shape == (2, 8, 3)
+    assert padded["advantages"].shape == (2,)
+    assert padded["input_ids"].dtype == np.int64
+    assert batch["input_ids"].shape == (2, 5)  # the caller's arrays are left alone
+
+
+def _step(rows_lengths: list[int]) -> list[dict]:
+    return [
+        {"input_ids": np.ones((2, n), np.int64), "loss_mask": np.ones((2, n), np.float32)}
+        for n in rows_lengths
+    ]
+
+
+def test_prepare_step_pads_a_step_to_one_bucket_and_keys_plans_by_it(monkeypatch):
+    rt = _runtime(monkeypatch, buckets=(256, 512, 1024))
+    shapes = []
+    for lengths in ([100, 250], [300, 200, 17], [256, 256], [1000], [511, 3, 40]):
+        step = rt.prepare_step(_step(lengths))
+        assert len({batch["input_ids"].shape[1] for batch in step}) == 1
+        shapes.append(rt._current)
+    assert shapes == [(2, 256), (3, 512), (2, 256), (1, 1024), (3, 512)]
+    assert rt.plans_recorded == 3  # five steps, three shapes
+
+
+def test_prepare_step_is_a_no_op_without_offloading(monkeypatch):
+    rt = _runtime(monkeypatch, on=False, buckets=(256,))
+    step = _step([100, 7])
+    assert rt.prepare_step(step) is step
+
+
+class _Event:
+    def __init__(self, at_ms: float) -> None:
+        self.at_ms = at_ms
+
+    def elapsed_time(self, end: _Event) -> float:
+        return end.at_ms - self.at_ms
+
+
+def test_copy_timer_sums_intervals_per_direction_and_resets():
+    timer = runtime.CopyTimer()
+    timer.record("d2h", _Event(0), _Event(10), 10**9)  # ignored: not active
+    timer.active = True
+    timer.record("d2h", _Event(0), _Event(10), 10**9)
+    timer.record("d2h", _Event(50), _Event(60), 10**9)
+    timer.record("h2d", _Event(0), _Event(40), 2 * 10**9)
+    metrics = timer.collect()
+    assert metrics["d2h_time_s"] == pytest.approx(0.02)
+    assert metrics["d2h_gb_per_s"] == pytest.approx(100.0)
+    assert metrics["h2d_gb_per_s"] == pytest.approx(50.0)
+    assert metrics["h2d_gib"] == pytest.approx(2 * 10**9 / 2**30)
+    assert timer.collect()["d2h_time_s"] == 0.0 and timer.collect()["d2h_gb_per_s"] == 0.0

@@ -1,0 +1,341 @@
+"""The offload runtime through RL-shaped training on a GPU: the issue's acceptance suite.
+
+Two policy workers live in one process, built from the same seed: one with fine-grained
+offloading, one without. Each of the 100 steps trains both on the same micro-batches, with
+forward-only passes (log-probabilities, a reference pass, generation) on the offloading one in
+between, 3 micro-batch counts and 8 sequence lengths (7 length buckets) in a shuffled order. After
+every step the gradients of the two are compared, and the offloading worker's memory is checked:
+
+- no error; gradients bitwise equal at every step, the first included (deterministic mode);
+- every step's activation peak (peak during forward-backward minus what was resident at the
+  start of the step: the other model's memory does not blur it) within 5% of its shape's steady
+  value (the median over the shape's later steps), and below the plain model's for that step;
+  the first step of a shape, which records the plan and offloads even the groups replayed
+  steps keep on the GPU, may only be lower;
+- pinned host memory unchanged by any step whose shape was seen before, and under the budget;
+- MoE: expert_fc1 and moe_act offload bytes (through the local grouped expert MLP).
+
+A shorter run with the default (flash) attention, whose backward is not deterministic, checks
+that the gradient difference stays within the spread of two plain passes. Results go to
+$NEMO_RL_OFFLOAD_RESULTS (a directory) when set.
+
+Run (device tool, docs/training.md):
+    python3 -m pytest -m gpu -q tests/functional/test_offload_runtime_gpu.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+STEPS = 100
+COUNTS = (1, 2, 4)  # micro-batches per step
+LENGTHS = (250, 380, 500, 760, 1000, 1200, 1500, 2000)  # 1200 and 1500 share bucket 1536
+ROWS = 2  # sequences per micro-batch
+MAX_LENGTH = 2048
+BUDGET_GIB = 48.0
+MODELS = {
+    "dense": ("llama-1b", ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]),
+    "moe": ("moe-1b", ["core_attn", "attn_proj", "expert_fc1", "moe_act"]),
+}
+
+
+def _section(model: str, modules: list[str], *, offload: bool, deterministic: bool, lr: float):
+    return {
+        "model_name": model,
+        "precision": "bfloat16",
+        "max_total_sequence_length": MAX_LENGTH,
+        "megatron_cfg": {
+            "enabled": True,
+            "fine_grained_activation_offloading": offload,
+            "offload_modules": modules if offload else None,
+            "offload_host_memory_budget_gib": BUDGET_GIB,
+            # 1 MiB elements: MoE expert inputs at 250 tokens x top-2 are 1 M, so lower it.
+            "min_offloaded_tensor_size": 65536,
+            "model_overrides": {"deterministic_mode": deterministic, "moe_grouped_gemm": True}
+            if model == "moe-1b"
+            else {"deterministic_mode": deterministic},
+            "optimizer": {
+                "optimizer": "adam",
+                "lr": lr,
+                "min_lr": lr,
+                "clip_grad": 0.0,
+                "use_distributed_optimizer": False,
+            },
+        },
+    }
+
+
+def _worker(section: dict[str, Any]):
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    worker = PolicyWorker(
+        section=section, where="policy", rank=0, world_size=1, seed=1234, on_gpu=True
+    )
+    address, port = worker.node_address()
+    worker.setup(address, port)
+    return worker
+
+
+def _release(*workers) -> None:
+    """Free both models before the next test builds its own (the offload manager is a
+    process-wide singleton that would keep the last plan's buffers)."""
+    import gc
+
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        PipelineOffloadManager,
+    )
+
+    for worker in workers:
+        worker.model = worker.optimizer = worker.runtime = None
+    PipelineOffloadManager.reset_instance()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _schedule(seed: int, steps: int) -> list[tuple[int, int]]:
+    """Every (count, length) pair about equally often, shuffled; the first step included."""
+    shapes = [(count, length) for count in COUNTS for length in LENGTHS]
+    order = (shapes * (steps // len(shapes) + 1))[:steps]
+    np.random.default_rng(seed).shuffle(order)
+    return order
+
+
+def _step_batch(count: int, length: int, vocab: int, rng: np.random.Generator) -> list[dict]:
+    """``count`` micro-batches whose longest sequence has ``length`` tokens; the others are
+    shorter (padding within a step is the runtime's job)."""
+    batches = []
+    for index in range(count):
+        n = length - 7 * index
+        ids = rng.integers(0, vocab, (ROWS, n))
+        mask = np.ones((ROWS, n), np.float32)
+        mask[:, : n // 4] = 0.0  # a prompt that does not count
+        batches.append({"input_ids": ids, "labels": ids, "loss_mask": mask})
+    return batches
+
+
+def _as_padded_by_the_runtime(batch: list[dict]) -> list[dict]:
+    """The micro-batches as the offloading worker's runtime pads them (to the step's length
+    bucket): the plain model gets the same padded inputs, so the two compute the same thing."""
+    from nemo_rl_offload.offload.runtime import (
+        bucket_for,
+        pad_microbatches,
+        sequence_length_buckets,
+    )
+
+    longest = max(mb["input_ids"].shape[1] for mb in batch)
+    return pad_microbatches(batch, bucket_for(longest, sequence_length_buckets(MAX_LENGTH)))
+
+
+def _grads(worker) -> list[torch.Tensor]:
+    return [p.main_grad for p in worker._unwrapped().parameters()]
+
+
+def _max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _environment() -> dict[str, Any]:
+    import megatron.core
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "megatron_core": megatron.core.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def _write(name: str, payload: dict[str, Any]) -> None:
+    where = os.environ.get("NEMO_RL_OFFLOAD_RESULTS")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        (Path(where) / f"{name}.json").write_text(json.dumps(payload, indent=1))
+
+
+@pytest.fixture(scope="module")
+def vocab() -> int:
+    from nemo_rl_offload.config.model_presets import architecture_for
+
+    return architecture_for("llama-1b").vocab_size
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
+    model, modules = MODELS[kind]
+    fgo = _worker(_section(model, modules, offload=True, deterministic=True, lr=1e-5))
+    plain = _worker(_section(model, modules, offload=False, deterministic=True, lr=1e-5))
+    try:
+        params = zip(fgo._unwrapped().parameters(), plain._unwrapped().parameters(), strict=True)
+        assert all(torch.equal(a, b) for a, b in params), "same seed, same initial weights"
+        rng = np.random.default_rng(7)
+        records, seen = [], set()
+        for step, (count, length) in enumerate(_schedule(11, STEPS), start=1):
+            batch = _step_batch(count, length, vocab, rng)
+            fgo.token_logprobs(batch[:1])  # GRPO's old-logprob pass
+            if step % 10 == 0:
+                fgo.generate([[1, 2, 3, 4]], {"max_new_tokens": 4}, seed=step, pad_id=0)
+            metrics = fgo.train(batch, {"name": "nll"})
+            plain_metrics = plain.train(_as_padded_by_the_runtime(batch), {"name": "nll"})
+            shape = (count, int(metrics["offload_step_length"]))
+            records.append(
+                {
+                    "step": step,
+                    "microbatches": count,
+                    "longest": length,
+                    "bucket": shape[1],
+                    "new_shape": shape not in seen,
+                    "grads_bitwise_equal": _bitwise_equal(_grads(fgo), _grads(plain)),
+                    "grad_max_abs_diff": _max_abs_diff(_grads(fgo), _grads(plain)),
+                    "loss": metrics["loss"],
+                    "plain_loss": plain_metrics["loss"],
+                    "activation_peak_gib": metrics["peak_activation_gpu_memory_gib"],
+                    "plain_activation_peak_gib": plain_metrics["peak_activation_gpu_memory_gib"],
+                    "peak_gib": metrics["peak_fwd_bwd_gpu_memory_gib"],
+                    "plain_peak_gib": plain_metrics["peak_fwd_bwd_gpu_memory_gib"],
+                    "train_s": metrics["step_time_s"],
+                    "plain_train_s": plain_metrics["step_time_s"],
+                    **{
+                        k: v
+                        for k, v in metrics.items()
+                        if k.startswith(("offload", "d2h", "h2d", "pinned"))
+                    },
+                }
+            )
+            seen.add(shape)
+        _write(f"offload_runtime_{kind}", {"environment": _environment(), "steps": records})
+        summary = _summarise(records)
+        _write(
+            f"offload_runtime_{kind}",
+            {
+                "environment": _environment(),
+                "model": model,
+                "offload_modules": modules,
+                "budget_gib": BUDGET_GIB,
+                "summary": summary,
+                "steps": records,
+            },
+        )
+    finally:
+        _release(fgo, plain)
+
+    assert all(r["grads_bitwise_equal"] for r in records), [
+        (r["step"], r["grad_max_abs_diff"]) for r in records if not r["grads_bitwise_equal"]
+    ]
+    assert all(r["loss"] == r["plain_loss"] for r in records)
+    for shape, values in summary["activation_peak_by_shape"].items():
+        steady, (first, *replayed) = values["steady_gib"], values["all_gib"]
+        assert all(abs(v - steady) <= 0.05 * steady for v in replayed), (shape, values)
+        # The first step of a shape records its plan, offloading every group (the last ones
+        # too, which replayed steps keep on the GPU): its peak may only be lower.
+        assert first <= 1.05 * steady, (shape, values)
+    assert all(r["activation_peak_gib"] < r["plain_activation_peak_gib"] for r in records)
+    for before, after in zip(records, records[1:], strict=False):
+        if not after["new_shape"]:
+            assert after["pinned_host_gib"] == before["pinned_host_gib"], (before, after)
+    assert max(r["pinned_host_gib"] for r in records) <= BUDGET_GIB
+    assert records[-1]["offload_plans_released"] == 0
+    assert records[-1]["offload_plans_recorded"] == len(
+        {(r["microbatches"], r["bucket"]) for r in records}
+    )
+    for module in modules:
+        assert all(r.get(f"offloaded_gib_{module}", 0) > 0 for r in records), module
+    assert all(r["d2h_gb_per_s"] > 1 and r["h2d_gb_per_s"] > 1 for r in records)
+
+
+def _summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
+    by_shape: dict[str, list[float]] = {}
+    for r in records:
+        by_shape.setdefault(f"{r['microbatches']}x{r['bucket']}", []).append(
+            r["activation_peak_gib"]
+        )
+    peaks = {}
+    for shape, values in by_shape.items():
+        steady = statistics.median(values[1:] or values)
+        deviation = max(abs(v - steady) for v in values)
+        peaks[shape] = {
+            "steady_gib": steady,
+            "all_gib": values,
+            "max_rel_dev": deviation / steady if steady else float("inf"),
+        }
+    return {
+        "steps": len(records),
+        "shapes": len(by_shape),
+        "grads_bitwise_equal_steps": sum(r["grads_bitwise_equal"] for r in records),
+        "max_peak_rel_dev": max(p["max_rel_dev"] for p in peaks.values()),
+        "max_replayed_peak_rel_dev": max(
+            abs(v - p["steady_gib"]) / p["steady_gib"]
+            for p in peaks.values()
+            for v in p["all_gib"][1:]
+        ),
+        "first_step_peak_vs_steady": [
+            p["all_gib"][0] / p["steady_gib"] - 1 for p in peaks.values()
+        ],
+        "max_pinned_gib": max(r["pinned_host_gib"] for r in records),
+        "plans_recorded": records[-1]["offload_plans_recorded"],
+        "plans_released": records[-1]["offload_plans_released"],
+        "median_d2h_gb_per_s": statistics.median(r["d2h_gb_per_s"] for r in records),
+        "median_h2d_gb_per_s": statistics.median(r["h2d_gb_per_s"] for r in records),
+        "activation_peak_by_shape": peaks,
+        "median_activation_saving": statistics.median(
+            1 - r["activation_peak_gib"] / r["plain_activation_peak_gib"] for r in records
+        ),
+    }
+
+
+def test_flash_attention_within_the_spread_of_two_plain_passes(vocab):
+    """Default attention kernels (not deterministic mode): the plain model runs each step twice
+    on the same weights (lr 0), which measures the spread; the offloading one must fall in it."""
+    torch.use_deterministic_algorithms(False)  # the tests above turned it on process-wide
+    model, modules = MODELS["dense"]
+    fgo = _worker(_section(model, modules, offload=True, deterministic=False, lr=0.0))
+    plain = _worker(_section(model, modules, offload=False, deterministic=False, lr=0.0))
+    try:
+        rng = np.random.default_rng(3)
+        rows = []
+        for step, (count, length) in enumerate(_schedule(5, 12), start=1):
+            batch = _step_batch(count, length, vocab, rng)
+            fgo.token_logprobs(batch[:1])
+            fgo.train(batch, {"name": "nll"})
+            padded = _as_padded_by_the_runtime(batch)
+            plain.train(padded, {"name": "nll"})
+            first = [g.clone() for g in _grads(plain)]
+            plain.train(padded, {"name": "nll"})
+            rows.append(
+                {
+                    "step": step,
+                    "microbatches": count,
+                    "longest": length,
+                    "offload_vs_plain": _max_abs_diff(_grads(fgo), first),
+                    "plain_vs_plain": _max_abs_diff(_grads(plain), first),
+                }
+            )
+        _write("offload_runtime_flash_spread", {"environment": _environment(), "steps": rows})
+    finally:
+        _release(fgo, plain)
+    # Two passes of one nondeterministic model differ by a few bf16 rounding steps at some
+    # steps and not at others; the offloading model is one more such pass, so its largest
+    # difference is compared with twice the largest plain one (an offload bug, such as the
+    # warm-up race of Megatron-LM 7398, shows up as differences of 1e-3 and more).
+    spread = max(r["plain_vs_plain"] for r in rows)
+    assert max(r["offload_vs_plain"] for r in rows) <= 2 * spread, rows
