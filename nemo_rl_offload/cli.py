@@ -131,6 +131,20 @@ def _lengths(text: str) -> list[int]:
         ) from None
 
 
+def _cmd_export_hf(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from nemo_rl_offload.export_hf import export
+
+    files = export(
+        args.config,
+        args.overrides,
+        checkpoint=args.checkpoint,
+        out=args.out,
+        model_type=args.model_type,
+    )
+    print(f"written: {args.out} ({', '.join(files)})", file=out)
+    return 0
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from nemo_rl_offload.demo import run_demo
 
@@ -188,6 +202,24 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry.add_argument("--json", default=None, help="also write the records to this file")
     telemetry.add_argument("overrides", nargs="*", help="Hydra-style overrides")
     telemetry.set_defaults(handler=_job(_run_telemetry))
+    export_hf = commands.add_parser(
+        "export-hf",
+        help="write a training checkpoint as a Hugging Face model directory",
+        description="Convert a checkpoint written by a training command (a step_N directory, "
+        "or a checkpoint_dir: its latest step) to a Hugging Face directory: safetensors "
+        "weights, config.json, and the tokenizer files of the model's own directory.",
+    )
+    export_hf.add_argument("--config", required=True, help="the recipe that trained it")
+    export_hf.add_argument("--checkpoint", required=True, help="step directory or checkpoint_dir")
+    export_hf.add_argument("--out", required=True, help="a new directory to write")
+    export_hf.add_argument(
+        "--model-type",
+        default=None,
+        help="llama, qwen2, qwen3, qwen3_moe or mixtral (default: the source directory's, "
+        "else the closest family of the architecture)",
+    )
+    export_hf.add_argument("overrides", nargs="*", help="Hydra-style overrides of the recipe")
+    export_hf.set_defaults(handler=_cmd_export_hf)
     for name, module, function, what in _TRAINING_COMMANDS:
         command = commands.add_parser(
             name,

@@ -290,12 +290,9 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
             f"{policy['model_name']} only {architecture.vocab_size}; use the model's tokenizer"
         )
     if architecture.hf_directory and not policy.get("init_checkpoint"):
-        print(
-            f"warning: policy.model_name: only the architecture of {architecture.hf_directory} "
-            "is used (its config.json); loading Hugging Face weights is not supported yet, so "
-            "the policy starts from random weights",
-            file=sys.stderr,
-        )
+        from nemo_rl_offload.models.hf_checkpoint import check_hf_directory
+
+        check_hf_directory(architecture)  # a bad directory fails here, not in the workers
     ckpt = recipe["checkpointing"]
     resume_from, start_step, driver_state = None, 0, {}
     existing = checkpoint_dirs(ckpt["checkpoint_dir"]) if ckpt.get("enabled", True) else []

@@ -162,12 +162,26 @@ def _from_hf_config(directory: Path) -> Architecture:
             moe_router_topk=hf.get("num_experts_per_tok", 2),
             moe_ffn_hidden_size=hf.get("moe_intermediate_size", transformer["ffn_hidden_size"]),
         )
+        # Qwen3-MoE without norm_topk_prob keeps the full softmax's top-k probabilities
+        # (Megatron: softmax before top-k); Mixtral and norm_topk_prob renormalise them
+        # (Megatron's default: softmax over the chosen logits only).
+        if hf.get("model_type") == "qwen3_moe" and not hf.get("norm_topk_prob", False):
+            transformer["moe_router_pre_softmax"] = True
+    # transformers >= 5 writes rope_theta only inside rope_parameters.
+    rope = hf.get("rope_parameters") or {}
+    rope_theta = hf.get("rope_theta") or rope.get("rope_theta")
+    scaling = (hf.get("rope_scaling") or {}).get("rope_type") or rope.get("rope_type")
+    if scaling not in (None, "default"):
+        raise UserInputError(
+            f"{config_path}: RoPE scaling '{scaling}' is not supported yet (the model would "
+            "compute different positions); use a checkpoint without rope_scaling"
+        )
     return Architecture(
         name=str(directory),
         transformer=transformer,
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
-        rotary_base=int(hf.get("rope_theta", 10000)),
+        rotary_base=int(rope_theta or 10000),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         hf_directory=str(directory),
     )

@@ -125,6 +125,11 @@ class PolicyWorker:
         model, warnings = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
         if model.config.deterministic_mode:
             _use_deterministic_algorithms()
+        if self.architecture.hf_directory and not self.section.get("init_checkpoint"):
+            # Before the reference copy and the optimizer, which copy the weights.
+            from nemo_rl_offload.models.hf_checkpoint import load_into_model
+
+            load_into_model(model, self.architecture)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if self.on_gpu
@@ -406,6 +411,10 @@ class PolicyWorker:
             while hasattr(reference, "module"):
                 reference = reference.module
             reference.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            # Mixed precision: the optimizer steps float32 copies of the weights, made when it
+            # was built; refresh them, or its first step would bring the old weights back.
+            self.optimizer.reload_model_params()
         if weights_only:
             return 0
         if self.optimizer is not None and "optimizer" in state:
