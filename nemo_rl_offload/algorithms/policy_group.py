@@ -17,7 +17,18 @@ from nemo_rl_offload.models.policy_worker import PolicyWorker
 
 # Metrics that describe one rank (its memory, time, learning rate): the step's value is the
 # largest over ranks, not the sum.
-_PER_RANK_KEYS = ("peak_", "gpu_memory", "step_time", "lr", "grad_norm", "offload")
+_PER_RANK_KEYS = (
+    "peak_",
+    "gpu_memory",
+    "step_time",
+    "fwd_bwd_time",
+    "lr",
+    "grad_norm",
+    "offload",
+    "pinned",
+    "d2h",
+    "h2d",
+)
 
 
 def worker_count(cluster_cfg: dict[str, Any]) -> tuple[int, bool]:

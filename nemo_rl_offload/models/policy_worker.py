@@ -269,6 +269,9 @@ class PolicyWorker:
         outputs = run_microbatches(
             self.model, self._tensors(microbatches), losses.make_loss_fn(loss), forward_only=False
         )
+        if self.on_gpu:
+            torch.cuda.synchronize()  # the optimizer's norm would wait here anyway
+        fwd_bwd_time = time.perf_counter() - start
         # Activations (what offloading moves) peak in the forward-backward; the optimizer step
         # has its own peak (its states), reported separately by memory_stats.
         fwd_bwd_peak = torch.cuda.max_memory_allocated() / 2**30 if self.on_gpu else None
@@ -281,6 +284,7 @@ class PolicyWorker:
             grad_norm=float(grad_norm or 0.0),
             lr=float(self.optimizer.param_groups[0]["lr"]),
             step_time_s=time.perf_counter() - start,
+            fwd_bwd_time_s=fwd_bwd_time,
             **self.runtime.after_step(len(microbatches)),
             **self.memory_stats(),
         )

@@ -1,0 +1,434 @@
+"""Offloading against its alternatives, side by side in one run on one GPU.
+
+For one model preset and sequence length, each case (no offload; fine-grained offload module
+sets, with fraction and max-inflight variants; selective and full recompute; offload combined
+with selective recompute; torch's save_on_cpu) builds the policy worker in this process, trains
+``--steps`` steps of the same random batches, and records the forward-backward peak memory, the
+median forward-backward time (the optimizer step is the same for every case and left out),
+bytes offloaded and the copy bandwidth. The floor of each offload case comes from the physical
+model (nemo_rl_offload/offload/cost_model.py) with this run's own numbers: the no-offload
+forward and backward times and the bandwidth of a plain pinned copy measured here.
+
+Each case runs in its own process (a fresh CUDA allocator and no state left by the case
+before: megatron-core's MoE layers keep references that stop a model from being freed in
+process), which the parent starts with ``--one-case``.
+
+Output in --out: ``<model>_seq<N>.json`` (every step of every case, the environment), a
+markdown table, and a PNG of peak memory against time when matplotlib is installed.
+
+Run on a GPU machine (about 4 minutes for one model and length on an H100):
+    python3 benchmarks/offload_benchmark.py --model llama-1b --seq 4096 --out /tmp/bench
+Cases can be narrowed with --cases NAME,NAME; --list prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+FGO = {"fine_grained_activation_offloading": True}
+DENSE_FIVE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
+SELECTIVE_CORE_ATTN = {
+    "activation_checkpointing": True,
+    "recompute_granularity": "selective",
+    "recompute_modules": ["core_attn"],
+}
+FULL_RECOMPUTE = {"activation_checkpointing": True}
+SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_on_cpu
+
+
+def cases_for(model: str) -> dict[str, dict[str, Any]]:
+    """The case matrix: name -> megatron_cfg settings (or SAVE_ON_CPU)."""
+    cases: dict[str, dict[str, Any]] = {
+        "no_offload": {},
+        "fgo_attn_pair": {**FGO, "offload_modules": ["core_attn", "attn_proj"]},
+        "fgo_attn_qkv": {**FGO, "offload_modules": ["qkv_linear", "core_attn", "attn_proj"]},
+        "fgo_norms": {**FGO, "offload_modules": ["attn_norm", "mlp_norm"]},
+        "fgo_all5": {**FGO, "offload_modules": DENSE_FIVE},
+        "fgo_all5_fraction_0.5": {
+            **FGO,
+            "offload_modules": DENSE_FIVE,
+            "activation_offload_fraction": 0.5,
+        },
+        "fgo_all5_inflight_1": {
+            **FGO,
+            "offload_modules": DENSE_FIVE,
+            "fine_grained_offloading_max_inflight_offloads": 1,
+        },
+        "recompute_core_attn": SELECTIVE_CORE_ATTN,
+        "recompute_full": FULL_RECOMPUTE,
+        "fgo_norms_qkv+recompute_core_attn": {
+            **FGO,
+            **SELECTIVE_CORE_ATTN,
+            "offload_modules": ["attn_norm", "qkv_linear", "mlp_norm"],
+        },
+        SAVE_ON_CPU: {SAVE_ON_CPU: True},
+    }
+    if "moe" in model:
+        experts = ["expert_fc1", "moe_act"]
+        cases["fgo_experts"] = {**FGO, "offload_modules": experts}
+        cases["fgo_attn_pair_experts"] = {
+            **FGO,
+            "offload_modules": ["core_attn", "attn_proj", *experts],
+        }
+    return cases
+
+
+def section_for(
+    model: str, seq: int, settings: dict[str, Any], precision: str = "bfloat16"
+) -> dict[str, Any]:
+    megatron = {k: v for k, v in settings.items() if k != SAVE_ON_CPU}
+    if "moe" in model:  # every case on the grouped experts, the layout expert offload needs
+        megatron.setdefault("model_overrides", {"moe_grouped_gemm": True})
+    return {
+        "model_name": model,
+        "precision": precision,
+        "max_total_sequence_length": seq,
+        "make_sequence_length_divisible_by": seq,
+        "megatron_cfg": {
+            "enabled": True,
+            **megatron,
+            "optimizer": {
+                "optimizer": "adam",
+                "lr": 1e-6,
+                "min_lr": 1e-6,
+                "use_distributed_optimizer": False,
+            },
+        },
+    }
+
+
+def check_section(section: dict[str, Any]) -> list[str]:
+    """The offload rules' verdict on a case (a case the rules reject is reported, not run)."""
+    from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.offload.capabilities import detect
+    from nemo_rl_offload.offload.rules import check_policy
+
+    return check_policy(
+        section,
+        where="policy",
+        architecture=architecture_for(section["model_name"]),
+        caps=detect(),
+        gpus_per_node=1,
+    ).errors
+
+
+def build_worker(section: dict[str, Any], on_gpu: bool):
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    worker = PolicyWorker(
+        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=on_gpu
+    )
+    worker.setup(*worker.node_address())
+    return worker
+
+
+def release(worker: Any) -> None:
+    """Free a case's model before the next one is built (one GPU holds one at a time)."""
+    import torch
+
+    worker.model = worker.optimizer = worker.runtime = worker.reference = None
+    if torch.cuda.is_available():
+        from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+            PipelineOffloadManager,
+        )
+
+        PipelineOffloadManager.reset_instance()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def batches(
+    steps: int, microbatches: int, rows: int, seq: int, vocab: int
+) -> list[list[dict[str, np.ndarray]]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(microbatches):
+            ids = rng.integers(0, vocab, (rows, seq))
+            step.append({"input_ids": ids, "labels": ids, "loss_mask": np.ones((rows, seq), "f4")})
+        out.append(step)
+    return out
+
+
+def copy_bandwidth(gib: float = 1.0) -> dict[str, float]:
+    """Bytes per second of one plain pinned copy each way (the hardware limit offloading has)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"d2h_bytes_per_s": 0.0, "h2d_bytes_per_s": 0.0}
+    n = int(gib * 2**30)
+    device = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    result = {}
+    for name, dst, src in (("d2h", host, device), ("h2d", device, host)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        result[f"{name}_bytes_per_s"] = 3 * n / (time.perf_counter() - start)
+    return result
+
+
+def forward_time_s(worker: Any, microbatch: dict[str, np.ndarray]) -> float:
+    """Median time of a forward pass of one micro-batch (no autograd graph kept)."""
+    import torch
+
+    times = []
+    for _ in range(3):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        worker.token_logprobs([microbatch])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_case_in_subprocess(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Run one case in a fresh process; returns its record (or the failure, as a record)."""
+    import subprocess
+
+    target = out / f".case_{name}.json"
+    command = [
+        sys.executable,
+        __file__,
+        "--model",
+        args.model,
+        "--seq",
+        str(args.seq),
+        "--microbatches",
+        str(args.microbatches),
+        "--rows",
+        str(args.rows),
+        "--steps",
+        str(args.steps),
+        "--precision",
+        args.precision,
+        "--one-case",
+        name,
+        "--out",
+        str(target),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0 or not target.is_file():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"case": name, "settings": cases_for(args.model)[name], "failed": tail[0]}
+    record = json.loads(target.read_text())
+    target.unlink()
+    return record
+
+
+def run_case(
+    name: str, settings: dict[str, Any], args: argparse.Namespace, data: list, on_gpu: bool
+) -> dict[str, Any]:
+    import torch
+
+    section = section_for(args.model, args.seq, settings, args.precision)
+    errors = check_section(section)
+    if errors:
+        return {"case": name, "settings": settings, "rejected": errors}
+    worker = build_worker(section, on_gpu)
+    try:
+        context = (
+            torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+            if settings.get(SAVE_ON_CPU)
+            else contextlib.nullcontext()
+        )
+        steps = []
+        for step in data:
+            with context:
+                steps.append(worker.train(step, {"name": "nll"}))
+        forward = forward_time_s(worker, data[0][0]) if name == "no_offload" else None
+    finally:
+        release(worker)
+    later = steps[1:] or steps  # the first step records plans and allocates optimizer state
+    record = {
+        "case": name,
+        "settings": settings,
+        "peak_gib": max(s.get("peak_fwd_bwd_gpu_memory_gib", 0.0) for s in later),
+        "fwd_bwd_s": statistics.median(s["fwd_bwd_time_s"] for s in later),
+        "offloaded_gib_per_step": statistics.median(
+            s.get("offloaded_gib_per_step", 0.0) for s in later
+        ),
+        "d2h_gb_per_s": statistics.median(s.get("d2h_gb_per_s", 0.0) for s in later),
+        "h2d_gb_per_s": statistics.median(s.get("h2d_gb_per_s", 0.0) for s in later),
+        "losses": [s["loss"] / s["num_tokens"] for s in steps],
+        "steps": steps,
+    }
+    if forward is not None:
+        record["forward_s_per_microbatch"] = forward
+    return record
+
+
+def add_floors(records: list[dict[str, Any]], bandwidth: dict[str, float], mbs: int) -> None:
+    from nemo_rl_offload.offload.cost_model import PassTimes, step_floor_s
+
+    base = next((r for r in records if r["case"] == "no_offload" and "peak_gib" in r), None)
+    if base is None:
+        return
+    per_mb = base["fwd_bwd_s"] / mbs
+    forward = min(base.get("forward_s_per_microbatch", per_mb / 3), per_mb)
+    times = PassTimes(forward, per_mb - forward)
+    for r in records:
+        if "peak_gib" not in r:  # rejected or failed
+            continue
+        if base["peak_gib"] > 0:  # 0 on CPU, which has no allocator statistics
+            r["peak_change"] = r["peak_gib"] / base["peak_gib"] - 1
+        r["time_change"] = r["fwd_bwd_s"] / base["fwd_bwd_s"] - 1
+        moved = r["offloaded_gib_per_step"] * 2**30
+        if moved and bandwidth["d2h_bytes_per_s"] > 0:
+            floor = step_floor_s(
+                base["fwd_bwd_s"],
+                mbs,
+                moved,
+                times,
+                bandwidth["d2h_bytes_per_s"],
+                bandwidth["h2d_bytes_per_s"],
+            )
+            r["floor_time_change"] = floor / base["fwd_bwd_s"] - 1
+            r["gap_to_floor_pp"] = 100 * (r["time_change"] - r["floor_time_change"])
+
+
+def _pct(record: dict[str, Any], key: str) -> str:
+    return f"{100 * record[key]:+.1f}%" if key in record else "-"
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    head = (
+        "| case | peak GiB | peak | fwd-bwd s | time | floor | gap (pp) | offloaded GiB/step "
+        "| D2H GB/s | H2D GB/s |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for r in records:
+        if "peak_gib" not in r:
+            why = f"rejected: {r['rejected'][0]}" if "rejected" in r else f"failed: {r['failed']}"
+            rows.append(f"| {r['case']} | {why} |||||||||")
+            continue
+
+        rows.append(
+            f"| {r['case']} | {r['peak_gib']:.2f} | {_pct(r, 'peak_change')} | "
+            f"{r['fwd_bwd_s']:.3f} | {_pct(r, 'time_change')} | {_pct(r, 'floor_time_change')} | "
+            f"{r.get('gap_to_floor_pp', float('nan')):.1f} | {r['offloaded_gib_per_step']:.2f} "
+            f"| {r['d2h_gb_per_s']:.1f} | {r['h2d_gb_per_s']:.1f} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def chart(records: list[dict[str, Any]], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    done = [r for r in records if "peak_gib" in r]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in done:
+        ax.scatter(r["fwd_bwd_s"], r["peak_gib"])
+        ax.annotate(r["case"], (r["fwd_bwd_s"], r["peak_gib"]), fontsize=7)
+    ax.set_xlabel("forward-backward time per step (s)")
+    ax.set_ylabel("peak GPU memory (GiB)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def environment() -> dict[str, Any]:
+    import megatron.core
+    import torch
+
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "megatron_core": megatron.core.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-1b")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--steps", type=int, default=11, help="first one excluded from medians")
+    parser.add_argument("--precision", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--cases", default=None, help="comma-separated case names")
+    parser.add_argument("--list", action="store_true", help="print the case names and exit")
+    parser.add_argument("--out", default="results/benchmark")
+    parser.add_argument("--one-case", default=None, help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args(argv)
+    import torch
+
+    from nemo_rl_offload.config.model_presets import architecture_for
+
+    cases = cases_for(args.model)
+    if args.list:
+        print("\n".join(cases))
+        return 0
+    if args.cases:
+        wanted = args.cases.split(",")
+        unknown = [name for name in wanted if name not in cases]
+        if unknown:
+            print(f"--cases: unknown {unknown}; --list shows them", file=sys.stderr)
+            return 2
+        cases = {name: cases[name] for name in ["no_offload", *wanted] if name in cases}
+    if args.one_case:
+        vocab = architecture_for(args.model).vocab_size
+        data = batches(args.steps, args.microbatches, args.rows, args.seq, vocab)
+        record = run_case(
+            args.one_case, cases[args.one_case], args, data, torch.cuda.is_available()
+        )
+        Path(args.out).write_text(json.dumps(record))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bandwidth = copy_bandwidth()
+    records = []
+    for name in cases:
+        record = run_case_in_subprocess(name, args, out)
+        records.append(record)
+        shown = {k: v for k, v in record.items() if k not in ("steps", "settings", "losses")}
+        print(json.dumps(shown), flush=True)
+    add_floors(records, bandwidth, args.microbatches)
+    stem = f"{args.model}_seq{args.seq}"
+    payload = {
+        "environment": environment(),
+        "command": " ".join(["python3", "benchmarks/offload_benchmark.py", *sys.argv[1:]]),
+        "model": args.model,
+        "seq": args.seq,
+        "microbatches": args.microbatches,
+        "rows": args.rows,
+        "steps": args.steps,
+        "copy_bandwidth": bandwidth,
+        "cases": records,
+    }
+    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    (out / f"{stem}.md").write_text(table(records))
+    chart(records, out / f"{stem}.png", f"{args.model}, seq {args.seq}")
+    print(table(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
