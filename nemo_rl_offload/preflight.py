@@ -87,6 +87,38 @@ def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any
     return resolved
 
 
+def _runtime_settings(section: dict[str, Any], where: str) -> dict[str, tuple[Any, str]]:
+    """The offload runtime's own settings, resolved (shown only when offloading is on)."""
+    from nemo_rl_offload.offload.runtime import sequence_length_buckets
+
+    megatron = section.get("megatron_cfg") or {}
+    if megatron.get("fine_grained_activation_offloading") is not True:
+        return {}
+    path = f"{where}.megatron_cfg"
+    resolved: dict[str, tuple[Any, str]] = {}
+    buckets = megatron.get("offload_sequence_length_buckets")
+    if buckets:
+        resolved["offload_sequence_length_buckets"] = (
+            buckets,
+            f"{path}.offload_sequence_length_buckets",
+        )
+    elif isinstance(section.get("max_total_sequence_length"), int):
+        multiple = section.get("make_sequence_length_divisible_by")
+        resolved["offload_sequence_length_buckets"] = (
+            sequence_length_buckets(
+                section["max_total_sequence_length"], multiple if isinstance(multiple, int) else 1
+            ),
+            "default (up to max_total_sequence_length)",
+        )
+    budget = megatron.get("offload_host_memory_budget_gib")
+    resolved["offload_host_memory_budget_gib"] = (
+        (budget, f"{path}.offload_host_memory_budget_gib")
+        if budget
+        else ("half of each worker host's RAM / its GPUs", "default")
+    )
+    return resolved
+
+
 def _megatron_crosscheck(effective: apply.EffectiveSettings, where: str, report: Report) -> None:
     """Build the real TransformerConfig: anything Megatron still rejects is reported too."""
     if capabilities.transformer_config_fields() is None:
@@ -153,7 +185,9 @@ def check_recipe(
         effective_by_section[where] = effective
         report.sections.append(
             SectionSettings(
-                where, effective.value("transformer_impl"), _resolved_offload(effective)
+                where,
+                effective.value("transformer_impl"),
+                {**_resolved_offload(effective), **_runtime_settings(section, where)},
             )
         )
     if megatron_crosscheck and report.ok:

@@ -68,6 +68,33 @@ def test_valid_fgo_recipe_prints_settings_and_their_sources() -> None:
         assert setting_line(out, name).endswith(f"# {MCFG}.{name}")
 
 
+def test_offload_runtime_settings_are_shown_resolved_when_offloading_is_on() -> None:
+    code, out, err = validate(FGO, "policy.make_sequence_length_divisible_by=1024")
+    assert code == 0, err
+    assert re.fullmatch(
+        r"\s+offload_sequence_length_buckets\s+\[1024, 2048, 3072, 4096\]\s+"
+        r"# default \(up to max_total_sequence_length\)",
+        setting_line(out, "offload_sequence_length_buckets"),
+    )
+    assert setting_line(out, "offload_host_memory_budget_gib").endswith("# default")
+    code, out, err = validate(
+        FGO,
+        f"++{MCFG}.offload_sequence_length_buckets=[2048,4096]",
+        f"++{MCFG}.offload_host_memory_budget_gib=24",
+    )
+    assert code == 0, err
+    assert setting_line(out, "offload_sequence_length_buckets").endswith(
+        f"# {MCFG}.offload_sequence_length_buckets"
+    )
+    assert re.fullmatch(
+        rf"\s+offload_host_memory_budget_gib\s+24\s+# {MCFG}\.offload_host_memory_budget_gib",
+        setting_line(out, "offload_host_memory_budget_gib"),
+    )
+    code, out, _ = validate(PLAIN)
+    assert code == 0
+    assert not any("offload_sequence_length_buckets" in line for line in out)
+
+
 def test_unset_knob_shows_megatron_default_as_its_source() -> None:
     code, out, err = validate(
         FGO, f"~{MCFG}.cuda_graph_warmup_steps", f"~{MCFG}.min_offloaded_tensor_size"
