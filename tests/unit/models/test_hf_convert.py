@@ -32,6 +32,7 @@ from torch import Tensor  # noqa: E402
 
 from nemo_rl_offload.config.model_presets import Architecture, architecture_for  # noqa: E402
 from nemo_rl_offload.errors import UserInputError  # noqa: E402
+from nemo_rl_offload.models.hf_checkpoint import load_into_model  # noqa: E402
 from nemo_rl_offload.models.hf_convert import (  # noqa: E402
     hf_config_for,
     hf_to_megatron,
@@ -203,9 +204,9 @@ def test_logits_match_hf(build_tiny, checkpoint, moe_globals_restored, name, gro
     overrides = {**ckpt.family.overrides, **({"moe_grouped_gemm": True} if grouped else {})}
     model, warnings = build_tiny(str(ckpt.directory), model_overrides=overrides)
     assert warnings == []
-    converted = hf_to_megatron(ckpt.state, ckpt.architecture, grouped_experts=grouped)
-    extra_state = {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
-    model.load_state_dict({**extra_state, **converted}, strict=True)
+    # The policy worker's own path: the directory's safetensors, read and converted for this
+    # rank (grouped or sequential experts as the built model has them), loaded strictly.
+    load_into_model(model, ckpt.architecture)
 
     ids, positions = _tokens()
     model.eval()
