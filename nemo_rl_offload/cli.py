@@ -122,6 +122,19 @@ def _run_telemetry(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_plan(args: argparse.Namespace) -> int:
+    from nemo_rl_offload import planner
+
+    result = planner.plan(
+        args.config,
+        args.overrides,
+        budget_gib=args.budget_gib,
+        steps=args.steps,
+        max_trials=args.max_trials,
+    )
+    return 0 if planner.format_plan(result, sys.stdout) else 1
+
+
 def _lengths(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -202,6 +215,22 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry.add_argument("--json", default=None, help="also write the records to this file")
     telemetry.add_argument("overrides", nargs="*", help="Hydra-style overrides")
     telemetry.set_defaults(handler=_job(_run_telemetry))
+    plan = commands.add_parser(
+        "plan",
+        help="pick the offload settings that fit a peak-memory budget fastest",
+        description="Profile the recipe's policy without offloading and with every module "
+        "offloaded, predict each module set's peak memory, measure the most promising ones that "
+        "fit --budget-gib, and print the fastest with the override lines to paste. Needs GPU "
+        "workers. Exit 0 with a plan, 1 when no offload plan fits.",
+    )
+    plan.add_argument("--config", required=True, help="recipe YAML file")
+    plan.add_argument(
+        "--budget-gib", type=float, required=True, help="peak GPU memory per worker to fit in"
+    )
+    plan.add_argument("--steps", type=int, default=3, help="steps per measurement (default 3)")
+    plan.add_argument("--max-trials", type=int, default=3, help="candidates to measure (default 3)")
+    plan.add_argument("overrides", nargs="*", help="Hydra-style overrides")
+    plan.set_defaults(handler=_job(_run_plan))
     export_hf = commands.add_parser(
         "export-hf",
         help="write a training checkpoint as a Hugging Face model directory",
