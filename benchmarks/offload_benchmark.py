@@ -9,9 +9,9 @@ bytes offloaded and the copy bandwidth. The floor of each offload case comes fro
 model (nemo_rl_offload/offload/cost_model.py) with this run's own numbers: the no-offload
 forward and backward times and the bandwidth of a plain pinned copy measured here.
 
-Each case runs in its own process (a fresh CUDA allocator and no state left by the case
-before: megatron-core's MoE layers keep references that stop a model from being freed in
-process), which the parent starts with ``--one-case``.
+Each case runs in its own process, which the parent starts with ``--one-case``: a fresh CUDA
+allocator, and no state left by the case before (before PolicyWorker.close broke the MoE token
+dispatcher's reference cycle, MoE models were not freed in-process at all).
 
 Output in --out: ``<model>_seq<N>.json`` (every step of every case, the environment), a
 markdown table, and a PNG of peak memory against time when matplotlib is installed.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import platform
 import statistics
@@ -138,18 +137,7 @@ def build_worker(section: dict[str, Any], on_gpu: bool):
 
 def release(worker: Any) -> None:
     """Free a case's model before the next one is built (one GPU holds one at a time)."""
-    import torch
-
-    worker.model = worker.optimizer = worker.runtime = worker.reference = None
-    if torch.cuda.is_available():
-        from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
-            PipelineOffloadManager,
-        )
-
-        PipelineOffloadManager.reset_instance()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    worker.close()
 
 
 def batches(

@@ -56,6 +56,20 @@ def _use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def _drop_graph_attributes(model: Any) -> None:
+    """Clear tensors that carry an autograd graph (``grad_fn``) from the plain-object helpers
+    of ``model``'s modules (e.g. MoE token dispatchers): see :meth:`PolicyWorker.close`."""
+    import torch
+
+    for module in model.modules():
+        for helper in vars(module).values():
+            if isinstance(helper, torch.nn.Module) or not hasattr(helper, "__dict__"):
+                continue
+            for name, value in list(vars(helper).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(helper, name, None)
+
+
 class PolicyWorker:
     def __init__(
         self,
@@ -426,6 +440,30 @@ class PolicyWorker:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state.get("step", 0))
         return self.step
+
+    def close(self) -> None:
+        """Drop the model, its reference copy, optimizer and offload plans so that their
+        memory is freed while the process goes on (a second model in one process: tests,
+        benchmarks). Megatron's MoE token dispatcher keeps the last step's routing
+        probabilities with their autograd graph, whose nodes refer back to the layer: a
+        reference cycle through C++ objects that Python's garbage collector cannot break, so
+        such graph-holding attributes are cleared first."""
+        import gc
+
+        for model in (self.model, self.reference):
+            if model is not None:
+                _drop_graph_attributes(model)
+        self.model = self.reference = self.optimizer = self.scheduler = self.runtime = None
+        gc.collect()
+        if self.on_gpu:
+            import torch
+            from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+                PipelineOffloadManager,
+            )
+
+            PipelineOffloadManager.reset_instance()
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def _unwrapped(self) -> Any:
         model = self.model

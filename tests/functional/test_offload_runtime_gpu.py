@@ -92,19 +92,10 @@ def _worker(section: dict[str, Any]):
 
 
 def _release(*workers) -> None:
-    """Free both models before the next test builds its own (the offload manager is a
-    process-wide singleton that would keep the last plan's buffers)."""
-    import gc
-
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
-        PipelineOffloadManager,
-    )
-
+    """Free both models before the next test builds its own (PolicyWorker.close also breaks
+    the MoE dispatcher's reference cycle that would keep a MoE model alive)."""
     for worker in workers:
-        worker.model = worker.optimizer = worker.runtime = None
-    PipelineOffloadManager.reset_instance()
-    gc.collect()
-    torch.cuda.empty_cache()
+        worker.close()
 
 
 def _schedule(seed: int, steps: int) -> list[tuple[int, int]]:

@@ -62,3 +62,16 @@ def build_tiny(megatron_cpu: None) -> Callable[..., tuple[Any, list[str]]]:
         )
 
     return build
+
+
+@pytest.fixture
+def moe_globals_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep a CPU MoE forward/backward from leaking Megatron's process-wide MoE state into
+    later tests: the aux-loss scale (a backward outside the schedules makes it a 0-d tensor,
+    which the schedules' later copy_ of a [1] tensor rejects) and the metrics tracker (its
+    buffers stay on the CPU, where a later GPU model cannot add to them)."""
+    from megatron.core.transformer.moe import moe_logging
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+    monkeypatch.setattr(moe_logging, "_MOE_METRICS_TRACKER", None)

@@ -316,19 +316,6 @@ def test_builder_uses_grouped_experts_for_moe_grouped_gemm(build_tiny, grouped_g
             assert isinstance(experts, SequentialMLP)
 
 
-@pytest.fixture
-def moe_globals_restored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep a CPU MoE forward/backward from leaking Megatron's process-wide MoE state into
-    later tests: the aux-loss scale (a backward outside the schedules makes it a 0-d tensor,
-    which the schedules' later copy_ of a [1] tensor rejects) and the metrics tracker (its
-    buffers stay on the CPU, where a later GPU model cannot add to them)."""
-    from megatron.core.transformer.moe import moe_logging
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
-    monkeypatch.setattr(moe_logging, "_MOE_METRICS_TRACKER", None)
-
-
 def test_grouped_tiny_moe_matches_sequential_forward_and_backward(build_tiny, moe_globals_restored):
     grouped, _ = build_tiny("tiny-moe", seed=3, model_overrides={"moe_grouped_gemm": True})
     sequential, _ = build_tiny("tiny-moe", seed=3)

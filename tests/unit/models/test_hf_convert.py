@@ -159,17 +159,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Chec
     return get
 
 
-@pytest.fixture
-def moe_globals_restored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep Megatron's process-wide MoE state (aux-loss scale, metrics tracker) from leaking
-    out of a CPU MoE forward into later tests."""
-    from megatron.core.transformer.moe import moe_logging
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
-    monkeypatch.setattr(moe_logging, "_MOE_METRICS_TRACKER", None)
-
-
 def _assert_same(actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
     """Same names, and bitwise the same tensors (dtype and shape included)."""
     assert sorted(actual) == sorted(expected)
