@@ -16,7 +16,7 @@ dispatcher's reference cycle, MoE models were not freed in-process at all).
 Output in --out: ``<model>_seq<N>.json`` (every step of every case, the environment), a
 markdown table, and a PNG of peak memory against time when matplotlib is installed.
 
-Run on a GPU machine (about 4 minutes for one model and length on an H100):
+Run on a GPU machine (measured on an H100: 6.3 minutes for moe-1b at 4096, one process per case):
     python3 benchmarks/offload_benchmark.py --model llama-1b --seq 4096 --out /tmp/bench
 Cases can be narrowed with --cases NAME,NAME; --list prints them.
 """

@@ -19,7 +19,6 @@ How (each step runs the recipe's own workers through :mod:`nemo_rl_offload.telem
 from __future__ import annotations
 
 import itertools
-import statistics
 import sys
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -124,8 +123,9 @@ def best(measured: list[Candidate], budget_gib: float) -> Candidate | None:
 
 
 def _replayed_median(records: list[dict[str, Any]], key: str) -> float:
-    later = [r[key] for r in records[1:] if key in r] or [r[key] for r in records if key in r]
-    return statistics.median(later) if later else 0.0
+    from nemo_rl_offload.telemetry import replayed_median
+
+    return replayed_median(records, key) or 0.0
 
 
 def _measure(config: str, overrides: list[str], steps: int, err: TextIO) -> list[dict]:

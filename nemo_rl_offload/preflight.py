@@ -89,26 +89,20 @@ def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any
 
 def _runtime_settings(section: dict[str, Any], where: str) -> dict[str, tuple[Any, str]]:
     """The offload runtime's own settings, resolved (shown only when offloading is on)."""
-    from nemo_rl_offload.offload.runtime import sequence_length_buckets
+    from nemo_rl_offload.offload.runtime import step_buckets
 
     megatron = section.get("megatron_cfg") or {}
     if megatron.get("fine_grained_activation_offloading") is not True:
         return {}
     path = f"{where}.megatron_cfg"
     resolved: dict[str, tuple[Any, str]] = {}
-    buckets = megatron.get("offload_sequence_length_buckets")
-    if buckets:
+    if isinstance(section.get("max_total_sequence_length"), int):
+        buckets, default = step_buckets(section)
         resolved["offload_sequence_length_buckets"] = (
             buckets,
-            f"{path}.offload_sequence_length_buckets",
-        )
-    elif isinstance(section.get("max_total_sequence_length"), int):
-        multiple = section.get("make_sequence_length_divisible_by")
-        resolved["offload_sequence_length_buckets"] = (
-            sequence_length_buckets(
-                section["max_total_sequence_length"], multiple if isinstance(multiple, int) else 1
-            ),
-            "default (up to max_total_sequence_length)",
+            "default (up to max_total_sequence_length)"
+            if default
+            else f"{path}.offload_sequence_length_buckets",
         )
     budget = megatron.get("offload_host_memory_budget_gib")
     resolved["offload_host_memory_budget_gib"] = (

@@ -210,7 +210,7 @@ def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _median(records: list[dict[str, Any]], key: str) -> float | None:
+def replayed_median(records: list[dict[str, Any]], key: str) -> float | None:
     """Median over the steps that replay a plan: each length's first step records one."""
     seen: set[int] = set()
     replayed = []
@@ -263,7 +263,7 @@ def format_report(result: dict[str, Any], out: TextIO) -> None:
             ("peak", "peak_fwd_bwd_gpu_memory_gib", "GiB"),
             ("train time", "train_time_s", "s"),
         ):
-            with_fgo, without = _median(offload, key), _median(baseline, key)
+            with_fgo, without = replayed_median(offload, key), replayed_median(baseline, key)
             if with_fgo is None or without is None or without == 0:
                 continue
             change = 100 * (with_fgo - without) / without

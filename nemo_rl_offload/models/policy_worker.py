@@ -56,6 +56,38 @@ def _use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+class _PassTimer:
+    """Time of a stretch of GPU work without synchronising the step: CUDA events on the
+    current stream, read when asked (by then the step's outputs have been waited for). On CPU,
+    wall time."""
+
+    def __init__(self, on_gpu: bool) -> None:
+        import torch
+
+        self._events = None
+        self._start = time.perf_counter()
+        if on_gpu:
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            self._events[0].record()
+        self._seconds = 0.0
+
+    def stop(self) -> None:
+        if self._events is not None:
+            self._events[1].record()
+        else:
+            self._seconds = time.perf_counter() - self._start
+
+    def seconds(self) -> float:
+        if self._events is None:
+            return self._seconds
+        start, end = self._events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
 def _drop_graph_attributes(model: Any) -> None:
     """Clear tensors that carry an autograd graph (``grad_fn``) from the plain-object helpers
     of ``model``'s modules (e.g. MoE token dispatchers): see :meth:`PolicyWorker.close`."""
@@ -108,7 +140,7 @@ class PolicyWorker:
         from nemo_rl_offload.offload.runtime import (
             OffloadRuntime,
             default_host_budget_bytes,
-            sequence_length_buckets,
+            step_buckets,
         )
 
         numa: dict[str, Any] = {}
@@ -155,11 +187,7 @@ class PolicyWorker:
             host_budget_bytes=int(budget_gib * 2**30)
             if budget_gib
             else default_host_budget_bytes(),
-            sequence_buckets=megatron_cfg.get("offload_sequence_length_buckets")
-            or sequence_length_buckets(
-                int(self.section["max_total_sequence_length"]),
-                int(self.section.get("make_sequence_length_divisible_by") or 1),
-            ),
+            sequence_buckets=step_buckets(self.section)[0],
         )
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
@@ -276,6 +304,7 @@ class PolicyWorker:
         # Frees the previous step's float32 copies of the gradients (with bf16 gradient
         # buffers): measured from here, the peak is this step's own.
         self.optimizer.zero_grad()
+        fwd_bwd = _PassTimer(self.on_gpu)
         if self.on_gpu:
             torch.cuda.reset_peak_memory_stats()
             at_start = torch.cuda.memory_allocated() / 2**30
@@ -283,9 +312,7 @@ class PolicyWorker:
         outputs = run_microbatches(
             self.model, self._tensors(microbatches), losses.make_loss_fn(loss), forward_only=False
         )
-        if self.on_gpu:
-            torch.cuda.synchronize()  # the optimizer's norm would wait here anyway
-        fwd_bwd_time = time.perf_counter() - start
+        fwd_bwd.stop()
         # Activations (what offloading moves) peak in the forward-backward; the optimizer step
         # has its own peak (its states), reported separately by memory_stats.
         fwd_bwd_peak = torch.cuda.max_memory_allocated() / 2**30 if self.on_gpu else None
@@ -298,7 +325,7 @@ class PolicyWorker:
             grad_norm=float(grad_norm or 0.0),
             lr=float(self.optimizer.param_groups[0]["lr"]),
             step_time_s=time.perf_counter() - start,
-            fwd_bwd_time_s=fwd_bwd_time,
+            fwd_bwd_time_s=fwd_bwd.seconds(),
             **self.runtime.after_step(len(microbatches)),
             **self.memory_stats(),
         )

@@ -86,13 +86,11 @@ def _pinned_bytes(manager: Any) -> int:
     return _pool_bytes(getattr(manager, "_cpu_tensor_pool", None))
 
 
-def _pool_bytes(pool: Any, keys: Any = None) -> int:
-    """Pinned bytes of an OffloadTensorPool (of the given keys only, when given)."""
-    entries = getattr(pool, "_pools", {})
+def _pool_bytes(pool: Any) -> int:
+    """Pinned bytes of an OffloadTensorPool."""
     return sum(
         tensor.numel() * tensor.element_size()
-        for key, entry in entries.items()
-        if keys is None or key in keys
+        for entry in getattr(pool, "_pools", {}).values()
         for tensor in entry["all"]
     )
 
@@ -113,6 +111,10 @@ def default_host_budget_bytes() -> int:
     return ram // 2 // gpus
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 def sequence_length_buckets(max_length: int, multiple: int = 1) -> list[int]:
     """The default padded lengths of a step: powers of two and the midpoints 1.5 x 2^k from
     32 on, each rounded up to ``multiple``, and last ``max_length`` rounded up to it.
@@ -121,16 +123,28 @@ def sequence_length_buckets(max_length: int, multiple: int = 1) -> list[int]:
     padding (at most half a bucket: a length just above 2^k pads to 1.5 x 2^k) against plans
     (about two per doubling of the length, 15 up to 4096)."""
     multiple = max(1, multiple)
-    top = -(-max_length // multiple) * multiple
+    top = _round_up(max_length, multiple)
     buckets: set[int] = {top}
     size = SMALLEST_BUCKET
     while size < top:
         for candidate in (size, size * 3 // 2):
-            rounded = -(-candidate // multiple) * multiple
+            rounded = _round_up(candidate, multiple)
             if rounded < top:
                 buckets.add(rounded)
         size *= 2
     return sorted(buckets)
+
+
+def step_buckets(policy_cfg: dict[str, Any]) -> tuple[list[int], bool]:
+    """The length buckets a policy section's offloaded steps are padded to, and whether they
+    are the default (derived from its max_total_sequence_length and padding multiple)."""
+    given = (policy_cfg.get("megatron_cfg") or {}).get("offload_sequence_length_buckets")
+    if given:
+        return list(given), False
+    multiple = policy_cfg.get("make_sequence_length_divisible_by")
+    return sequence_length_buckets(
+        int(policy_cfg["max_total_sequence_length"]), multiple if isinstance(multiple, int) else 1
+    ), True
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int:
@@ -409,8 +423,8 @@ class OffloadRuntime:
             return {}
         self._enforce_budget()
         metrics = plan_metrics(self._manager().get_instance())
+        # plan_metrics' pinned_host_gib is the plan's pool: the one pool all kept plans share.
         metrics.update(COPY_TIMER.collect())
-        metrics["pinned_host_gib"] = self.pinned_bytes() / 2**30
         metrics["offload_step_microbatches"] = float(num_microbatches)
         metrics["offload_step_length"] = float(self._current[1] if self._current else 0)
         metrics["offload_plans_recorded"] = float(self.plans_recorded)

@@ -261,3 +261,10 @@ def test_copy_timer_sums_intervals_per_direction_and_resets():
     assert metrics["h2d_gb_per_s"] == pytest.approx(50.0)
     assert metrics["h2d_gib"] == pytest.approx(2 * 10**9 / 2**30)
     assert timer.collect()["d2h_time_s"] == 0.0 and timer.collect()["d2h_gb_per_s"] == 0.0
+
+
+def test_step_buckets_come_from_the_recipe_or_its_length():
+    section = {"max_total_sequence_length": 3000, "make_sequence_length_divisible_by": 64}
+    assert runtime.step_buckets(section) == (runtime.sequence_length_buckets(3000, 64), True)
+    section["megatron_cfg"] = {"offload_sequence_length_buckets": [1024, 3072]}
+    assert runtime.step_buckets(section) == ([1024, 3072], False)
