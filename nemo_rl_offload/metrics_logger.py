@@ -30,6 +30,7 @@ _HEADLINE = (
     "step_time_s",
     "peak_gpu_memory_gib",
     "offloaded_gib_per_step",
+    "cuda_graph_replayed",
 )
 
 

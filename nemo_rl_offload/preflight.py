@@ -87,12 +87,17 @@ def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any
     return resolved
 
 
-def _runtime_settings(section: dict[str, Any], where: str) -> dict[str, tuple[Any, str]]:
-    """The offload runtime's own settings, resolved (shown only when offloading is on)."""
+def _runtime_settings(
+    section: dict[str, Any], where: str, effective: apply.EffectiveSettings
+) -> dict[str, tuple[Any, str]]:
+    """The offload runtime's own settings, resolved: the length buckets steps are padded to
+    (with offloading or full-iteration CUDA graphs on) and the host budget (offloading on)."""
     from nemo_rl_offload.offload.runtime import step_buckets
 
     megatron = section.get("megatron_cfg") or {}
-    if megatron.get("fine_grained_activation_offloading") is not True:
+    offloading = effective.value("fine_grained_activation_offloading") is True
+    graphed = effective.value("cuda_graph_impl") == "full_iteration"
+    if not offloading and not graphed:
         return {}
     path = f"{where}.megatron_cfg"
     resolved: dict[str, tuple[Any, str]] = {}
@@ -104,6 +109,8 @@ def _runtime_settings(section: dict[str, Any], where: str) -> dict[str, tuple[An
             if default
             else f"{path}.offload_sequence_length_buckets",
         )
+    if not offloading:
+        return resolved
     budget = megatron.get("offload_host_memory_budget_gib")
     resolved["offload_host_memory_budget_gib"] = (
         (budget, f"{path}.offload_host_memory_budget_gib")
@@ -181,7 +188,7 @@ def check_recipe(
             SectionSettings(
                 where,
                 effective.value("transformer_impl"),
-                {**_resolved_offload(effective), **_runtime_settings(section, where)},
+                {**_resolved_offload(effective), **_runtime_settings(section, where, effective)},
             )
         )
     if megatron_crosscheck and report.ok:

@@ -28,6 +28,7 @@ _PER_RANK_KEYS = (
     "pinned",
     "d2h",
     "h2d",
+    "cuda_graph",
 )
 
 

@@ -21,7 +21,9 @@ _PARALLEL_SIZES = (
 )
 
 
-def initialize_megatron_parallel(megatron_cfg: dict[str, Any], *, seed: int, on_gpu: bool) -> None:
+def initialize_megatron_parallel(
+    megatron_cfg: dict[str, Any], *, seed: int, on_gpu: bool, cudagraphable_rng: bool = False
+) -> None:
     """Create Megatron's process groups from ``megatron_cfg`` and seed every RNG with ``seed``.
 
     Sizes default to 1; ``expert_tensor_parallel_size`` None means "same as tensor parallel"
@@ -30,7 +32,8 @@ def initialize_megatron_parallel(megatron_cfg: dict[str, Any], *, seed: int, on_
     ranks must draw the same numbers. Megatron's model-parallel tracker then derives its
     per-rank streams from the same seed: CUDA generator states on GPU; on CPU the tracker of
     :mod:`nemo_rl_offload.models.cpu_compat` (enabled here), where every draw uses the CPU
-    generator.
+    generator. ``cudagraphable_rng`` keeps the tracker's states as generators a CUDA graph can
+    register (needed when training steps are captured: Megatron does the same).
     """
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         raise RuntimeError(
@@ -71,7 +74,17 @@ def initialize_megatron_parallel(megatron_cfg: dict[str, Any], *, seed: int, on_
         )
     random.seed(seed)
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    tracker = getattr(megatron_random, "_CUDA_RNG_STATE_TRACKER", None)
+    # A second model in this process that wants the other kind of tracker replaces it.
+    switch = (
+        tracker is not None
+        and getattr(tracker, "use_cudagraphable_rng", False) != cudagraphable_rng
+    )
+    model_parallel_cuda_manual_seed(
+        seed, use_cudagraphable_rng=cudagraphable_rng, force_reset_rng=switch
+    )
 
 
 def destroy_megatron_parallel() -> None:

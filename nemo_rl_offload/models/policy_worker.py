@@ -122,6 +122,7 @@ class PolicyWorker:
         self.reference: Any = None
         self.optimizer: Any = None
         self.scheduler: Any = None
+        self.graphs: Any = None  # StepGraphs with cuda_graph_impl full_iteration
         self.step = 0
 
     # ------------------------------------------------------------------------------ setup
@@ -135,6 +136,10 @@ class PolicyWorker:
         from nemo_rl_offload.config.model_presets import architecture_for
         from nemo_rl_offload.models.builder import build_gpt_model
         from nemo_rl_offload.models.parallel import initialize_megatron_parallel
+        from nemo_rl_offload.models.step_graphs import (
+            StepGraphs,
+            allow_reuse_of_offloaded_memory_in_capture,
+        )
         from nemo_rl_offload.offload import apply
         from nemo_rl_offload.offload.capabilities import detect
         from nemo_rl_offload.offload.runtime import (
@@ -158,7 +163,6 @@ class PolicyWorker:
                 world_size=self.world_size,
             )
         megatron_cfg = self.section["megatron_cfg"]
-        initialize_megatron_parallel(megatron_cfg, seed=self.seed, on_gpu=self.on_gpu)
         self.architecture = architecture_for(
             self.section["model_name"], base_dir=Path.cwd(), where=f"{self.where}.model_name"
         )
@@ -168,7 +172,15 @@ class PolicyWorker:
             where=self.where,
             te_installed=detect().has_transformer_engine,
         )
+        # The offload rules refuse CUDA graphs on CPU workers; this guards in-process use.
+        graphed = self.on_gpu and effective.value("cuda_graph_impl") == "full_iteration"
+        initialize_megatron_parallel(
+            megatron_cfg, seed=self.seed, on_gpu=self.on_gpu, cudagraphable_rng=graphed
+        )
         model, warnings = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
+        if graphed:
+            allow_reuse_of_offloaded_memory_in_capture()
+            self.graphs = StepGraphs(warmup_steps=model.config.cuda_graph_warmup_steps)
         if model.config.deterministic_mode:
             _use_deterministic_algorithms()
         if self.architecture.hf_directory and not self.section.get("init_checkpoint"):
@@ -188,6 +200,8 @@ class PolicyWorker:
             if budget_gib
             else default_host_budget_bytes(),
             sequence_buckets=step_buckets(self.section)[0],
+            pad_steps=self.graphs is not None,
+            on_release=self._release_graphs,
         )
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
@@ -246,7 +260,20 @@ class PolicyWorker:
             },
             use_distributed_optimizer=use_distributed,
         )
-        self.model = DistributedDataParallel(config=config, ddp_config=ddp, module=self.model)
+        if self.graphs is not None:
+            # Built on the stream graphs are captured on: the gradient-accumulation nodes it
+            # creates remember their stream, and a capture must not meet another one.
+            from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+            stream = get_shared_capture_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.model = DistributedDataParallel(
+                    config=config, ddp_config=ddp, module=self.model
+                )
+            torch.cuda.current_stream().wait_stream(stream)
+        else:
+            self.model = DistributedDataParallel(config=config, ddp_config=ddp, module=self.model)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = self.model.no_sync
         precision = self.section.get("precision", "float32")
@@ -308,33 +335,82 @@ class PolicyWorker:
         if self.on_gpu:
             torch.cuda.reset_peak_memory_stats()
             at_start = torch.cuda.memory_allocated() / 2**30
-        microbatches = self.runtime.prepare_step(microbatches)
-        outputs = run_microbatches(
-            self.model, self._tensors(microbatches), losses.make_loss_fn(loss), forward_only=False
-        )
+        microbatches = self.runtime.prepare_step(microbatches, sync_length=self._dp_max)
+        loss_fn = losses.make_loss_fn(loss)
+
+        def forward_backward(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return run_microbatches(self.model, tensors, loss_fn, forward_only=False)
+
+        tensors = self._tensors(microbatches)
+        graph_metrics: dict[str, float] = {}
+        if self.graphs is None:
+            outputs, mode = forward_backward(tensors), "eager"
+        else:
+            key = self._graph_key(tensors, loss)
+            outputs, mode = self.graphs.run(key, tensors, forward_backward)
+            graph_metrics = self.graphs.metrics(mode)
         fwd_bwd.stop()
         # Activations (what offloading moves) peak in the forward-backward; the optimizer step
         # has its own peak (its states), reported separately by memory_stats.
         fwd_bwd_peak = torch.cuda.max_memory_allocated() / 2**30 if self.on_gpu else None
+        if mode != "eager":
+            # A replay allocates nothing (the capture reserved its memory): report the
+            # captured step's peak, which every replay of it reaches again.
+            fwd_bwd_peak = at_start + self.graphs.activation_peak_bytes(key) / 2**30
+        metrics = self._sum_outputs(outputs)  # read before any other step reuses the buffers
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
         self.step += 1
-        metrics = self._sum_outputs(outputs)
         metrics.update(
             grad_norm=float(grad_norm or 0.0),
             lr=float(self.optimizer.param_groups[0]["lr"]),
             step_time_s=time.perf_counter() - start,
             fwd_bwd_time_s=fwd_bwd.seconds(),
-            **self.runtime.after_step(len(microbatches)),
+            **self.runtime.after_step(len(microbatches), copies_timed=mode == "eager"),
+            **graph_metrics,
             **self.memory_stats(),
         )
         if fwd_bwd_peak is not None:
+            # What the device really holds, graph memory pools included (a graph's replays
+            # allocate nothing, so allocated-bytes peaks do not see them).
+            metrics["peak_reserved_gpu_memory_gib"] = torch.cuda.max_memory_reserved() / 2**30
             metrics["peak_fwd_bwd_gpu_memory_gib"] = fwd_bwd_peak
             # What the step's activations added over the resident state (weights, gradients,
             # optimizer): what offloading changes, independent of other models in the process.
             metrics["peak_activation_gpu_memory_gib"] = fwd_bwd_peak - at_start
         return metrics
+
+    def _graph_key(self, tensors: list[dict[str, Any]], loss: dict[str, Any]) -> tuple:
+        """A training step's graph key: its offload plan's shape (which the runtime's budget
+        may release), every input tensor's shape and dtype, and the loss settings, which the
+        graph bakes in as constants."""
+        from nemo_rl_offload.models.step_graphs import input_signature
+
+        return (self.runtime.step_shape, input_signature(tensors), repr(sorted(loss.items())))
+
+    def _release_graphs(self, shape: tuple[int, int]) -> None:
+        """The runtime released the offload plan of ``shape``: its graphs go with it (they
+        write to that plan's pinned buffers)."""
+        if self.graphs is not None:
+            self.graphs.release(lambda key: key[0] == shape)
+
+    def _dp_max(self, length: int) -> int:
+        """The longest padded length over the data-parallel ranks (graphed steps only): all
+        ranks then run the same step key and capture at the same step, as the collectives in
+        their graphs require."""
+        import torch
+        from megatron.core import parallel_state
+
+        if self.graphs is None or parallel_state.get_data_parallel_world_size() == 1:
+            return length
+        value = torch.tensor([length], device=self.device)
+        torch.distributed.all_reduce(
+            value,
+            op=torch.distributed.ReduceOp.MAX,
+            group=parallel_state.get_data_parallel_group(),
+        )
+        return int(value.item())
 
     @staticmethod
     def _sum_outputs(outputs: list[dict[str, Any]]) -> dict[str, float]:
@@ -480,7 +556,10 @@ class PolicyWorker:
         for model in (self.model, self.reference):
             if model is not None:
                 _drop_graph_attributes(model)
+        if self.graphs is not None:
+            self.graphs.release(lambda key: True)
         self.model = self.reference = self.optimizer = self.scheduler = self.runtime = None
+        self.graphs = None
         gc.collect()
         if self.on_gpu:
             import torch

@@ -344,10 +344,10 @@ def _sequence_buckets(ctx: _Context) -> None:
             f"{path}: the largest bucket {buckets[-1]} is shorter than "
             f"{ctx.where}.max_total_sequence_length={longest}; add a bucket >= {longest}"
         )
-    if not ctx.fgo_on:
+    if not ctx.fgo_on and ctx.value("cuda_graph_impl") != "full_iteration":
         ctx.warn(
-            f"warning: {path}: set but fine_grained_activation_offloading is off, so nothing "
-            "is padded to them"
+            f"warning: {path}: set but neither fine_grained_activation_offloading nor "
+            "full_iteration CUDA graphs is on, so nothing is padded to them"
         )
 
 
@@ -372,10 +372,23 @@ def _cuda_graphs(ctx: _Context) -> None:
             f"cuda_graph_impl full_iteration, not {impl}; use selective recompute or "
             "full_iteration graphs"
         )
-    if ctx.value("delay_offload_until_cuda_graph") is True and impl == "none":
+    if ctx.value("delay_offload_until_cuda_graph") is True and impl != "transformer_engine":
+        # megatron-core 0.19 reads it only while replaying a TE layer graph (_in_replay).
         ctx.warn(
-            f"warning: {ctx.path('delay_offload_until_cuda_graph')}: has no effect without CUDA "
-            "graphs (cuda_graph_impl is none)"
+            f"warning: {ctx.path('delay_offload_until_cuda_graph')}: has no effect without "
+            f"Transformer Engine layer graphs (cuda_graph_impl is {impl}; it defers offloads "
+            "until a transformer_engine layer graph has replayed)"
+        )
+    if impl == "full_iteration" and ctx.is_moe:
+        ctx.error(
+            f"{impl_path}: full_iteration CUDA graphs cannot capture this MoE model: its token "
+            "dispatch copies the per-expert token counts to the host every step, a "
+            "synchronisation a graph cannot hold; set cuda_graph_impl: none"
+        )
+    if impl != "none" and ctx.gpus_per_node == 0:
+        ctx.warn(
+            f"warning: {impl_path}: CUDA graphs are GPU-only and will not be applied on CPU "
+            "workers (cluster.gpus_per_node is 0)"
         )
     if not ctx.fgo_on or impl == "none":
         return

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -316,12 +316,19 @@ class OffloadRuntime:
         *,
         host_budget_bytes: int | None = None,
         sequence_buckets: Sequence[int] = (),
+        pad_steps: bool = False,
+        on_release: Callable[[tuple[int, int]], None] | None = None,
     ) -> None:
-        """``config`` is the model's TransformerConfig (offloading is on when its flag is)."""
+        """``config`` is the model's TransformerConfig (offloading is on when its flag is).
+        ``pad_steps`` pads steps to the length buckets even with offloading off (CUDA graphs
+        need recurring shapes too); ``on_release(shape)`` is told when a plan is released."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
+        self.pad_steps = pad_steps or self.enabled
+        self.on_release = on_release
         self.host_budget_bytes = host_budget_bytes
         self.sequence_buckets = sorted(sequence_buckets)
+        self.step_shape: tuple[int, int] = (0, 0)  # (micro-batches, padded length) of the step
         self._plans: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self._buffers_used: dict[tuple[int, int], set[Any]] = {}
         self._pool: Any = None
@@ -342,16 +349,23 @@ class OffloadRuntime:
         return PipelineOffloadManager
 
     def prepare_step(
-        self, microbatches: list[dict[str, np.ndarray]]
+        self,
+        microbatches: list[dict[str, np.ndarray]],
+        sync_length: Callable[[int], int] | None = None,
     ) -> list[dict[str, np.ndarray]]:
         """Call before each training step with its micro-batches: pads them to the step's
         length bucket and installs the plan of the step's shape (or records one). Returns the
-        micro-batches to train on (unchanged when offloading is off)."""
-        if not self.enabled:
-            return microbatches
+        micro-batches to train on (unchanged when neither offloading nor ``pad_steps`` is on).
+        ``sync_length(length)`` may agree the padded length with other ranks (the largest)."""
         longest = max(batch["input_ids"].shape[1] for batch in microbatches)
+        if not self.pad_steps:
+            self.step_shape = (len(microbatches), longest)
+            return microbatches
         length = bucket_for(longest, self.sequence_buckets)
+        if sync_length is not None:
+            length = sync_length(length)
         microbatches = pad_microbatches(microbatches, length)
+        self.step_shape = (len(microbatches), length)
         self.before_step(len(microbatches), length)
         return microbatches
 
@@ -402,6 +416,8 @@ class OffloadRuntime:
             for key in self._buffers_used.pop(oldest, set()) - still_used:
                 self._pool._pools.pop(key, None)  # its pinned buffers are freed with it
             self.plans_released += 1
+            if self.on_release is not None:
+                self.on_release(oldest)
             _LOG.warning(
                 "offload: released the plan of step shape %s (micro-batches x length) to keep "
                 "pinned host memory under offload_host_memory_budget_gib=%.2f; it is recorded "
@@ -414,17 +430,20 @@ class OffloadRuntime:
         """Pinned host bytes held by the pool the plans share."""
         return _pool_bytes(self._pool)
 
-    def after_step(self, num_microbatches: int) -> dict[str, float]:
+    def after_step(self, num_microbatches: int, *, copies_timed: bool = True) -> dict[str, float]:
         """Offload metrics of the step just run: bytes per module over every micro-batch of
         the step, from the plan the manager replays (Megatron's own summary table counts only
         the first micro-batch), copy time and bandwidth, the step's shape, and the pinned host
-        memory of all kept plans."""
+        memory of all kept plans. ``copies_timed`` False (a CUDA graph replay, where no Python
+        runs to record copy events) leaves the copy time and bandwidth out."""
         if not self.enabled:
             return {}
         self._enforce_budget()
         metrics = plan_metrics(self._manager().get_instance())
         # plan_metrics' pinned_host_gib is the plan's pool: the one pool all kept plans share.
-        metrics.update(COPY_TIMER.collect())
+        copies = COPY_TIMER.collect()
+        if copies_timed:
+            metrics.update(copies)
         metrics["offload_step_microbatches"] = float(num_microbatches)
         metrics["offload_step_length"] = float(self._current[1] if self._current else 0)
         metrics["offload_plans_recorded"] = float(self.plans_recorded)

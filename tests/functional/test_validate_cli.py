@@ -304,3 +304,29 @@ def test_console_missing_recipe_is_one_line(
     assert run.returncode == 2
     assert run.stderr.splitlines() == [f"{_CONSOLE_RUNS['missing'][1]}: no such recipe file"]
     assert run.stdout == ""
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+GRAPHS = str(CONFIGS / "grpo_math_1B_megatron_fgo_graphs.yaml")
+
+
+def test_graphs_recipe_is_valid_and_shows_the_buckets_its_steps_are_padded_to() -> None:
+    code, out, err = validate(GRAPHS)
+    assert code == 0, err
+    assert re.search(r"cuda_graph_impl\s+full_iteration", setting_line(out, "cuda_graph_impl"))
+    assert "1024" in setting_line(out, "offload_sequence_length_buckets")
+
+
+def test_graphs_recipe_without_the_inflight_cap_is_refused_before_start() -> None:
+    code, out, err = validate(GRAPHS, f"~{MCFG}.fine_grained_offloading_max_inflight_offloads")
+    assert code == 2
+    assert err[0].startswith(f"{MCFG}.fine_grained_offloading_max_inflight_offloads: "), err
+    assert "full_iteration" in err[0] and "0, 1 or 2" in err[0]
+
+
+def test_graphs_without_offloading_still_show_their_buckets() -> None:
+    code, out, err = validate(PLAIN, f"{MCFG}.cuda_graph_impl=full_iteration")
+    assert code == 0, err
+    assert setting_line(out, "offload_sequence_length_buckets")
+    assert not any("offload_host_memory_budget_gib" in line for line in out)

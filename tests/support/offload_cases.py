@@ -216,6 +216,14 @@ REJECTED = [
         ["full_iteration", "0, 1 or 2"],
     ),
     (
+        "full_iteration_moe",
+        "tiny-moe",
+        NO_TE,
+        {"cuda_graph_impl": "full_iteration"},
+        f"{P}.cuda_graph_impl",
+        ["cannot capture this MoE model", "cuda_graph_impl: none"],
+    ),
+    (
         "full_iteration_with_modules",
         "tiny-dense",
         NO_TE,

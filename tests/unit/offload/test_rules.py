@@ -74,7 +74,18 @@ def test_all_violations_reported_together():
         (
             {**FGO, "offload_modules": ["core_attn"], "delay_offload_until_cuda_graph": True},
             f"{P}.delay_offload_until_cuda_graph",
-            "no effect without CUDA graphs",
+            "no effect without Transformer Engine layer graphs (cuda_graph_impl is none",
+        ),
+        (
+            {
+                **FGO,
+                "offload_modules": ["core_attn"],
+                "delay_offload_until_cuda_graph": True,
+                "cuda_graph_impl": "full_iteration",
+                "fine_grained_offloading_max_inflight_offloads": 1,
+            },
+            f"{P}.delay_offload_until_cuda_graph",
+            "(cuda_graph_impl is full_iteration",
         ),
         (
             {**FGO, "offload_modules": ["core_attn"], "delta_offload_bytes_across_pp_ranks": 1024},
@@ -93,6 +104,7 @@ def test_all_violations_reported_together():
         "fraction_zero",
         "duplicates",
         "delay_without_graphs",
+        "delay_with_full_iteration",
         "delta_without_pp",
         "recompute_while_off",
     ],
@@ -113,13 +125,12 @@ def test_warnings_not_errors(settings, path, fragment):
         {
             **FGO,
             "offload_modules": ["core_attn"],
-            "delay_offload_until_cuda_graph": True,
             "cuda_graph_impl": "full_iteration",
             "fine_grained_offloading_max_inflight_offloads": 1,
         },
         {"recompute_granularity": "full", "recompute_modules": None},
     ],
-    ids=["off_and_null", "fraction_half", "delay_with_graphs", "nemo_rl_default_recompute"],
+    ids=["off_and_null", "fraction_half", "full_iteration_graphs", "nemo_rl_default_recompute"],
 )
 def test_no_warning_for_sensible_settings(settings):
     # A big model at a long sequence: no size warning either.
@@ -214,3 +225,24 @@ def test_buckets_without_offloading_are_reported_unused():
     findings = _bucket_findings([1024, 4096], divisible_by=1, fgo=False)
     assert not findings.errors
     assert any("nothing is padded" in w for w in findings.warnings)
+
+
+def test_cuda_graphs_on_cpu_workers_warn_and_on_gpu_do_not():
+    settings = {"cuda_graph_impl": "full_iteration"}
+    on_cpu = check("tiny-dense", NO_TE, gpus=0, **settings)
+    assert on_cpu.errors == []
+    assert any(
+        line.startswith(f"warning: {P}.cuda_graph_impl: ") and "not be applied on CPU" in line
+        for line in on_cpu.warnings
+    ), on_cpu.warnings
+    on_gpu = check("tiny-dense", NO_TE, gpus=1, **settings)
+    assert on_gpu.errors == [] and on_gpu.warnings == []
+
+
+def test_buckets_count_with_full_iteration_graphs_alone():
+    """Graphed steps are padded to the buckets even without offloading: no warning then."""
+    buckets = {"offload_sequence_length_buckets": [1024, 4096]}
+    alone = check("tiny-dense", NO_TE, **buckets)
+    assert any("nothing is padded" in line for line in alone.warnings)
+    graphed = check("tiny-dense", NO_TE, cuda_graph_impl="full_iteration", **buckets)
+    assert not any("nothing is padded" in line for line in graphed.warnings), graphed.warnings

@@ -268,3 +268,46 @@ def test_step_buckets_come_from_the_recipe_or_its_length():
     assert runtime.step_buckets(section) == (runtime.sequence_length_buckets(3000, 64), True)
     section["megatron_cfg"] = {"offload_sequence_length_buckets": [1024, 3072]}
     assert runtime.step_buckets(section) == ([1024, 3072], False)
+
+
+def test_pad_steps_pads_without_offloading_and_records_no_plan(monkeypatch):
+    """CUDA graphs need recurring shapes even without offloading: steps are padded, no plan."""
+    monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
+    config = SimpleNamespace(fine_grained_activation_offloading=False)
+    rt = runtime.OffloadRuntime(config, sequence_buckets=(256, 512), pad_steps=True)
+    step = rt.prepare_step(_step([100, 300]))
+    assert {batch["input_ids"].shape[1] for batch in step} == {512}
+    assert rt.step_shape == (2, 512) and rt.plans_recorded == 0
+    assert rt.after_step(2) == {}
+
+
+def test_sync_length_agrees_the_padded_length_with_other_ranks(monkeypatch):
+    rt = _runtime(monkeypatch, buckets=(256, 512, 1024))
+    asked = []
+
+    def longest_over_ranks(length: int) -> int:
+        asked.append(length)
+        return 1024  # another rank's step is longer
+
+    step = rt.prepare_step(_step([100, 200]), sync_length=longest_over_ranks)
+    assert asked == [256]
+    assert {batch["input_ids"].shape[1] for batch in step} == {1024}
+    assert rt.step_shape == (2, 1024) and rt._current == (2, 1024)
+
+
+def test_released_plans_are_reported_to_on_release(monkeypatch):
+    released = []
+    rt = _runtime(monkeypatch, budget=600 * KIB)
+    rt.on_release = released.append
+    for length in (256, 512, 1024):
+        _train(rt, 1, length)
+    assert released == [(1, 256), (1, 512)]  # oldest first; the plan in use stays
+    assert rt.plans_released == 2
+
+
+def test_untimed_steps_leave_copy_metrics_out(monkeypatch):
+    rt = _runtime(monkeypatch)
+    rt.before_step(1, 256)
+    _FakeManager.OFFLOAD_MGR._cpu_tensor_pool.allocate((256, KIB), dtype=torch.uint8)
+    assert "d2h_time_s" in rt.after_step(1)
+    assert not any(key.startswith(("d2h", "h2d")) for key in rt.after_step(1, copies_timed=False))
