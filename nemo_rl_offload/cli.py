@@ -128,11 +128,27 @@ def _run_plan(args: argparse.Namespace) -> int:
     result = planner.plan(
         args.config,
         args.overrides,
-        budget_gib=args.budget_gib,
+        budgets_gib=args.budget_gib,
+        budget_fractions=args.budget_fraction,
         steps=args.steps,
         max_trials=args.max_trials,
     )
+    if args.json:
+        import json
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps(planner.as_json(result), indent=1))
+        print(f"written: {args.json}", file=sys.stderr)
     return 0 if planner.format_plan(result, sys.stdout) else 1
+
+
+def _numbers(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers such as 0.9,0.75 (got: {text!r})"
+        ) from None
 
 
 def _lengths(text: str) -> list[int]:
@@ -217,16 +233,26 @@ def build_parser() -> argparse.ArgumentParser:
     telemetry.set_defaults(handler=_job(_run_telemetry))
     plan = commands.add_parser(
         "plan",
-        help="pick the offload settings that fit a peak-memory budget fastest",
-        description="Profile the recipe's policy without offloading and with every module "
-        "offloaded, predict each module set's peak memory, measure the most promising ones that "
-        "fit --budget-gib, and print the fastest with the override lines to paste. Needs GPU "
-        "workers. Exit 0 with a plan, 1 when no offload plan fits.",
+        help="pick the activation-memory settings that fit a peak-memory budget fastest",
+        description="Profile the recipe's policy without offloading, with every module "
+        "offloaded and with full recompute; predict each module set's peak memory, measure the "
+        "most promising ones that fit each budget, and print the fastest with the override "
+        "lines to paste. Needs GPU workers. Exit 0 with a plan for every budget, 1 otherwise.",
     )
     plan.add_argument("--config", required=True, help="recipe YAML file")
     plan.add_argument(
-        "--budget-gib", type=float, required=True, help="peak GPU memory per worker to fit in"
+        "--budget-gib",
+        type=_numbers,
+        default=None,
+        help="peak GPU memory per worker, GiB; several comma-separated: 20,18",
     )
+    plan.add_argument(
+        "--budget-fraction",
+        type=_numbers,
+        default=None,
+        help="budgets as fractions of the measured no-offload peak, e.g. 0.9,0.75,0.6",
+    )
+    plan.add_argument("--json", default=None, help="also write the plans to this file")
     plan.add_argument("--steps", type=int, default=3, help="steps per measurement (default 3)")
     plan.add_argument("--max-trials", type=int, default=3, help="candidates to measure (default 3)")
     plan.add_argument("overrides", nargs="*", help="Hydra-style overrides")

@@ -1,19 +1,22 @@
-"""``nemo-rl-offload plan``: pick the offload settings that fit a peak-memory budget fastest.
+"""``nemo-rl-offload plan``: pick the activation-memory settings that fit a peak budget fastest.
 
-How (each step runs the recipe's own workers through :mod:`nemo_rl_offload.telemetry`):
+How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offload.telemetry`):
 
-1. Profile: a few steps without offloading (peak ``P0``), and a few with every offloadable
-   module of the model offloaded, whose telemetry gives the bytes each module moves per
-   micro-batch (``s_m``).
-2. Predict each candidate's peak: ``P0 - sum(s_m) x fraction`` for a module set. Without
-   pipeline parallelism one micro-batch's activations are live at a time, so the saving is one
-   micro-batch's offloaded bytes: on an H100 this predicted every measured offload case of
-   benchmarks/results within 1.3% (tests/unit/test_planner.py checks it on those tables).
-3. Time cannot be predicted from bytes today (the measured cost of a module set is mostly not
-   bandwidth: benchmarks/results/README.md), but it grows with the number of modules hooked, so
-   the candidates predicted to fit are ranked by module count, then bytes moved, and the first
-   ``max_trials`` of different module counts are measured. The fastest one whose measured
-   peak fits wins; the override lines to paste are printed.
+1. Profile, once for every budget asked: a few steps without offloading (peak ``P0``, and the
+   resident state ``R``: weights, gradients and optimizer state, which no activation setting
+   changes); a few with every offloadable module offloaded, whose telemetry gives the bytes each
+   module moves per micro-batch (``s_m``); and a few with full recompute (its peak and time).
+2. Predict each offload set's peak: ``P0 - sum(s_m) x fraction``. Without pipeline parallelism
+   one micro-batch's activations are live at a time, so the saving is one micro-batch's
+   offloaded bytes: on an H100 this predicted every measured offload case of benchmarks/results
+   within 2% (tests/unit/test_planner.py checks it on those tables).
+3. Time is not predicted from bytes: eagerly, most of an offload set's cost is the CPU work of
+   its hooks, which grows with the number of modules hooked (benchmarks/results/README.md,
+   the step profile). So the offload sets predicted to fit are ranked by module count, then
+   bytes moved, and the first ``max_trials`` of different module counts are measured. Among the
+   measured offload sets and full recompute, the fastest whose measured peak fits wins; the
+   override lines to paste are printed. Measurements are shared between budgets.
+4. A budget under ``R`` cannot be met by any activation setting: the plan says so, with ``R``.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ MCFG = "policy.megatron_cfg"
 
 @dataclass(frozen=True)
 class Profile:
-    """What the two profiling runs measured (GiB, seconds)."""
+    """What the profiling runs measured (GiB, seconds). ``resident_gib``: the part of the peak
+    that is not activations (weights, gradients, optimizer state)."""
 
     peak_gib: float
     fwd_bwd_s: float
     bytes_per_microbatch_gib: dict[str, float]
+    resident_gib: float = 0.0
 
 
 @dataclass
@@ -49,13 +54,22 @@ class Candidate:
     measured_peak_gib: float | None = None
     measured_fwd_bwd_s: float | None = None
     notes: list[str] = field(default_factory=list)
+    full_recompute: bool = False  # recompute whole layers instead of offloading
 
     @property
     def name(self) -> str:
+        if self.full_recompute:
+            return "full recompute"
         suffix = "" if self.fraction == 1.0 else f" x{self.fraction:g}"
         return "+".join(self.modules) + suffix
 
     def overrides(self) -> list[str]:
+        if self.full_recompute:
+            return [
+                f"{MCFG}.fine_grained_activation_offloading=false",
+                f"{MCFG}.activation_checkpointing=true",
+                f"{MCFG}.recompute_granularity=full",
+            ]
         lines = [
             f"{MCFG}.fine_grained_activation_offloading=true",
             f"'{MCFG}.offload_modules=[{','.join(self.modules)}]'",
@@ -134,23 +148,38 @@ def _measure(config: str, overrides: list[str], steps: int, err: TextIO) -> list
     return measure(config, overrides, steps=steps, err=err)["records"]
 
 
+def _measured(records: list[dict[str, Any]]) -> tuple[float, float]:
+    """(peak GiB, forward-backward s) of a measurement: medians of the replayed steps."""
+    return (
+        _replayed_median(records, "peak_fwd_bwd_gpu_memory_gib"),
+        _replayed_median(records, "fwd_bwd_time_s"),
+    )
+
+
 def plan(
     config: str,
     overrides: list[str],
     *,
-    budget_gib: float,
+    budgets_gib: list[float] | None = None,
+    budget_fractions: list[float] | None = None,
     steps: int = 3,
     max_trials: int = 3,
     err: TextIO = sys.stderr,
 ) -> dict[str, Any]:
-    """Profile, predict, measure the most promising candidates; returns everything found."""
+    """Profile once, then for every budget (GiB, or fractions of the measured no-offload peak)
+    measure the most promising candidates that fit; returns everything found."""
     from pathlib import Path
 
     from nemo_rl_offload.config.model_presets import architecture_for
     from nemo_rl_offload.preflight import load_and_check
 
-    if budget_gib <= 0:
-        raise UserInputError(f"--budget-gib: must be > 0 (got: {budget_gib})")
+    budgets_gib, budget_fractions = list(budgets_gib or []), list(budget_fractions or [])
+    if not budgets_gib and not budget_fractions:
+        raise UserInputError("plan: give --budget-gib or --budget-fraction")
+    if any(b <= 0 for b in budgets_gib):
+        raise UserInputError(f"--budget-gib: must be > 0 (got: {budgets_gib})")
+    if any(not 0 < f <= 1 for f in budget_fractions):
+        raise UserInputError(f"--budget-fraction: must be in (0, 1] (got: {budget_fractions})")
     report = load_and_check(config, overrides)
     if report.errors:
         raise UserInputError(report.errors)
@@ -176,61 +205,122 @@ def plan(
         err,
     )
     microbatches = max(1.0, _replayed_median(full, "offload_step_microbatches"))
+    peak, fwd_bwd = _measured(base)
     profile = Profile(
-        peak_gib=_replayed_median(base, "peak_fwd_bwd_gpu_memory_gib"),
-        fwd_bwd_s=_replayed_median(base, "fwd_bwd_time_s"),
+        peak_gib=peak,
+        fwd_bwd_s=fwd_bwd,
         bytes_per_microbatch_gib={
             m: _replayed_median(full, f"offloaded_gib_{m}") / microbatches for m in everything
         },
+        resident_gib=peak - _replayed_median(base, "peak_activation_gpu_memory_gib"),
     )
     if profile.peak_gib <= 0:
         raise UserInputError("the workers report no GPU memory; run the planner on GPU workers")
-    ranked = candidates_within(profile, budget_gib, is_moe)
-    tried = trials(ranked, max_trials)
-    for candidate in tried:
-        print(f"plan: measuring {candidate.name} ...", file=err)
-        records = _measure(config, [*overrides, *moe_layout, *candidate.overrides()], steps, err)
-        candidate.measured_peak_gib = _replayed_median(records, "peak_fwd_bwd_gpu_memory_gib")
-        candidate.measured_fwd_bwd_s = _replayed_median(records, "fwd_bwd_time_s")
-    return {
-        "budget_gib": budget_gib,
-        "profile": profile,
-        "fitting": len(ranked),
-        "tried": tried,
-        "chosen": best(tried, budget_gib),
-        "moe_layout": moe_layout,
-    }
+    print("plan: profiling full recompute ...", file=err)
+    recompute = Candidate((), 1.0, 0.0, full_recompute=True)
+    recompute.measured_peak_gib, recompute.measured_fwd_bwd_s = _measured(
+        _measure(config, [*overrides, *recompute.overrides()], steps, err)
+    )
+    recompute.predicted_peak_gib = recompute.measured_peak_gib
+    measured: dict[str, Candidate] = {recompute.name: recompute}
+    budgets = [*budgets_gib, *(f * profile.peak_gib for f in budget_fractions)]
+    plans = []
+    for budget in budgets:
+        ranked = candidates_within(profile, budget, is_moe)
+        tried = []
+        for candidate in trials(ranked, max_trials):
+            if candidate.name not in measured:
+                print(f"plan: measuring {candidate.name} ...", file=err)
+                records = _measure(
+                    config, [*overrides, *moe_layout, *candidate.overrides()], steps, err
+                )
+                candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
+                measured[candidate.name] = candidate
+            tried.append(measured[candidate.name])
+        options = [*tried, recompute]
+        plans.append(
+            {
+                "budget_gib": budget,
+                "fitting": len(ranked),
+                "tried": options,
+                "chosen": best(options, budget),
+            }
+        )
+    return {"profile": profile, "plans": plans, "moe_layout": moe_layout}
+
+
+def _why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:
+    if profile.resident_gib >= budget:
+        return (
+            f"no activation setting can meet {budget:.2f} GiB: weights, gradients and optimizer "
+            f"state alone hold {profile.resident_gib:.2f} GiB; use the distributed optimizer, "
+            f"{MCFG}.optimizer.optimizer_cpu_offload, or more GPUs"
+        )
+    lowest = min(
+        (c for c in tried if c.measured_peak_gib is not None),
+        key=lambda c: c.measured_peak_gib or 0.0,
+        default=None,
+    )
+    reached = f"; the lowest measured peak is {lowest.measured_peak_gib:.2f} GiB ({lowest.name})"
+    return (
+        f"no measured plan meets {budget:.2f} GiB{reached if lowest else ''}: raise the budget, "
+        "shorten the micro-batches, or use more GPUs"
+    )
 
 
 def format_plan(result: dict[str, Any], out: TextIO) -> bool:
-    """Print the plan; returns whether one meets the budget."""
+    """Print the plans; returns whether every budget has one."""
     profile: Profile = result["profile"]
-    budget = result["budget_gib"]
     print(
-        f"no offload: peak {profile.peak_gib:.2f} GiB, forward-backward {profile.fwd_bwd_s:.3f} s; "
-        f"budget {budget:.2f} GiB ({100 * budget / profile.peak_gib:.0f}% of the peak)",
+        f"no offload: peak {profile.peak_gib:.2f} GiB (resident {profile.resident_gib:.2f} GiB: "
+        f"weights, gradients, optimizer; activations {profile.peak_gib - profile.resident_gib:.2f}"
+        f" GiB), forward-backward {profile.fwd_bwd_s:.3f} s",
         file=out,
     )
     saved = ", ".join(f"{m} {g:.2f}" for m, g in profile.bytes_per_microbatch_gib.items())
     print(f"offloadable per micro-batch (GiB): {saved}", file=out)
-    print(f"candidates predicted to fit: {result['fitting']}; measured:", file=out)
-    for c in result["tried"]:
-        change = (c.measured_fwd_bwd_s or 0.0) / profile.fwd_bwd_s - 1 if profile.fwd_bwd_s else 0
+    all_met = True
+    for entry in result["plans"]:
+        budget = entry["budget_gib"]
         print(
-            f"  {c.name:<48} predicted {c.predicted_peak_gib:6.2f} GiB  measured "
-            f"{c.measured_peak_gib or 0:6.2f} GiB  {c.measured_fwd_bwd_s or 0:.3f} s "
-            f"({100 * change:+.1f}%)",
+            f"\nbudget {budget:.2f} GiB ({100 * budget / profile.peak_gib:.0f}% of the peak): "
+            f"{entry['fitting']} offload sets predicted to fit; measured:",
             file=out,
         )
-    chosen: Candidate | None = result["chosen"]
-    if chosen is None:
-        print(
-            "no offload plan meets the budget: raise it, add full recompute "
-            f"({MCFG}.activation_checkpointing=true), or use more GPUs",
-            file=out,
-        )
-        return False
-    print(f"plan: {chosen.name}; paste these overrides:", file=out)
-    for line in [*result["moe_layout"], *chosen.overrides()]:
-        print(f"  {line}", file=out)
-    return True
+        for c in entry["tried"]:
+            change = (c.measured_fwd_bwd_s or 0.0) / profile.fwd_bwd_s - 1
+            print(
+                f"  {c.name:<48} predicted {c.predicted_peak_gib:6.2f} GiB  measured "
+                f"{c.measured_peak_gib or 0:6.2f} GiB  {c.measured_fwd_bwd_s or 0:.3f} s "
+                f"({100 * change:+.1f}%)",
+                file=out,
+            )
+        chosen: Candidate | None = entry["chosen"]
+        if chosen is None:
+            print(_why_none(profile, budget, entry["tried"]), file=out)
+            all_met = False
+            continue
+        print(f"plan: {chosen.name}; paste these overrides:", file=out)
+        layout = [] if chosen.full_recompute else result["moe_layout"]
+        for line in [*layout, *chosen.overrides()]:
+            print(f"  {line}", file=out)
+    return all_met
+
+
+def as_json(result: dict[str, Any]) -> dict[str, Any]:
+    """The result as plain data (for --json)."""
+    from dataclasses import asdict
+
+    return {
+        "profile": asdict(result["profile"]),
+        "plans": [
+            {
+                "budget_gib": entry["budget_gib"],
+                "fitting": entry["fitting"],
+                "tried": [{"name": c.name, **asdict(c)} for c in entry["tried"]],
+                "chosen": entry["chosen"].name if entry["chosen"] else None,
+                "overrides": entry["chosen"].overrides() if entry["chosen"] else None,
+            }
+            for entry in result["plans"]
+        ],
+    }

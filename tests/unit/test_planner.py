@@ -106,6 +106,56 @@ def test_override_lines_are_recipe_overrides():
 def test_cpu_recipes_and_bad_budgets_are_one_line():
     tiny = str(RESULTS.parents[1] / "examples" / "configs" / "tiny" / "sft.yaml")
     with pytest.raises(UserInputError, match="needs GPU workers"):
-        planner.plan(tiny, [], budget_gib=10)
+        planner.plan(tiny, [], budgets_gib=[10])
     with pytest.raises(UserInputError, match="--budget-gib: must be > 0"):
-        planner.plan(tiny, [], budget_gib=0)
+        planner.plan(tiny, [], budgets_gib=[0])
+    with pytest.raises(UserInputError, match=r"--budget-fraction: must be in \(0, 1\]"):
+        planner.plan(tiny, [], budget_fractions=[0.9, 1.5])
+    with pytest.raises(UserInputError, match="give --budget-gib or --budget-fraction"):
+        planner.plan(tiny, [])
+
+
+def test_full_recompute_is_a_candidate_with_its_own_overrides():
+    recompute = planner.Candidate((), 1.0, 14.0, 14.2, 0.45, full_recompute=True)
+    offload = planner.Candidate(("core_attn",), 1.0, 18.0, 18.1, 0.40)
+    assert recompute.name == "full recompute"
+    assert recompute.overrides() == [
+        "policy.megatron_cfg.fine_grained_activation_offloading=false",
+        "policy.megatron_cfg.activation_checkpointing=true",
+        "policy.megatron_cfg.recompute_granularity=full",
+    ]
+    assert planner.best([offload, recompute], 19.0) is offload  # faster, fits
+    assert planner.best([offload, recompute], 15.0) is recompute  # the only one that fits
+
+
+def _result(profile, budget, tried, chosen=None):
+    return {
+        "profile": profile,
+        "plans": [{"budget_gib": budget, "fitting": 0, "tried": tried, "chosen": chosen}],
+        "moe_layout": [],
+    }
+
+
+def test_a_budget_under_the_resident_state_is_explained_not_attempted():
+    from io import StringIO
+
+    profile = planner.Profile(20.0, 1.0, {"core_attn": 0.5}, resident_gib=13.0)
+    recompute = planner.Candidate((), 1.0, 14.0, 14.2, 1.3, full_recompute=True)
+    out = StringIO()
+    assert planner.format_plan(_result(profile, 12.0, [recompute]), out) is False
+    text = out.getvalue()
+    assert "resident 13.00 GiB" in text and "activations 7.00 GiB" in text
+    assert "alone hold 13.00 GiB" in text and "optimizer_cpu_offload" in text
+    out = StringIO()
+    assert planner.format_plan(_result(profile, 14.0, [recompute]), out) is False
+    assert "lowest measured peak is 14.20 GiB (full recompute)" in out.getvalue()
+
+
+def test_plan_json_names_the_choice_and_its_overrides():
+    profile = planner.Profile(20.0, 1.0, {"core_attn": 0.5}, resident_gib=13.0)
+    chosen = planner.Candidate(("core_attn",), 1.0, 19.5, 19.4, 1.2)
+    data = planner.as_json(_result(profile, 19.6, [chosen], chosen))
+    assert data["profile"]["resident_gib"] == 13.0
+    (entry,) = data["plans"]
+    assert entry["chosen"] == "core_attn" and entry["overrides"] == chosen.overrides()
+    assert entry["tried"][0]["measured_peak_gib"] == 19.4

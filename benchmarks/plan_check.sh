@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The planner on the 1B dense recipe at one sequence length, for budgets of 90%, 75% and 60% of
+# the no-offload peak; its choices are compared with benchmarks/offload_benchmark.py's table of
+# the same step (4 micro-batches of 1 sequence), measured in the same session.
+# Run on the GPU machine from the repository root: SEQ=8192 OUT=DIR bash benchmarks/plan_check.sh
+set -u
+SEQ=${SEQ:-8192}
+OUT=${OUT:-/tmp/plan_check}
+mkdir -p "$OUT"
+[ -d /tmp/site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+timeout 560 python3 -m nemo_rl_offload.cli plan --config examples/configs/grpo_math_1B_megatron.yaml \
+  --budget-fraction 0.9,0.75,0.6 --steps 4 --json "$OUT/plan_llama-1b_seq$SEQ.json" \
+  policy.max_total_sequence_length=$SEQ policy.make_sequence_length_divisible_by=$SEQ \
+  policy.train_global_batch_size=4 policy.train_micro_batch_size=1 \
+  policy.megatron_cfg.optimizer.use_distributed_optimizer=false \
+  > "$OUT/plan_llama-1b_seq$SEQ.txt" 2> "$OUT/plan_llama-1b_seq$SEQ.err"
+echo "plan rc=$?"; cat "$OUT/plan_llama-1b_seq$SEQ.txt"; grep -i "traceback\|error" "$OUT/plan_llama-1b_seq$SEQ.err" | head -5
