@@ -66,6 +66,7 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
         "fgo_attn_qkv": {**FGO, "offload_modules": ["qkv_linear", "core_attn", "attn_proj"]},
         "fgo_norms": {**FGO, "offload_modules": ["attn_norm", "mlp_norm"]},
         "fgo_all5": {**FGO, "offload_modules": DENSE_FIVE},
+        "fgo_attention_block": {**FGO, "offload_modules": DENSE_FIVE[:4]},
         "fgo_all5_fraction_0.5": {
             **FGO,
             "offload_modules": DENSE_FIVE,
@@ -100,6 +101,23 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
     return cases
 
 
+def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, Any]]:
+    """The named cases (all when ``names`` is None), no_offload first. Besides the matrix's
+    names, ``fgo:MOD+MOD`` is an offload case of those modules (e.g. a planner's choice)."""
+    matrix = cases_for(model)
+    if names is None:
+        return matrix
+    cases: dict[str, dict[str, Any]] = {}
+    for name in ["no_offload", *names]:
+        if name.startswith("fgo:"):
+            cases[name] = {**FGO, "offload_modules": name.removeprefix("fgo:").split("+")}
+        elif name in matrix:
+            cases[name] = matrix[name]
+        else:
+            raise KeyError(name)
+    return cases
+
+
 def section_for(
     model: str, seq: int, settings: dict[str, Any], precision: str = "bfloat16"
 ) -> dict[str, Any]:
@@ -122,6 +140,27 @@ def section_for(
             },
         },
     }
+
+
+def recipe_section(
+    recipe: str, overrides: list[str], seq: int, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """A case on a recipe's own policy (what ``nemo-rl-offload plan`` measures), with the
+    step shape of the benchmark: every micro-batch one sequence padded to ``seq``."""
+    import copy
+
+    from nemo_rl_offload.preflight import load_and_check
+
+    report = load_and_check(recipe, overrides)
+    if report.errors:
+        raise SystemExit("\n".join(report.errors))
+    section = copy.deepcopy(report.recipe["policy"])
+    section["max_total_sequence_length"] = seq
+    section["make_sequence_length_divisible_by"] = seq
+    megatron = section["megatron_cfg"]
+    megatron["fine_grained_activation_offloading"] = False
+    megatron.update({k: v for k, v in settings.items() if k != SAVE_ON_CPU})
+    return section
 
 
 def check_section(section: dict[str, Any]) -> list[str]:
@@ -223,6 +262,8 @@ def run_case_in_subprocess(name: str, args: argparse.Namespace, out: Path) -> di
         str(args.steps),
         "--precision",
         args.precision,
+        *(["--recipe", args.recipe] if args.recipe else []),
+        *[f"--recipe-override={line}" for line in args.recipe_override],
         "--one-case",
         name,
         "--out",
@@ -231,7 +272,8 @@ def run_case_in_subprocess(name: str, args: argparse.Namespace, out: Path) -> di
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0 or not target.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        return {"case": name, "settings": cases_for(args.model)[name], "failed": tail[0]}
+        settings = resolve_cases(args.model, [name])[name]
+        return {"case": name, "settings": settings, "failed": tail[0]}
     record = json.loads(target.read_text())
     target.unlink()
     return record
@@ -242,7 +284,10 @@ def run_case(
 ) -> dict[str, Any]:
     import torch
 
-    section = section_for(args.model, args.seq, settings, args.precision)
+    if args.recipe:
+        section = recipe_section(args.recipe, args.recipe_override, args.seq, settings)
+    else:
+        section = section_for(args.model, args.seq, settings, args.precision)
     errors = check_section(section)
     if errors:
         return {"case": name, "settings": settings, "rejected": errors}
@@ -386,6 +431,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=11, help="first one excluded from medians")
     parser.add_argument("--precision", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--cases", default=None, help="comma-separated case names")
+    parser.add_argument(
+        "--recipe",
+        default=None,
+        help="run the cases on this recipe's policy (its model, precision, optimizer) instead "
+        "of the preset's defaults; --model must name the same model",
+    )
+    parser.add_argument(
+        "--recipe-override",
+        action="append",
+        default=[],
+        help="an override of --recipe (repeatable), e.g. --recipe-override=policy.precision=...",
+    )
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     parser.add_argument("--out", default="results/benchmark")
     parser.add_argument("--one-case", default=None, help=argparse.SUPPRESS)  # the child process
@@ -394,25 +451,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from nemo_rl_offload.config.model_presets import architecture_for
 
-    cases = cases_for(args.model)
     if args.list:
-        print("\n".join(cases))
+        print("\n".join(cases_for(args.model)))
         return 0
-    if args.cases:
-        wanted = args.cases.split(",")
-        unknown = [name for name in wanted if name not in cases]
-        if unknown:
-            print(f"--cases: unknown {unknown}; --list shows them", file=sys.stderr)
-            return 2
-        cases = {name: cases[name] for name in ["no_offload", *wanted] if name in cases}
     if args.one_case:
+        settings = resolve_cases(args.model, [args.one_case])[args.one_case]
         vocab = architecture_for(args.model).vocab_size
         data = batches(args.steps, args.microbatches, args.rows, args.seq, vocab)
-        record = run_case(
-            args.one_case, cases[args.one_case], args, data, torch.cuda.is_available()
-        )
+        record = run_case(args.one_case, settings, args, data, torch.cuda.is_available())
         Path(args.out).write_text(json.dumps(record))
         return 0
+    try:
+        cases = resolve_cases(args.model, args.cases.split(",") if args.cases else None)
+    except KeyError as unknown:
+        print(f"--cases: unknown {unknown}; --list shows them, or fgo:MOD+MOD", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bandwidth = copy_bandwidth()

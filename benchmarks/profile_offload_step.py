@@ -141,7 +141,7 @@ def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, An
 
     from nemo_rl_offload.config.model_presets import architecture_for
 
-    settings = bench.cases_for(args.model)[name]
+    settings = bench.resolve_cases(args.model, [name])[name]
     section = bench.section_for(args.model, args.seq, settings)
     errors = bench.check_section(section)
     if errors:
@@ -184,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default="no_offload,fgo_norms,fgo_all5")
     parser.add_argument("--out", default="results/profile")
     args = parser.parse_args(argv)
-    known = bench.cases_for(args.model)
     wanted = args.cases.split(",")
-    unknown = [name for name in wanted if name not in known]
-    if unknown:
+    try:
+        bench.resolve_cases(args.model, wanted)
+    except KeyError as unknown:
         print(
             f"--cases: unknown {unknown}; offload_benchmark.py --list shows them", file=sys.stderr
         )

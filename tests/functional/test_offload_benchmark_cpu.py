@@ -62,4 +62,4 @@ def test_unknown_case_is_one_line():
         text=True,
         timeout=300,
     )
-    assert done.returncode == 2 and "--cases: unknown ['fgo_al5']" in done.stderr
+    assert done.returncode == 2 and "--cases: unknown 'fgo_al5'" in done.stderr
