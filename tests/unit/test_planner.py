@@ -47,7 +47,7 @@ def test_predicted_peaks_match_every_measured_offload_case(path):
         predicted = planner.predict_peak(profile, tuple(modules), fraction)
         assert abs(predicted - case["peak_gib"]) <= 0.02 * case["peak_gib"], case["case"]
         checked += 1
-    assert checked >= 6
+    assert checked >= 3  # the smallest tables hold three offload cases
 
 
 def test_module_sets_respect_the_attn_proj_rule():
