@@ -15,8 +15,9 @@ How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offloa
    the step profile). So the offload sets predicted to fit are ranked by module count, then
    bytes moved (sets predicted up to 2% over a budget are included: predictions were that
    close), and the first ``max_trials`` of different module counts are measured. Among the
-   measured offload sets and full recompute, the fastest whose measured peak fits wins; the
-   override lines to paste are printed. Measurements are shared between budgets.
+   measured offload sets, the recipe without offloading and full recompute, the fastest whose
+   measured peak fits wins; the override lines to paste are printed. Measurements are shared
+   between budgets.
 4. A budget under ``R`` cannot be met by any activation setting: the plan says so, with ``R``.
 """
 
@@ -64,6 +65,8 @@ class Candidate:
     def name(self) -> str:
         if self.full_recompute:
             return "full recompute"
+        if not self.modules:
+            return "no offload"
         suffix = "" if self.fraction == 1.0 else f" x{self.fraction:g}"
         return "+".join(self.modules) + suffix
 
@@ -74,6 +77,8 @@ class Candidate:
                 f"{MCFG}.activation_checkpointing=true",
                 f"{MCFG}.recompute_granularity=full",
             ]
+        if not self.modules:
+            return [f"{MCFG}.fine_grained_activation_offloading=false"]
         lines = [
             f"{MCFG}.fine_grained_activation_offloading=true",
             f"{MCFG}.offload_modules=[{','.join(self.modules)}]",
@@ -226,6 +231,8 @@ def plan(
         _measure(config, [*overrides, *recompute.overrides()], steps, err)
     )
     recompute.predicted_peak_gib = recompute.measured_peak_gib
+    # The recipe without offloading is a plan too: when it fits, nothing needs changing.
+    plain = Candidate((), 1.0, profile.peak_gib, profile.peak_gib, profile.fwd_bwd_s)
     measured: dict[str, Candidate] = {recompute.name: recompute}
     budgets = [*budgets_gib, *(f * profile.peak_gib for f in budget_fractions)]
     plans = []
@@ -241,7 +248,7 @@ def plan(
                 candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
                 measured[candidate.name] = candidate
             tried.append(measured[candidate.name])
-        options = [*tried, recompute]
+        options = [plain, *tried, recompute]
         plans.append(
             {
                 "budget_gib": budget,
@@ -253,7 +260,7 @@ def plan(
     return {"profile": profile, "plans": plans, "moe_layout": moe_layout}
 
 
-def _why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:
+def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:
     if profile.resident_gib >= budget:
         return (
             f"no activation setting can meet {budget:.2f} GiB: weights, gradients and optimizer "
@@ -301,11 +308,11 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
             )
         chosen: Candidate | None = entry["chosen"]
         if chosen is None:
-            print(_why_none(profile, budget, entry["tried"]), file=out)
+            print(why_none(profile, budget, entry["tried"]), file=out)
             all_met = False
             continue
         print(f"plan: {chosen.name}; paste these overrides:", file=out)
-        layout = [] if chosen.full_recompute else result["moe_layout"]
+        layout = result["moe_layout"] if chosen.modules else []
         for line in [*layout, *chosen.overrides()]:
             print(f"  {shlex.quote(line)}", file=out)
     return all_met

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from nemo_rl_offload.algorithms.common import check_batch_sizes
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup
+from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
@@ -86,6 +86,7 @@ def _run_steps(
     lengths: list[int],
     steps: int,
     seed: int,
+    with_reference: bool,
     err: TextIO,
 ) -> list[dict[str, Any]]:
     group = PolicyGroup(
@@ -94,6 +95,7 @@ def _run_steps(
         cluster_cfg=recipe["cluster"],
         seed=seed,
         trainable=True,
+        with_reference=with_reference,  # the job's workers hold it too: its memory counts
         env_vars=env,
     )
     try:
@@ -184,7 +186,15 @@ def measure(
         records = []
         for name, section in runs:
             records += _run_steps(
-                section, recipe, env, name=name, lengths=lengths, steps=steps, seed=seed, err=err
+                section,
+                recipe,
+                env,
+                name=name,
+                lengths=lengths,
+                steps=steps,
+                seed=seed,
+                with_reference=holds_reference(recipe, report.algorithm),
+                err=err,
             )
     finally:
         cluster.shutdown(info)

@@ -265,6 +265,31 @@ class Run:
             cluster.shutdown(self.cluster_info)
 
 
+def _apply_plan(config_path: str, overrides: list[str], budget_gib: float) -> Any:
+    """``policy.megatron_cfg.offload_plan_budget_gib``: plan for the budget (the planner's
+    profiling runs first, on the recipe's own workers) and return the recipe checked again
+    with the chosen settings as overrides; no plan that fits stops the job with the reason."""
+    from nemo_rl_offload import planner
+
+    without_key = [*overrides, "~policy.megatron_cfg.offload_plan_budget_gib"]
+    print(f"plan: finding the fastest settings for {budget_gib:g} GiB ...", file=sys.stderr)
+    result = planner.plan(config_path, without_key, budgets_gib=[budget_gib])
+    planner.format_plan(result, sys.stderr)
+    (entry,) = result["plans"]
+    chosen = entry["chosen"]
+    if chosen is None:
+        raise UserInputError(
+            "policy.megatron_cfg.offload_plan_budget_gib: "
+            + planner.why_none(result["profile"], budget_gib, entry["tried"])
+        )
+    layout = result["moe_layout"] if chosen.modules else []
+    report = load_and_check(config_path, [*without_key, *layout, *chosen.overrides()])
+    if report.errors:
+        raise UserInputError(report.errors)
+    print(f"plan applied: {chosen.name}", file=sys.stderr)
+    return report
+
+
 def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_steps_key: str) -> Run:
     """Check the recipe, load the tokenizer, find a checkpoint to resume (Ray starts later,
     in :meth:`Run.connect`)."""
@@ -273,6 +298,9 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
         raise UserInputError(report.errors)
     for line in report.warnings:
         print(line, file=sys.stderr)
+    budget = (report.recipe["policy"].get("megatron_cfg") or {}).get("offload_plan_budget_gib")
+    if budget is not None and report.algorithm == algorithm:
+        report = _apply_plan(config_path, overrides, float(budget))
     if report.algorithm != algorithm:
         command = "distill" if report.algorithm == "distillation" else report.algorithm
         raise UserInputError(

@@ -22,7 +22,7 @@ from nemo_rl_offload.algorithms.common import (
     prepare,
 )
 from nemo_rl_offload.algorithms.grpo import attach
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup
+from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
 from nemo_rl_offload.data.datasets import encode_and_check_lengths, load_split
 
 
@@ -87,7 +87,9 @@ def run_dpo(config_path: str, overrides: list[str]) -> int:
         )
         val = val[: int(cfg.get("val_batches", 8)) * int(cfg.get("val_global_batch_size", 8))]
         run.connect()
-        policy = run.start_group("policy", seed=seed, trainable=True, with_reference=True)
+        policy = run.start_group(
+            "policy", seed=seed, trainable=True, with_reference=holds_reference(run.recipe, "dpo")
+        )
         check_batch_sizes(policy_cfg, policy.dp_size)
         run.restore(policy)
         spec = {

@@ -21,7 +21,7 @@ from nemo_rl_offload.algorithms.common import (
     data_where,
     prepare,
 )
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup
+from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
@@ -129,7 +129,9 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
         val = run.encode(val_raw, data_where(data_cfg, "val"))
         kl_penalty = float(loss_cfg.get("reference_policy_kl_penalty", 0.0))
         run.connect()
-        policy = run.start_group("policy", seed=seed, trainable=True, with_reference=kl_penalty > 0)
+        policy = run.start_group(
+            "policy", seed=seed, trainable=True, with_reference=holds_reference(run.recipe, "grpo")
+        )
         run.restore(policy)
         env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
         num_prompts, group = (

@@ -32,6 +32,16 @@ _PER_RANK_KEYS = (
 )
 
 
+def holds_reference(recipe: dict[str, Any], algorithm: str) -> bool:
+    """Whether the policy workers of ``algorithm`` also hold a frozen reference copy of the
+    model (DPO always; GRPO with a KL penalty): memory the policy's own steps live beside."""
+    if algorithm == "dpo":
+        return True
+    if algorithm == "grpo":
+        return float((recipe.get("loss_fn") or {}).get("reference_policy_kl_penalty", 0.0)) > 0
+    return False
+
+
 def worker_count(cluster_cfg: dict[str, Any]) -> tuple[int, bool]:
     """(number of workers, on GPU) for a recipe's cluster section."""
     gpus = int(cluster_cfg.get("gpus_per_node", 0))

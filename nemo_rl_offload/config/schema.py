@@ -120,6 +120,9 @@ class MegatronConfig(TypedDict):
     # Lengths every micro-batch of an offloaded step is padded to (one plan per micro-batch
     # count x length); null: powers of two and their 1.5x from 32 up to max_total_sequence_length.
     offload_sequence_length_buckets: NotRequired[list[int] | None]
+    # Peak GPU memory (GiB per worker) to plan for at start: the job first runs
+    # `nemo-rl-offload plan` for it and trains with the chosen offload or recompute settings.
+    offload_plan_budget_gib: NotRequired[Number | None]
     # Training CUDA graphs.
     cuda_graph_impl: NotRequired[CudaGraphImpl]  # default "none"
     cuda_graph_modules: NotRequired[list[CudaGraphModuleName] | None]  # [] = whole layer

@@ -307,11 +307,33 @@ def _ranges(ctx: _Context) -> None:
             f"{ctx.prefix}.offload_host_memory_budget_gib: must be > 0 (got: {budget}); it caps "
             "the pinned host memory of the offload plans, or set null for the default"
         )
+    _plan_budget(ctx)
     inflight = ctx.value("fine_grained_offloading_max_inflight_offloads")
     if _is_int(inflight) and inflight < 0:
         ctx.error(
             f"{ctx.path('fine_grained_offloading_max_inflight_offloads')}: must be null or an "
             f"integer >= 0 (got: {inflight})"
+        )
+
+
+def _plan_budget(ctx: _Context) -> None:
+    """offload_plan_budget_gib runs the planner at start: it measures GPU memory, and its
+    choice replaces the recipe's own offload and recompute settings."""
+    budget = ctx.megatron_cfg.get("offload_plan_budget_gib")
+    if budget is None:
+        return
+    path = f"{ctx.prefix}.offload_plan_budget_gib"
+    if _is_number(budget) and budget <= 0:
+        ctx.error(f"{path}: must be > 0 GiB (got: {budget}), or null to plan nothing")
+    if ctx.gpus_per_node == 0:
+        ctx.error(
+            f"{path}: planning measures GPU memory, and cluster.gpus_per_node is 0; remove it "
+            "for CPU runs"
+        )
+    if ctx.fgo_on or ctx.megatron_cfg.get("activation_checkpointing") is True:
+        ctx.warn(
+            f"warning: {path}: the plan chosen at start replaces this recipe's offload and "
+            "recompute settings"
         )
 
 

@@ -179,3 +179,12 @@ def test_plan_json_names_the_choice_and_its_overrides():
     (entry,) = data["plans"]
     assert entry["chosen"] == "core_attn" and entry["overrides"] == chosen.overrides()
     assert entry["tried"][0]["measured_peak_gib"] == 19.4
+
+
+def test_the_recipe_without_offloading_is_chosen_when_it_fits():
+    plain = planner.Candidate((), 1.0, 18.0, 18.0, 0.33)
+    offload = planner.Candidate(("attn_norm",), 0.5, 17.9, 17.9, 0.41)
+    assert plain.name == "no offload"
+    assert plain.overrides() == ["policy.megatron_cfg.fine_grained_activation_offloading=false"]
+    assert planner.best([plain, offload], 19.0) is plain
+    assert planner.best([plain, offload], 17.95) is offload

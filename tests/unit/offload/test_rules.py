@@ -246,3 +246,22 @@ def test_buckets_count_with_full_iteration_graphs_alone():
     assert any("nothing is padded" in line for line in alone.warnings)
     graphed = check("tiny-dense", NO_TE, cuda_graph_impl="full_iteration", **buckets)
     assert not any("nothing is padded" in line for line in graphed.warnings), graphed.warnings
+
+
+def test_plan_budget_must_be_positive_and_needs_gpu_workers():
+    bad = check("tiny-dense", NO_TE, offload_plan_budget_gib=0)
+    assert any(e.startswith(f"{P}.offload_plan_budget_gib: must be > 0 GiB") for e in bad.errors), (
+        bad.errors
+    )
+    on_cpu = check("tiny-dense", NO_TE, gpus=0, offload_plan_budget_gib=20)
+    assert any("cluster.gpus_per_node is 0" in e for e in on_cpu.errors), on_cpu.errors
+    fine = check("tiny-dense", NO_TE, gpus=1, offload_plan_budget_gib=20)
+    assert fine.errors == [] and fine.warnings == []
+
+
+def test_plan_budget_warns_that_it_replaces_the_recipes_own_settings():
+    findings = check(
+        "tiny-dense", NO_TE, **FGO, offload_modules=["core_attn"], offload_plan_budget_gib=20
+    )
+    assert findings.errors == []
+    assert any("replaces this recipe's offload" in w for w in findings.warnings), findings.warnings
