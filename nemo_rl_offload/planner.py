@@ -109,7 +109,8 @@ def predict_peak(profile: Profile, modules: tuple[str, ...], fraction: float) ->
 
 
 def candidates_within(profile: Profile, budget_gib: float, is_moe: bool) -> list[Candidate]:
-    """The candidates predicted to fit ``budget_gib`` (within the prediction tolerance),
+    """The candidates predicted to fit ``budget_gib`` (within the prediction tolerance):
+    first those predicted under the budget, then those within the tolerance over it; in each,
     cheapest first: fewer modules hooked, then fewer bytes moved."""
     fitting = []
     for modules in module_sets(offloadable_modules(is_moe)):
@@ -118,7 +119,15 @@ def candidates_within(profile: Profile, budget_gib: float, is_moe: bool) -> list
             if peak <= budget_gib * (1 + PREDICTION_TOLERANCE):
                 fitting.append(Candidate(modules, fraction, peak))
     moved = {c.name: profile.peak_gib - c.predicted_peak_gib for c in fitting}
-    return sorted(fitting, key=lambda c: (len(c.modules), moved[c.name], -c.fraction))
+    return sorted(
+        fitting,
+        key=lambda c: (
+            c.predicted_peak_gib > budget_gib,
+            len(c.modules),
+            moved[c.name],
+            -c.fraction,
+        ),
+    )
 
 
 def trials(ranked: list[Candidate], max_trials: int) -> list[Candidate]:
