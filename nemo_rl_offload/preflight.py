@@ -97,10 +97,15 @@ def _runtime_settings(
     megatron = section.get("megatron_cfg") or {}
     offloading = effective.value("fine_grained_activation_offloading") is True
     graphed = effective.value("cuda_graph_impl") == "full_iteration"
-    if not offloading and not graphed:
-        return {}
     path = f"{where}.megatron_cfg"
     resolved: dict[str, tuple[Any, str]] = {}
+    if megatron.get("offload_plan_budget_gib") is not None:
+        resolved["offload_plan_budget_gib"] = (
+            megatron["offload_plan_budget_gib"],
+            f"{path}.offload_plan_budget_gib (planned at start; replaces the settings above)",
+        )
+    if not offloading and not graphed:
+        return resolved
     if isinstance(section.get("max_total_sequence_length"), int):
         buckets, default = step_buckets(section)
         resolved["offload_sequence_length_buckets"] = (

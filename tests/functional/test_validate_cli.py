@@ -330,3 +330,9 @@ def test_graphs_without_offloading_still_show_their_buckets() -> None:
     assert code == 0, err
     assert setting_line(out, "offload_sequence_length_buckets")
     assert not any("offload_host_memory_budget_gib" in line for line in out)
+
+
+def test_a_plan_budget_is_shown_with_what_it_does() -> None:
+    code, out, err = validate(PLAIN, f"+{MCFG}.offload_plan_budget_gib=19")
+    assert code == 0, err
+    assert "planned at start" in setting_line(out, "offload_plan_budget_gib")
