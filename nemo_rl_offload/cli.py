@@ -142,22 +142,22 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0 if planner.format_plan(result, sys.stdout) else 1
 
 
-def _numbers(text: str) -> list[float]:
-    try:
-        return [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers such as 0.9,0.75 (got: {text!r})"
-        ) from None
+def _comma_separated(cast: type, example: str) -> Any:
+    """An argparse type: comma-separated values of ``cast``, one clear line when not."""
+
+    def parse(text: str) -> list:
+        try:
+            return [cast(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list such as {example}"
+            ) from None
+
+    return parse
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"'{text}' is not a comma-separated list of token counts, e.g. 1024,2048"
-        ) from None
+_numbers = _comma_separated(float, "0.9,0.75")
+_lengths = _comma_separated(int, "1024,2048")
 
 
 def _cmd_export_hf(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -22,17 +22,14 @@ Run (device tool, docs/cuda_graphs.md):
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from support.gpu_results import write_results
 
 pytestmark = [
     pytest.mark.gpu,
@@ -184,19 +181,6 @@ def _run(algorithm: str, variant: str, steps: list[list[dict]]) -> list[dict[str
     return records
 
 
-def _environment() -> dict[str, Any]:
-    import megatron.core
-
-    return {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "megatron_core": megatron.core.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
 def _median(records: list[dict], key: str, only: list[int]) -> float:
     return statistics.median(records[i][key] for i in only)
 
@@ -255,24 +239,18 @@ def test_graphed_offloading_matches_eager_and_replays(algorithm, vocab):
     steps = _batches(algorithm, vocab)
     runs = {variant: _run(algorithm, variant, steps) for variant in VARIANTS}
     summary = _summary(runs)
-    where = os.environ.get("NEMO_RL_OFFLOAD_RESULTS")
-    if where:
-        Path(where).mkdir(parents=True, exist_ok=True)
-        (Path(where) / f"cuda_graphs_{algorithm}.json").write_text(
-            json.dumps(
-                {
-                    "environment": _environment(),
-                    "model": MODEL,
-                    "offload_modules": MODULES,
-                    "steps": STEPS,
-                    "shapes": [list(s) for s in _schedule(STEPS)],
-                    "warmup_steps": WARMUP,
-                    "summary": summary,
-                    "runs": runs,
-                },
-                indent=1,
-            )
-        )
+    write_results(
+        f"cuda_graphs_{algorithm}",
+        {
+            "model": MODEL,
+            "offload_modules": MODULES,
+            "steps": STEPS,
+            "shapes": [list(s) for s in _schedule(STEPS)],
+            "warmup_steps": WARMUP,
+            "summary": summary,
+            "runs": runs,
+        },
+    )
 
     shapes = len(set(_schedule(STEPS)))
     for variant, records in runs.items():

@@ -25,17 +25,13 @@ Run (device tool, docs/training.md):
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from support.gpu_results import write_results
 
 pytestmark = [
     pytest.mark.gpu,
@@ -144,26 +140,6 @@ def _bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def _environment() -> dict[str, Any]:
-    import megatron.core
-
-    return {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "megatron_core": megatron.core.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
-def _write(name: str, payload: dict[str, Any]) -> None:
-    where = os.environ.get("NEMO_RL_OFFLOAD_RESULTS")
-    if where:
-        Path(where).mkdir(parents=True, exist_ok=True)
-        (Path(where) / f"{name}.json").write_text(json.dumps(payload, indent=1))
-
-
 @pytest.fixture(scope="module")
 def vocab() -> int:
     from nemo_rl_offload.config.model_presets import architecture_for
@@ -214,12 +190,10 @@ def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
                 }
             )
             seen.add(shape)
-        _write(f"offload_runtime_{kind}", {"environment": _environment(), "steps": records})
         summary = _summarise(records)
-        _write(
+        write_results(
             f"offload_runtime_{kind}",
             {
-                "environment": _environment(),
                 "model": model,
                 "offload_modules": modules,
                 "budget_gib": BUDGET_GIB,
@@ -321,7 +295,7 @@ def test_flash_attention_within_the_spread_of_two_plain_passes(vocab):
                     "plain_vs_plain": _max_abs_diff(_grads(plain), first),
                 }
             )
-        _write("offload_runtime_flash_spread", {"environment": _environment(), "steps": rows})
+        write_results("offload_runtime_flash_spread", {"steps": rows})
     finally:
         _release(fgo, plain)
     # Two passes of one nondeterministic model differ by a few bf16 rounding steps at some

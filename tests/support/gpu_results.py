@@ -1,0 +1,36 @@
+"""Where GPU tests put their measurements: JSON files in $NEMO_RL_OFFLOAD_RESULTS (a directory)
+when it is set, each with the environment it was measured in."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+
+def environment() -> dict[str, Any]:
+    """Device, versions and date of a measurement."""
+    import megatron.core
+    import torch
+
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "megatron_core": megatron.core.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def write_results(name: str, payload: dict[str, Any]) -> None:
+    """``<name>.json`` in $NEMO_RL_OFFLOAD_RESULTS, with the environment added; nothing when
+    the variable is unset."""
+    where = os.environ.get("NEMO_RL_OFFLOAD_RESULTS")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        body = {"environment": environment(), **payload}
+        (Path(where) / f"{name}.json").write_text(json.dumps(body, indent=1))
