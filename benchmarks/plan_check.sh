@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The planner on the 1B dense recipe at one sequence length, for budgets of 90%, 75% and 60% of
-# the no-offload peak; its choices are compared with benchmarks/offload_benchmark.py's table of
-# the same step (4 micro-batches of 1 sequence), measured in the same session.
+# the no-offload peak. To compare its choices with a table of the same step (4 micro-batches of
+# 1 sequence), run in the same session (it does not fit in one 10-minute device command with
+# this script):
+#   python3 benchmarks/offload_benchmark.py --model llama-1b --seq $SEQ \
+#     --recipe examples/configs/grpo_math_1B_megatron.yaml \
+#     --recipe-override=policy.megatron_cfg.optimizer.use_distributed_optimizer=false \
+#     --cases fgo_attn_pair,fgo_attn_qkv,fgo_norms,fgo_attention_block,fgo_all5,recompute_full,fgo:CHOICE
 # Run on the GPU machine from the repository root: SEQ=8192 OUT=DIR bash benchmarks/plan_check.sh
 set -u
 SEQ=${SEQ:-8192}

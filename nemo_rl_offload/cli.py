@@ -134,10 +134,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         max_trials=args.max_trials,
     )
     if args.json:
-        import json
-        from pathlib import Path
+        from nemo_rl_offload.telemetry import write_json
 
-        Path(args.json).write_text(json.dumps(planner.as_json(result), indent=1))
+        write_json(planner.as_json(result), args.json)  # its folder made, written atomically
         print(f"written: {args.json}", file=sys.stderr)
     return 0 if planner.format_plan(result, sys.stdout) else 1
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_offload.algorithms.common import resolve_checkpoint
+from nemo_rl_offload.config.model_presets import HF_MODEL_TYPES as MODEL_TYPES
 from nemo_rl_offload.config.model_presets import Architecture, architecture_for
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.preflight import load_and_check
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 _SHARD = re.compile(r"model_tp(\d+)_pp(\d+)\.pt$")
 
 
@@ -104,8 +104,8 @@ def export(
         )
     except UserInputError as exc:
         raise UserInputError([f"{step_dir}: {line}" for line in exc.problems]) from exc
-    config = hf_config_for(architecture, model_type)
-    config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    config = hf_config_for(architecture, model_type, torch_dtype=dtype)
     tokenizer = (policy.get("tokenizer") or {}).get("name")
     tokenizer_from = architecture.hf_directory or (
         tokenizer if tokenizer and Path(tokenizer).expanduser().is_dir() else None

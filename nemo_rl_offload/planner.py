@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from nemo_rl_offload.errors import UserInputError
@@ -55,10 +55,9 @@ class Profile:
 class Candidate:
     modules: tuple[str, ...]
     fraction: float
-    predicted_peak_gib: float
+    predicted_peak_gib: float | None  # None: measured in the profile, not predicted
     measured_peak_gib: float | None = None
     measured_fwd_bwd_s: float | None = None
-    notes: list[str] = field(default_factory=list)
     full_recompute: bool = False  # recompute whole layers instead of offloading
 
     @property
@@ -118,15 +117,10 @@ def candidates_within(profile: Profile, budget_gib: float, is_moe: bool) -> list
             peak = predict_peak(profile, modules, fraction)
             if peak <= budget_gib * (1 + PREDICTION_TOLERANCE):
                 fitting.append(Candidate(modules, fraction, peak))
-    moved = {c.name: profile.peak_gib - c.predicted_peak_gib for c in fitting}
+    # Fewer bytes moved: a higher predicted peak.
     return sorted(
         fitting,
-        key=lambda c: (
-            c.predicted_peak_gib > budget_gib,
-            len(c.modules),
-            moved[c.name],
-            -c.fraction,
-        ),
+        key=lambda c: (c.predicted_peak_gib > budget_gib, len(c.modules), -c.predicted_peak_gib),
     )
 
 
@@ -210,7 +204,10 @@ def plan(
         architecture_for(recipe["policy"]["model_name"], base_dir=Path.cwd()).num_moe_experts
     )
     everything = offloadable_modules(is_moe)
+    # Expert offload needs the grouped expert layout; every measurement (and so every plan)
+    # runs on it, so that the profile and the candidates are the same model.
     moe_layout = [f"++{MCFG}.model_overrides.moe_grouped_gemm=true"] if is_moe else []
+    overrides = [*overrides, *moe_layout]
     print("plan: profiling without offloading ...", file=err)
     base = _measure(
         config, [*overrides, f"{MCFG}.fine_grained_activation_offloading=false"], steps, err
@@ -218,7 +215,7 @@ def plan(
     print(f"plan: profiling with every module offloaded ({', '.join(everything)}) ...", file=err)
     full = _measure(
         config,
-        [*overrides, *moe_layout, *Candidate(everything, 1.0, 0.0).overrides()],
+        [*overrides, *Candidate(everything, 1.0, None).overrides()],
         steps,
         err,
     )
@@ -235,13 +232,12 @@ def plan(
     if profile.peak_gib <= 0:
         raise UserInputError("the workers report no GPU memory; run the planner on GPU workers")
     print("plan: profiling full recompute ...", file=err)
-    recompute = Candidate((), 1.0, 0.0, full_recompute=True)
+    recompute = Candidate((), 1.0, None, full_recompute=True)
     recompute.measured_peak_gib, recompute.measured_fwd_bwd_s = _measured(
         _measure(config, [*overrides, *recompute.overrides()], steps, err)
     )
-    recompute.predicted_peak_gib = recompute.measured_peak_gib
     # The recipe without offloading is a plan too: when it fits, nothing needs changing.
-    plain = Candidate((), 1.0, profile.peak_gib, profile.peak_gib, profile.fwd_bwd_s)
+    plain = Candidate((), 1.0, None, profile.peak_gib, profile.fwd_bwd_s)
     measured: dict[str, Candidate] = {recompute.name: recompute}
     budgets = [*budgets_gib, *(f * profile.peak_gib for f in budget_fractions)]
     plans = []
@@ -251,9 +247,7 @@ def plan(
         for candidate in trials(ranked, max_trials):
             if candidate.name not in measured:
                 print(f"plan: measuring {candidate.name} ...", file=err)
-                records = _measure(
-                    config, [*overrides, *moe_layout, *candidate.overrides()], steps, err
-                )
+                records = _measure(config, [*overrides, *candidate.overrides()], steps, err)
                 candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
                 measured[candidate.name] = candidate
             tried.append(measured[candidate.name])
@@ -267,6 +261,12 @@ def plan(
             }
         )
     return {"profile": profile, "plans": plans, "moe_layout": moe_layout}
+
+
+def plan_overrides(result: dict[str, Any], chosen: Candidate) -> list[str]:
+    """The recipe overrides of a chosen plan: the layout every measurement ran on, then the
+    plan's own settings."""
+    return [*result["moe_layout"], *chosen.overrides()]
 
 
 def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:
@@ -309,8 +309,9 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
         )
         for c in entry["tried"]:
             change = (c.measured_fwd_bwd_s or 0.0) / profile.fwd_bwd_s - 1
+            predicted = "     -" if c.predicted_peak_gib is None else f"{c.predicted_peak_gib:6.2f}"
             print(
-                f"  {c.name:<48} predicted {c.predicted_peak_gib:6.2f} GiB  measured "
+                f"  {c.name:<48} predicted {predicted} GiB  measured "
                 f"{c.measured_peak_gib or 0:6.2f} GiB  {c.measured_fwd_bwd_s or 0:.3f} s "
                 f"({100 * change:+.1f}%)",
                 file=out,
@@ -321,8 +322,7 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
             all_met = False
             continue
         print(f"plan: {chosen.name}; paste these overrides:", file=out)
-        layout = result["moe_layout"] if chosen.modules else []
-        for line in [*layout, *chosen.overrides()]:
+        for line in plan_overrides(result, chosen):
             print(f"  {shlex.quote(line)}", file=out)
     return all_met
 
@@ -339,7 +339,7 @@ def as_json(result: dict[str, Any]) -> dict[str, Any]:
                 "fitting": entry["fitting"],
                 "tried": [{"name": c.name, **asdict(c)} for c in entry["tried"]],
                 "chosen": entry["chosen"].name if entry["chosen"] else None,
-                "overrides": entry["chosen"].overrides() if entry["chosen"] else None,
+                "overrides": plan_overrides(result, entry["chosen"]) if entry["chosen"] else None,
             }
             for entry in result["plans"]
         ],

@@ -92,7 +92,7 @@ def _runtime_settings(
 ) -> dict[str, tuple[Any, str]]:
     """The offload runtime's own settings, resolved: the length buckets steps are padded to
     (with offloading or full-iteration CUDA graphs on) and the host budget (offloading on)."""
-    from nemo_rl_offload.offload.runtime import step_buckets
+    from nemo_rl_offload.offload.runtime import pads_steps, step_buckets
 
     megatron = section.get("megatron_cfg") or {}
     offloading = effective.value("fine_grained_activation_offloading") is True
@@ -104,7 +104,7 @@ def _runtime_settings(
             megatron["offload_plan_budget_gib"],
             f"{path}.offload_plan_budget_gib (planned at start; replaces the settings above)",
         )
-    if not offloading and not graphed:
+    if not pads_steps(offloading, graphed):
         return resolved
     if isinstance(section.get("max_total_sequence_length"), int):
         buckets, default = step_buckets(section)

@@ -221,11 +221,16 @@ def _cell(record: dict[str, Any], key: str, fmt: str) -> str:
 
 
 def replayed_median(records: list[dict[str, Any]], key: str) -> float | None:
-    """Median over the steps that replay a plan: each length's first step records one."""
+    """Median over the steady steps: those that replay a plan (each length's first step
+    records one) and, with CUDA graphs, those replayed as a graph (a shape's warm-up and
+    capture steps are not steady). All steps when none is."""
     seen: set[int] = set()
     replayed = []
     for record in records:
-        if record["length"] in seen and key in record:
+        graph_warmup = "cuda_graph_replayed" in record and (
+            not record["cuda_graph_replayed"] or record["cuda_graph_captured"]
+        )
+        if record["length"] in seen and key in record and not graph_warmup:
             replayed.append(record[key])
         seen.add(record["length"])
     values = replayed or [r[key] for r in records if key in r]

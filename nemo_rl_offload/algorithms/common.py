@@ -282,8 +282,7 @@ def _apply_plan(config_path: str, overrides: list[str], budget_gib: float) -> An
             "policy.megatron_cfg.offload_plan_budget_gib: "
             + planner.why_none(result["profile"], budget_gib, entry["tried"])
         )
-    layout = result["moe_layout"] if chosen.modules else []
-    report = load_and_check(config_path, [*without_key, *layout, *chosen.overrides()])
+    report = load_and_check(config_path, [*without_key, *planner.plan_overrides(result, chosen)])
     if report.errors:
         raise UserInputError(report.errors)
     print(f"plan applied: {chosen.name}", file=sys.stderr)
@@ -298,15 +297,15 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
         raise UserInputError(report.errors)
     for line in report.warnings:
         print(line, file=sys.stderr)
-    budget = (report.recipe["policy"].get("megatron_cfg") or {}).get("offload_plan_budget_gib")
-    if budget is not None and report.algorithm == algorithm:
-        report = _apply_plan(config_path, overrides, float(budget))
     if report.algorithm != algorithm:
         command = "distill" if report.algorithm == "distillation" else report.algorithm
         raise UserInputError(
             f"{config_path}: a recipe for {report.algorithm}, not {algorithm}; run "
             f"nemo-rl-offload {command} --config {config_path}"
         )
+    budget = (report.recipe["policy"].get("megatron_cfg") or {}).get("offload_plan_budget_gib")
+    if budget is not None:
+        report = _apply_plan(config_path, overrides, float(budget))
     recipe = report.recipe
     policy = recipe["policy"]
     architecture = architecture_for(policy["model_name"], base_dir=Path.cwd())

@@ -35,6 +35,10 @@ _MOE_STYLE: dict[str, Any] = {
 }
 
 
+# The Hugging Face model types this package converts to and from (models/hf_convert.py).
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
 @dataclass(frozen=True)
 class Architecture:
     """What a model is: TransformerConfig fields (``transformer``) and GPTModel arguments."""

@@ -71,10 +71,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nemo_rl_offload.config.model_presets import HF_MODEL_TYPES as MODEL_TYPES
 from nemo_rl_offload.config.model_presets import Architecture
 from nemo_rl_offload.errors import UserInputError
 
-MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -604,6 +604,21 @@ def _shard_pieces(shards: Sequence[Mapping[str, Tensor]], key: str) -> list[Tens
     return pieces
 
 
+def _without_tied_head(shard: Mapping[str, Tensor], rank: int) -> Mapping[str, Tensor]:
+    """A tied model's state dict without ``output_layer.weight``: with pipeline parallelism
+    the last stage keeps its own copy of the embedding (merged in by
+    ``hf_checkpoint.merge_pipeline_stages``), which must equal it."""
+    if "output_layer.weight" not in shard:
+        return shard
+    head, embedding = shard["output_layer.weight"], shard.get("embedding.word_embeddings.weight")
+    if embedding is not None and not torch.equal(head, embedding):
+        raise UserInputError(
+            f"tensor-parallel rank {rank}: output_layer.weight differs from "
+            "embedding.word_embeddings.weight, but the architecture ties them"
+        )
+    return {key: value for key, value in shard.items() if key != "output_layer.weight"}
+
+
 def _check_no_unexpected(shards: Sequence[Mapping[str, Tensor]], params: list[_Param]) -> None:
     known = {p.key for p in params}
     for rank, shard in enumerate(shards):
@@ -657,6 +672,8 @@ def megatron_to_hf(
         grouped_experts=grouped_experts,
         fused_layernorm=fused_layernorm,
     )
+    if d.tied:
+        shards = [_without_tied_head(shard, rank) for rank, shard in enumerate(shards)]
     _check_no_unexpected(shards, params)
     out: dict[str, Tensor] = {}
     for p in params:

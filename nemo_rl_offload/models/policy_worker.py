@@ -200,7 +200,7 @@ class PolicyWorker:
             if budget_gib
             else default_host_budget_bytes(),
             sequence_buckets=step_buckets(self.section)[0],
-            pad_steps=self.graphs is not None,
+            graphed=self.graphs is not None,
             on_release=self._release_graphs,
         )
         if self.with_reference:
@@ -260,6 +260,7 @@ class PolicyWorker:
             },
             use_distributed_optimizer=use_distributed,
         )
+        stream = None
         if self.graphs is not None:
             # Built on the stream graphs are captured on: the gradient-accumulation nodes it
             # creates remember their stream, and a capture must not meet another one.
@@ -267,13 +268,10 @@ class PolicyWorker:
 
             stream = get_shared_capture_stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.model = DistributedDataParallel(
-                    config=config, ddp_config=ddp, module=self.model
-                )
-            torch.cuda.current_stream().wait_stream(stream)
-        else:
+        with torch.cuda.stream(stream):  # None: the current stream, as without graphs
             self.model = DistributedDataParallel(config=config, ddp_config=ddp, module=self.model)
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = self.model.no_sync
         precision = self.section.get("precision", "float32")
@@ -367,7 +365,7 @@ class PolicyWorker:
             lr=float(self.optimizer.param_groups[0]["lr"]),
             step_time_s=time.perf_counter() - start,
             fwd_bwd_time_s=fwd_bwd.seconds(),
-            **self.runtime.after_step(len(microbatches), copies_timed=mode == "eager"),
+            **self.runtime.after_step(copies_timed=mode == "eager"),
             **graph_metrics,
             **self.memory_stats(),
         )

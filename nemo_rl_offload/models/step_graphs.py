@@ -46,7 +46,6 @@ class _KeyGraph:
     graph: Any = None
     static_inputs: Inputs = field(default_factory=list)
     static_outputs: Any = None
-    replays: int = 0
     activation_peak_bytes: int = 0
 
 
@@ -94,8 +93,7 @@ class StepGraphs:
         self.warmup_steps = warmup_steps
         self._keys: dict[Hashable, _KeyGraph] = {}
         self._pool: Any = None  # this instance's graph memory pool, made at the first capture
-        self.captures = 0
-        self.released = 0
+        self.released = 0  # graphs dropped by release()
 
     def run(
         self, key: Hashable, inputs: Inputs, step: Callable[[Inputs], Any]
@@ -116,7 +114,6 @@ class StepGraphs:
                     static[name].copy_(value, non_blocking=True)
             mode = "replayed"
         entry.graph.replay()
-        entry.replays += 1
         return entry.static_outputs, mode
 
     def _capture(self, key: Hashable, entry: _KeyGraph, inputs: Inputs, step: Callable) -> None:
@@ -144,7 +141,6 @@ class StepGraphs:
         torch.cuda.synchronize()
         entry.activation_peak_bytes = torch.cuda.max_memory_allocated() - before
         entry.graph = graph
-        self.captures += 1
         _LOG.info(
             "cuda graphs: captured the training step of shape %s (%d graphs)",
             key,

@@ -25,6 +25,7 @@ from nemo_rl_offload.offload.capabilities import (
     Capabilities,
     transformer_config_fields,
 )
+from nemo_rl_offload.offload.runtime import pads_steps
 
 LOCAL_GRAPH_OFFLOAD_MODULES = MOE_OFFLOAD_MODULES
 DEFAULT_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024
@@ -366,7 +367,7 @@ def _sequence_buckets(ctx: _Context) -> None:
             f"{path}: the largest bucket {buckets[-1]} is shorter than "
             f"{ctx.where}.max_total_sequence_length={longest}; add a bucket >= {longest}"
         )
-    if not ctx.fgo_on and ctx.value("cuda_graph_impl") != "full_iteration":
+    if not pads_steps(ctx.fgo_on, ctx.value("cuda_graph_impl") == "full_iteration"):
         ctx.warn(
             f"warning: {path}: set but neither fine_grained_activation_offloading nor "
             "full_iteration CUDA graphs is on, so nothing is padded to them"

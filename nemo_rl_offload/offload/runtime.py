@@ -44,7 +44,9 @@ def _patch_reload_waits_for_offload() -> bool:
     warm-up step computes with partly stale activations (measured: step-1 gradients differ from
     an identical model without offload; later steps, which keep that group on the GPU, are
     bitwise equal). The fix: before such a reload, the current stream waits for the group's
-    offload event, which the group records after its copies. Returns whether it patched.
+    offload event, which the group records after its copies. Such reloads run on the compute
+    stream, outside the bulk reloads :func:`_patch_copy_timing` times, so they are timed here
+    (every reload of a MoE warm-up step goes this way). Returns whether it patched.
     """
     import torch
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
@@ -55,11 +57,23 @@ def _patch_reload_waits_for_offload() -> bool:
     original = handler.tensor_pop
 
     def tensor_pop(self: Any, tensor_tag: Any) -> Any:
-        if not isinstance(tensor_tag, torch.Tensor):
-            group = self.offload_groups[tensor_tag[0] - 1]
-            if isinstance(group._tensors.get(tensor_tag), tuple):
-                group.wait_offload_event(torch.cuda.current_stream())
-        return original(self, tensor_tag)
+        if isinstance(tensor_tag, torch.Tensor):
+            return original(self, tensor_tag)
+        group = self.offload_groups[tensor_tag[0] - 1]
+        state = group._tensors.get(tensor_tag)
+        if not isinstance(state, tuple):  # on the GPU already
+            return original(self, tensor_tag)
+        stream = torch.cuda.current_stream()
+        group.wait_offload_event(stream)
+        if not _timing_wanted():
+            return original(self, tensor_tag)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        result = original(self, tensor_tag)
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        COPY_TIMER.record("h2d", start, end, _state_bytes(state))
+        return result
 
     tensor_pop._waits_for_offload = True  # type: ignore[attr-defined]
     handler.tensor_pop = tensor_pop
@@ -78,12 +92,8 @@ def plan_metrics(manager: Any) -> dict[str, float]:
                 )
     metrics = {f"offloaded_gib_{name}": count / 2**30 for name, count in per_module.items()}
     metrics["offloaded_gib_per_step"] = sum(per_module.values()) / 2**30
-    metrics["pinned_host_gib"] = _pinned_bytes(manager) / 2**30
+    metrics["pinned_host_gib"] = _pool_bytes(getattr(manager, "_cpu_tensor_pool", None)) / 2**30
     return metrics
-
-
-def _pinned_bytes(manager: Any) -> int:
-    return _pool_bytes(getattr(manager, "_cpu_tensor_pool", None))
 
 
 def _pool_bytes(pool: Any) -> int:
@@ -135,6 +145,13 @@ def sequence_length_buckets(max_length: int, multiple: int = 1) -> list[int]:
     return sorted(buckets)
 
 
+def pads_steps(offloading: bool, full_iteration_graphs: bool) -> bool:
+    """Whether training steps are padded to the length buckets: with offloading (one plan per
+    step shape) or full-iteration CUDA graphs (one graph per step shape), which both need
+    shapes that recur. The one rule the runtime, the recipe checks and validate's report use."""
+    return offloading or full_iteration_graphs
+
+
 def step_buckets(policy_cfg: dict[str, Any]) -> tuple[list[int], bool]:
     """The length buckets a policy section's offloaded steps are padded to, and whether they
     are the default (derived from its max_total_sequence_length and padding multiple)."""
@@ -180,21 +197,18 @@ def pad_microbatches(
 class CopyTimer:
     """Time and bytes of the offload (device-to-host) and reload (host-to-device) copies.
 
-    Megatron issues each group's copies on its own side stream between two points we can mark:
-    a CUDA event recorded on that stream just before the copies (after the stream's wait for
-    the compute it depends on) and the group's own completion event after them. The sum of
-    those intervals is the time the copy engine spent on the step's copies; bytes over that
-    time is the bandwidth achieved. Events are read after the step, when they have completed,
-    so the timing adds no synchronisation to the step itself. Not recorded while a CUDA graph
-    is being captured."""
+    Megatron issues each group's copies on a side stream; CUDA events recorded on that stream
+    just before them (after the stream's waits) and just after them bound the copies. The sum
+    of those intervals is the time the copy streams spent on the step's copies (on a step that
+    records a plan it includes allocating the pinned buffers); bytes over that time is the
+    bandwidth achieved. Events are read after the step, when they have completed, so the timing
+    adds no synchronisation to the step itself. Not recorded while a CUDA graph is captured."""
 
     def __init__(self) -> None:
         self._pending: dict[str, list[tuple[Any, Any, int]]] = {"d2h": [], "h2d": []}
-        self.active = False
 
     def record(self, direction: str, start: Any, end: Any, nbytes: int) -> None:
-        if self.active:
-            self._pending[direction].append((start, end, nbytes))
+        self._pending[direction].append((start, end, nbytes))
 
     def collect(self) -> dict[str, float]:
         """Totals since the last call: seconds, GiB and GB/s per direction."""
@@ -218,8 +232,16 @@ def _state_bytes(state: Any) -> int:
     return host.numel() * host.element_size()
 
 
+def _timing_wanted() -> bool:
+    """Copies are timed except while a CUDA graph is captured (its events would be captured)."""
+    import torch
+
+    return not torch.cuda.is_current_stream_capturing()
+
+
 def _patch_copy_timing() -> bool:
-    """Wrap the offload and reload of a group with CUDA events for :data:`COPY_TIMER`."""
+    """Wrap the bulk offload and reload of a group with CUDA events for :data:`COPY_TIMER`
+    (reloads on the compute stream are timed by :func:`_patch_reload_waits_for_offload`)."""
     import torch
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
@@ -228,33 +250,27 @@ def _patch_copy_timing() -> bool:
         return False
     offload_group, reload_group = handler.bulk_offload_group, handler.bulk_reload_group
 
-    def timing_wanted() -> bool:
-        return COPY_TIMER.active and not torch.cuda.is_current_stream_capturing()
-
     def bulk_offload_group(self: Any, group: Any) -> Any:
-        if not timing_wanted():
+        if not _timing_wanted():
             return offload_group(self, group)
-        before = {tag for tag, value in group._tensors.items() if isinstance(value, tuple)}
         start = torch.cuda.Event(enable_timing=True)
         start.record(self.d2h_stream)
         result = offload_group(self, group)
-        moved = sum(
-            _state_bytes(value)
-            for tag, value in group._tensors.items()
-            if isinstance(value, tuple) and tag not in before
-        )
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.d2h_stream)
-        COPY_TIMER.record("d2h", start, end, moved)
+        # What the group offloads: Megatron counts it while recording the plan (this very
+        # call on that step), and every replay offloads the same tensors.
+        COPY_TIMER.record("d2h", start, end, group.total_offload_bytes)
         return result
 
     def bulk_reload_group(self: Any) -> Any:
-        if not timing_wanted():
+        if not _timing_wanted():
             return reload_group(self)
         group = self._groups_to_reload[-1]
         moved = sum(_state_bytes(v) for v in group._tensors.values() if isinstance(v, tuple))
-        with torch.cuda.stream(self.h2d_stream):
-            group.wait_offload_event(self.h2d_stream)
+        # Megatron's reload waits for the offload first; waiting here keeps that wait out of
+        # the timed interval.
+        group.wait_offload_event(self.h2d_stream)
         start = torch.cuda.Event(enable_timing=True)
         start.record(self.h2d_stream)
         result = reload_group(self)
@@ -263,32 +279,9 @@ def _patch_copy_timing() -> bool:
         COPY_TIMER.record("h2d", start, end, moved)
         return result
 
-    pop = handler.tensor_pop
-
-    def tensor_pop(self: Any, tensor_tag: Any) -> Any:
-        """A reload on the compute stream, when backward needs a tensor its group's bulk
-        reload has not brought back (every reload of a MoE warm-up step goes this way)."""
-        if isinstance(tensor_tag, torch.Tensor) or not timing_wanted():
-            return pop(self, tensor_tag)
-        group = self.offload_groups[tensor_tag[0] - 1]
-        state = group._tensors.get(tensor_tag)
-        if not isinstance(state, tuple):
-            return pop(self, tensor_tag)
-        stream = torch.cuda.current_stream()
-        group.wait_offload_event(stream)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        result = pop(self, tensor_tag)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(stream)
-        COPY_TIMER.record("h2d", start, end, _state_bytes(state))
-        return result
-
     bulk_offload_group._timed = True  # type: ignore[attr-defined]
-    tensor_pop._waits_for_offload = getattr(pop, "_waits_for_offload", False)  # type: ignore[attr-defined]
     handler.bulk_offload_group = bulk_offload_group
     handler.bulk_reload_group = bulk_reload_group
-    handler.tensor_pop = tensor_pop
     return True
 
 
@@ -316,15 +309,15 @@ class OffloadRuntime:
         *,
         host_budget_bytes: int | None = None,
         sequence_buckets: Sequence[int] = (),
-        pad_steps: bool = False,
+        graphed: bool = False,
         on_release: Callable[[tuple[int, int]], None] | None = None,
     ) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is).
-        ``pad_steps`` pads steps to the length buckets even with offloading off (CUDA graphs
-        need recurring shapes too); ``on_release(shape)`` is told when a plan is released."""
+        ``graphed``: steps run as full-iteration CUDA graphs (padded then, offloading or not);
+        ``on_release(shape)`` is told when a plan is released."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
-        self.pad_steps = pad_steps or self.enabled
+        self.pad_steps = pads_steps(self.enabled, graphed)
         self.on_release = on_release
         self.host_budget_bytes = host_budget_bytes
         self.sequence_buckets = sorted(sequence_buckets)
@@ -332,13 +325,11 @@ class OffloadRuntime:
         self._plans: OrderedDict[tuple[int, int], Any] = OrderedDict()
         self._buffers_used: dict[tuple[int, int], set[Any]] = {}
         self._pool: Any = None
-        self._current: tuple[int, int] | None = None
         self.plans_recorded = 0
         self.plans_released = 0
         if self.enabled:
             _patch_reload_waits_for_offload()
             _patch_copy_timing()
-            COPY_TIMER.active = True
 
     @staticmethod
     def _manager() -> Any:
@@ -355,30 +346,27 @@ class OffloadRuntime:
     ) -> list[dict[str, np.ndarray]]:
         """Call before each training step with its micro-batches: pads them to the step's
         length bucket and installs the plan of the step's shape (or records one). Returns the
-        micro-batches to train on (unchanged when neither offloading nor ``pad_steps`` is on).
+        micro-batches to train on (unchanged when :func:`pads_steps` says so).
         ``sync_length(length)`` may agree the padded length with other ranks (the largest)."""
-        longest = max(batch["input_ids"].shape[1] for batch in microbatches)
-        if not self.pad_steps:
-            self.step_shape = (len(microbatches), longest)
-            return microbatches
-        length = bucket_for(longest, self.sequence_buckets)
-        if sync_length is not None:
-            length = sync_length(length)
-        microbatches = pad_microbatches(microbatches, length)
-        self.step_shape = (len(microbatches), length)
+        length = max(batch["input_ids"].shape[1] for batch in microbatches)
+        if self.pad_steps:
+            length = bucket_for(length, self.sequence_buckets)
+            if sync_length is not None:
+                length = sync_length(length)
+            microbatches = pad_microbatches(microbatches, length)
         self.before_step(len(microbatches), length)
         return microbatches
 
-    def before_step(self, num_microbatches: int, seq_len: int = 0) -> None:
-        """Install the plan of this shape (or record one); :meth:`prepare_step` calls it."""
+    def before_step(self, num_microbatches: int, seq_len: int) -> None:
+        """Note the step's shape and install its plan (or record one); :meth:`prepare_step`
+        calls it."""
+        shape = self.step_shape = (num_microbatches, seq_len)
         if not self.enabled:
-            return
-        shape = (num_microbatches, seq_len)
-        if shape == self._current:
             return
         manager_cls = self._manager()
         if shape in self._plans:
-            manager_cls.OFFLOAD_MGR = self._plans[shape]
+            if manager_cls.OFFLOAD_MGR is not self._plans[shape]:  # else: installed already
+                manager_cls.OFFLOAD_MGR = self._plans[shape]
             self._plans.move_to_end(shape)
         else:
             manager_cls.reset_instance()
@@ -390,7 +378,6 @@ class OffloadRuntime:
                 manager._cpu_tensor_pool = self._pool
             self._plans[shape] = manager
             self.plans_recorded += 1
-        self._current = shape
 
     def _track_buffers(self, pool: Any) -> None:
         """Note which pool entries (tensor shapes) each plan draws from, so that releasing a
@@ -399,7 +386,7 @@ class OffloadRuntime:
 
         def tracked_allocate(shape: Any, dtype: Any = None) -> Any:
             key = pool._get_pool_key(shape, dtype)
-            self._buffers_used.setdefault(self._current, set()).add(key)  # type: ignore[arg-type]
+            self._buffers_used.setdefault(self.step_shape, set()).add(key)
             return allocate(shape, dtype) if dtype is not None else allocate(shape)
 
         pool.allocate = tracked_allocate
@@ -409,7 +396,7 @@ class OffloadRuntime:
             return
         while len(self._plans) > 1 and self.pinned_bytes() > self.host_budget_bytes:
             oldest = next(iter(self._plans))
-            if oldest == self._current:
+            if oldest == self.step_shape:
                 break
             del self._plans[oldest]
             still_used = set().union(*(self._buffers_used.get(s, set()) for s in self._plans))
@@ -430,7 +417,7 @@ class OffloadRuntime:
         """Pinned host bytes held by the pool the plans share."""
         return _pool_bytes(self._pool)
 
-    def after_step(self, num_microbatches: int, *, copies_timed: bool = True) -> dict[str, float]:
+    def after_step(self, *, copies_timed: bool = True) -> dict[str, float]:
         """Offload metrics of the step just run: bytes per module over every micro-batch of
         the step, from the plan the manager replays (Megatron's own summary table counts only
         the first micro-batch), copy time and bandwidth, the step's shape, and the pinned host
@@ -444,8 +431,8 @@ class OffloadRuntime:
         copies = COPY_TIMER.collect()
         if copies_timed:
             metrics.update(copies)
-        metrics["offload_step_microbatches"] = float(num_microbatches)
-        metrics["offload_step_length"] = float(self._current[1] if self._current else 0)
+        metrics["offload_step_microbatches"] = float(self.step_shape[0])
+        metrics["offload_step_length"] = float(self.step_shape[1])
         metrics["offload_plans_recorded"] = float(self.plans_recorded)
         metrics["offload_plans_kept"] = float(len(self._plans))
         metrics["offload_plans_released"] = float(self.plans_released)

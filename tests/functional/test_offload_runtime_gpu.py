@@ -225,7 +225,13 @@ def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
     )
     for module in modules:
         assert all(r.get(f"offloaded_gib_{module}", 0) > 0 for r in records), module
-    assert all(r["d2h_gb_per_s"] > 1 and r["h2d_gb_per_s"] > 1 for r in records)
+    # Every byte offloaded comes back; steps that replay a plan copy at bandwidth (those that
+    # record one also allocate their pinned buffers inside the timed copies). Lowest replayed
+    # rates measured on an H100: dense 31.5 GB/s, MoE 6.0 (expert inputs are not pooled).
+    assert all(r["d2h_gib"] == r["h2d_gib"] for r in records)
+    floor_gb_per_s = 20.0 if kind == "dense" else 4.0
+    replayed = [r for r in records if not r["new_shape"]]
+    assert all(min(r["d2h_gb_per_s"], r["h2d_gb_per_s"]) > floor_gb_per_s for r in replayed)
 
 
 def _summarise(records: list[dict[str, Any]]) -> dict[str, Any]:

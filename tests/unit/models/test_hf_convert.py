@@ -10,13 +10,12 @@ hold the same numbers); the Transformer Engine names round-trip; the errors are 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +58,6 @@ class Family:
     config_class: str
     model_class: str
     kwargs: dict[str, Any]
-    # model_overrides our build needs for HF's numerics (see test_moe_routing_from_config).
-    overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
     def moe(self) -> bool:
@@ -117,10 +114,8 @@ class Checkpoint:
 
     @property
     def architecture(self) -> Architecture:
-        """The architecture our builder reads, with the family's model_overrides applied."""
-        architecture = architecture_for(str(self.directory))
-        transformer = {**architecture.transformer, **self.family.overrides}
-        return dataclasses.replace(architecture, transformer=transformer)
+        """The architecture our builder reads from the directory."""
+        return architecture_for(str(self.directory))
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
@@ -190,7 +185,7 @@ def _cases() -> Iterator[Any]:
 @pytest.mark.parametrize(("name", "grouped"), list(_cases()))
 def test_logits_match_hf(build_tiny, checkpoint, moe_globals_restored, name, grouped):
     ckpt = checkpoint(name)
-    overrides = {**ckpt.family.overrides, **({"moe_grouped_gemm": True} if grouped else {})}
+    overrides = {"moe_grouped_gemm": True} if grouped else {}
     model, warnings = build_tiny(str(ckpt.directory), model_overrides=overrides)
     assert warnings == []
     # The policy worker's own path: the directory's safetensors, read and converted for this
@@ -204,7 +199,8 @@ def test_logits_match_hf(build_tiny, checkpoint, moe_globals_restored, name, gro
         theirs = ckpt.model(input_ids=ids).logits
     assert ours.shape == theirs.shape == (*ids.shape, SIZES["vocab_size"])
     assert theirs.abs().max() > 0.1  # not a vacuous comparison
-    assert (ours - theirs).abs().max().item() <= 1e-4
+    # float32 on CPU: 1.2e-6 to 1.8e-6 measured over the families.
+    assert (ours - theirs).abs().max().item() <= 1e-5
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,13 +220,26 @@ def test_export_round_trip_is_bitwise(checkpoint, name, grouped, tp):
         shards, architecture, grouped_experts=grouped, model_type=ckpt.family.model_type
     )
     _assert_same(exported, ckpt.state)  # a tied model gets no lm_head.weight, as saved
-    if tp > 1:  # every rank holds a 1/tp share of the sharded tensors
-        whole = hf_to_megatron(ckpt.state, architecture, grouped_experts=grouped)
-        for key, tensor in whole.items():
-            assert sum(shard[key].numel() for shard in shards) in (
-                tensor.numel(),
-                tp * tensor.numel(),
-            )
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_tied_models_last_stage_head_copy_is_dropped_when_it_equals_the_embedding(checkpoint, tp):
+    """With pipeline parallelism a tied model's last stage keeps its own output_layer.weight;
+    the merged stages bring it along, and export must neither refuse nor write it."""
+    ckpt = checkpoint("llama_tied")
+    shards = [
+        hf_to_megatron(ckpt.state, ckpt.architecture, tp_rank=r, tp_size=tp) for r in range(tp)
+    ]
+    with_head = [
+        {**shard, "output_layer.weight": shard["embedding.word_embeddings.weight"].clone()}
+        for shard in shards
+    ]
+    exported = megatron_to_hf(with_head, ckpt.architecture, model_type="llama")
+    _assert_same(exported, ckpt.state)
+    differs = [dict(shard) for shard in with_head]
+    differs[-1]["output_layer.weight"] = differs[-1]["output_layer.weight"] + 1
+    with pytest.raises(UserInputError, match="output_layer.weight differs"):
+        megatron_to_hf(differs, ckpt.architecture, model_type="llama")
 
 
 def test_tied_state_dict_with_lm_head_imports_and_exports_without_it(checkpoint):
@@ -457,34 +466,37 @@ def _one_line(excinfo: pytest.ExceptionInfo[UserInputError]) -> str:
     return excinfo.value.problems[0]
 
 
-def test_missing_tensor(checkpoint):
-    ckpt = checkpoint("llama")
-    state = dict(ckpt.state)
-    del state["model.layers.1.self_attn.q_proj.weight"]
+_Q = "model.layers.1.self_attn.q_proj.weight"
+_K_NORM = "model.layers.0.self_attn.k_norm.weight"
+_W2 = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+
+
+@pytest.mark.parametrize(
+    ("family", "edit", "line"),
+    [
+        (
+            "llama",
+            lambda state: {k: v for k, v in state.items() if k != _Q},
+            f"{_Q}: missing, expected shape [64, 64] from config.json",
+        ),
+        (
+            "qwen3",
+            lambda state: {**state, _K_NORM: torch.ones(16)},
+            f"{_K_NORM}: shape [16], expected [32] from config.json",
+        ),
+        (
+            "mixtral",
+            lambda state: {**state, _W2: state[_W2].t()},
+            f"{_W2}: shape [96, 64], expected [64, 96] from config.json",
+        ),
+    ],
+    ids=["missing_tensor", "wrong_shape", "wrong_expert_shape"],
+)
+def test_a_bad_tensor_is_one_line_naming_it(checkpoint, family, edit, line):
+    ckpt = checkpoint(family)
     with pytest.raises(UserInputError) as excinfo:
-        hf_to_megatron(state, ckpt.architecture)
-    assert _one_line(excinfo) == (
-        "model.layers.1.self_attn.q_proj.weight: missing, expected shape [64, 64] from config.json"
-    )
-
-
-def test_wrong_shape(checkpoint):
-    ckpt = checkpoint("qwen3")
-    state = {**ckpt.state, "model.layers.0.self_attn.k_norm.weight": torch.ones(16)}
-    with pytest.raises(UserInputError) as excinfo:
-        hf_to_megatron(state, ckpt.architecture)
-    assert _one_line(excinfo) == (
-        "model.layers.0.self_attn.k_norm.weight: shape [16], expected [32] from config.json"
-    )
-
-
-def test_wrong_expert_shape(checkpoint):
-    ckpt = checkpoint("mixtral")
-    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
-    state = {**ckpt.state, name: ckpt.state[name].t()}
-    with pytest.raises(UserInputError) as excinfo:
-        hf_to_megatron(state, ckpt.architecture)
-    assert _one_line(excinfo) == f"{name}: shape [96, 64], expected [64, 96] from config.json"
+        hf_to_megatron(edit(ckpt.state), ckpt.architecture)
+    assert _one_line(excinfo) == line
 
 
 def test_unexpected_tensors_listed_up_to_five(checkpoint):

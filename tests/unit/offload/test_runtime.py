@@ -102,7 +102,7 @@ def _train(rt, count: int, length: int) -> dict:
     follows the length (one micro-batch at a time: the count does not add buffers)."""
     rt.before_step(count, length)
     _FakeManager.OFFLOAD_MGR._cpu_tensor_pool.allocate((length, KIB), dtype=torch.uint8)
-    return rt.after_step(count)
+    return rt.after_step()
 
 
 def test_one_plan_per_shape_recorded_once_and_reused(monkeypatch):
@@ -113,7 +113,7 @@ def test_one_plan_per_shape_recorded_once_and_reused(monkeypatch):
         installed.setdefault(shape, _FakeManager.OFFLOAD_MGR)
         assert _FakeManager.OFFLOAD_MGR is installed[shape]  # the shape's own plan, every time
     assert _FakeManager.resets == 3 and rt.plans_recorded == 3
-    assert rt.after_step(3)["offload_plans_kept"] == 3.0
+    assert rt.after_step()["offload_plans_kept"] == 3.0
 
 
 def test_plans_of_one_length_share_their_pinned_buffers(monkeypatch):
@@ -172,7 +172,7 @@ def test_off_runtime_touches_nothing(monkeypatch):
     with rt.forward_only():
         pass
     assert _FakeManager.resets == 0 and _FakeManager.OFFLOAD_MGR is None
-    assert rt.after_step(4) == {}
+    assert rt.after_step() == {}
 
 
 def test_default_budget_is_half_the_ram_at_most():
@@ -229,7 +229,7 @@ def test_prepare_step_pads_a_step_to_one_bucket_and_keys_plans_by_it(monkeypatch
     for lengths in ([100, 250], [300, 200, 17], [256, 256], [1000], [511, 3, 40]):
         step = rt.prepare_step(_step(lengths))
         assert len({batch["input_ids"].shape[1] for batch in step}) == 1
-        shapes.append(rt._current)
+        shapes.append(rt.step_shape)
     assert shapes == [(2, 256), (3, 512), (2, 256), (1, 1024), (3, 512)]
     assert rt.plans_recorded == 3  # five steps, three shapes
 
@@ -250,8 +250,6 @@ class _Event:
 
 def test_copy_timer_sums_intervals_per_direction_and_resets():
     timer = runtime.CopyTimer()
-    timer.record("d2h", _Event(0), _Event(10), 10**9)  # ignored: not active
-    timer.active = True
     timer.record("d2h", _Event(0), _Event(10), 10**9)
     timer.record("d2h", _Event(50), _Event(60), 10**9)
     timer.record("h2d", _Event(0), _Event(40), 2 * 10**9)
@@ -274,11 +272,11 @@ def test_pad_steps_pads_without_offloading_and_records_no_plan(monkeypatch):
     """CUDA graphs need recurring shapes even without offloading: steps are padded, no plan."""
     monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
     config = SimpleNamespace(fine_grained_activation_offloading=False)
-    rt = runtime.OffloadRuntime(config, sequence_buckets=(256, 512), pad_steps=True)
+    rt = runtime.OffloadRuntime(config, sequence_buckets=(256, 512), graphed=True)
     step = rt.prepare_step(_step([100, 300]))
     assert {batch["input_ids"].shape[1] for batch in step} == {512}
     assert rt.step_shape == (2, 512) and rt.plans_recorded == 0
-    assert rt.after_step(2) == {}
+    assert rt.after_step() == {}
 
 
 def test_sync_length_agrees_the_padded_length_with_other_ranks(monkeypatch):
@@ -292,7 +290,7 @@ def test_sync_length_agrees_the_padded_length_with_other_ranks(monkeypatch):
     step = rt.prepare_step(_step([100, 200]), sync_length=longest_over_ranks)
     assert asked == [256]
     assert {batch["input_ids"].shape[1] for batch in step} == {1024}
-    assert rt.step_shape == (2, 1024) and rt._current == (2, 1024)
+    assert rt.step_shape == (2, 1024)
 
 
 def test_released_plans_are_reported_to_on_release(monkeypatch):
@@ -309,5 +307,5 @@ def test_untimed_steps_leave_copy_metrics_out(monkeypatch):
     rt = _runtime(monkeypatch)
     rt.before_step(1, 256)
     _FakeManager.OFFLOAD_MGR._cpu_tensor_pool.allocate((256, KIB), dtype=torch.uint8)
-    assert "d2h_time_s" in rt.after_step(1)
-    assert not any(key.startswith(("d2h", "h2d")) for key in rt.after_step(1, copies_timed=False))
+    assert "d2h_time_s" in rt.after_step()
+    assert not any(key.startswith(("d2h", "h2d")) for key in rt.after_step(copies_timed=False))

@@ -1,0 +1,65 @@
+"""The benchmark's floor bookkeeping (benchmarks/offload_benchmark.py: add_floors) on records
+made up for it: which baseline and which copy rate each case's floors use."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import offload_benchmark as bench  # noqa: E402
+
+GIB = 2**30
+FGO = {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn"]}
+GRAPHS = {"cuda_graph_impl": "full_iteration"}
+
+
+def _case(name, settings, seconds, gib, d2h=0.0, h2d=0.0, forward=None):
+    record = {
+        "case": name,
+        "settings": settings,
+        "peak_gib": 10.0,
+        "fwd_bwd_s": seconds,
+        "offloaded_gib_per_step": gib,
+        "d2h_gb_per_s": d2h,
+        "h2d_gb_per_s": h2d,
+    }
+    if forward is not None:
+        record["forward_s_per_microbatch"] = forward
+    return record
+
+
+def test_eager_and_graphed_floors_start_from_their_own_baseline_and_rates():
+    # 1 micro-batch: forward 0.1 s, backward 0.2 s without offloading (graphed: 0.05 / 0.1).
+    records = [
+        _case("no_offload", {}, 0.3, 0.0, forward=0.1),
+        _case("no_offload_graph", GRAPHS, 0.15, 0.0),
+        _case("fgo", FGO, 0.4, 10.0, d2h=50.0, h2d=100.0),
+        _case("fgo_graph", {**FGO, **GRAPHS}, 0.25, 10.0),
+    ]
+    plain_rate = {"d2h_bytes_per_s": 100e9, "h2d_bytes_per_s": 100e9}
+    bench.add_floors(records, plain_rate, mbs=1)
+    eager, graphed = records[2], records[3]
+    copy_s = 10 * GIB / 100e9  # 0.107 s each way at the plain rate
+    assert eager["floor_time_change"] == pytest.approx((max(0, copy_s - 0.1)) / 0.3)
+    # At its own rates (50 GB/s out, 100 back): 0.215 s out behind a 0.1 s forward.
+    achieved = max(0, 10 * GIB / 50e9 - 0.1) + max(0, 10 * GIB / 100e9 - 0.2)
+    assert eager["floor_achieved_time_change"] == pytest.approx(achieved / 0.3)
+    # The graphed case: the graphed step's passes (0.05 / 0.1 s), its eager twin's rates.
+    graph_floor = 0.15 + max(0, copy_s - 0.05) + max(0, copy_s - 0.1)
+    assert graphed["floor_time_change"] == pytest.approx(graph_floor / 0.3 - 1)
+    twin = 0.15 + max(0, 10 * GIB / 50e9 - 0.05) + max(0, 10 * GIB / 100e9 - 0.1)
+    assert graphed["floor_achieved_time_change"] == pytest.approx(twin / 0.3 - 1)
+    assert graphed["gap_to_floor_pp"] == pytest.approx(
+        100 * (0.25 / 0.3 - 1 - graph_floor / 0.3 + 1)
+    )
+
+
+def test_no_floor_without_bytes_or_a_measured_copy_rate():
+    records = [_case("no_offload", {}, 0.3, 0.0, forward=0.1), _case("fgo", FGO, 0.4, 1.0)]
+    bench.add_floors(records, {"d2h_bytes_per_s": 0.0, "h2d_bytes_per_s": 0.0}, mbs=1)
+    assert "floor_time_change" not in records[1] and records[1]["time_change"] == pytest.approx(
+        1 / 3
+    )
