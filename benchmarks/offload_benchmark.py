@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import sys
 import time
@@ -38,8 +37,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from nemo_rl_offload.planner import DENSE_MODULES, EXPERT_MODULES  # noqa: E402
+from nemo_rl_offload.telemetry import environment  # noqa: E402
+
 FGO = {"fine_grained_activation_offloading": True}
-DENSE_FIVE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
+DENSE_FIVE = list(DENSE_MODULES)
 SELECTIVE_CORE_ATTN = {
     "activation_checkpointing": True,
     "recompute_granularity": "selective",
@@ -92,7 +94,7 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
         cases[f"{name}_graph"] = _graphed(cases[name])
     cases["fgo_all5_graph_inflight_2"] = _graphed(cases["fgo_all5"], inflight=2)
     if "moe" in model:
-        experts = ["expert_fc1", "moe_act"]
+        experts = list(EXPERT_MODULES)
         cases["fgo_experts"] = {**FGO, "offload_modules": experts}
         cases["fgo_attn_pair_experts"] = {
             **FGO,
@@ -198,11 +200,6 @@ def build_worker(section: dict[str, Any], on_gpu: bool):
     )
     worker.setup(*worker.node_address())
     return worker
-
-
-def release(worker: Any) -> None:
-    """Free a case's model before the next one is built (one GPU holds one at a time)."""
-    worker.close()
 
 
 def batches(
@@ -320,7 +317,7 @@ def run_case(
                 steps.append(worker.train(step, {"name": "nll"}))
         forward = forward_time_s(worker, data[0][0]) if name == "no_offload" else None
     finally:
-        release(worker)
+        worker.close()  # frees the model before the next case is built
     later = steps[1:] or steps  # the first step records plans and allocates optimizer state
     replayed = [
         s for s in steps if s.get("cuda_graph_replayed") and not s.get("cuda_graph_captured")
@@ -463,19 +460,6 @@ def chart(records: list[dict[str, Any]], path: Path, title: str) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
-
-
-def environment() -> dict[str, Any]:
-    import megatron.core
-    import torch
-
-    return {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "megatron_core": megatron.core.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

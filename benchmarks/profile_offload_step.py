@@ -158,7 +158,7 @@ def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, An
             metrics = worker.train(data[-1], {"name": "nll"})
             torch.cuda.synchronize()
     finally:
-        bench.release(worker)
+        worker.close()
     raw = out / f".trace_{name}.json"
     prof.export_chrome_trace(str(raw))
     trace = json.loads(raw.read_text())

@@ -118,8 +118,9 @@ def _run_steps(
         group.shutdown()
 
 
-def _environment() -> dict[str, Any]:
-    """Where the numbers come from: the driver's view (workers run the same installation)."""
+def environment() -> dict[str, Any]:
+    """Where the numbers come from: the driver's view (workers run the same installation).
+    Every measurement this project records (telemetry, the benchmark, the GPU tests) carries it."""
     import platform
     from importlib import metadata
 
@@ -147,6 +148,7 @@ def _environment() -> dict[str, Any]:
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
         "gpus": gpus,
         **versions,
     }
@@ -200,7 +202,7 @@ def measure(
         cluster.shutdown(info)
     megatron_cfg = policy_cfg["megatron_cfg"]
     return {
-        "environment": _environment(),
+        "environment": environment(),
         "recipe": config_path,
         "overrides": overrides,
         "model": policy_cfg["model_name"],

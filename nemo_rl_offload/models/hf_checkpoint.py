@@ -173,13 +173,23 @@ def load_into_model(model: Any, architecture: Architecture) -> None:
     model.load_state_dict(state, strict=True)
 
 
+_LAYERS = "decoder.layers."
+
+
+def _layer_number(key: str) -> int | None:
+    """The layer index in a ``decoder.layers.<n>...`` key, None for other keys."""
+    return int(key[len(_LAYERS) :].split(".", 1)[0]) if key.startswith(_LAYERS) else None
+
+
+def _renumbered(key: str, number: int) -> str:
+    """``key`` (a ``decoder.layers.<n>...`` key) with layer index ``number``."""
+    return f"{_LAYERS}{number}.{key[len(_LAYERS) :].split('.', 1)[1]}"
+
+
 def _global_key(key: str, offsets: Mapping[int, int]) -> str:
     """``decoder.layers.<local>...`` of this pipeline stage -> the whole model's layer index."""
-    prefix = "decoder.layers."
-    if not key.startswith(prefix):
-        return key
-    local, rest = key[len(prefix) :].split(".", 1)
-    return f"{prefix}{offsets[int(local)]}.{rest}"
+    local = _layer_number(key)
+    return key if local is None else _renumbered(key, offsets[local])
 
 
 def merge_pipeline_stages(stages: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -187,15 +197,12 @@ def merge_pipeline_stages(stages: list[Mapping[str, Any]]) -> dict[str, Any]:
     state dict with the whole model's layer numbers."""
     merged: dict[str, Any] = {}
     offset = 0
-    prefix = "decoder.layers."
     for stage in stages:
-        layers = {int(k[len(prefix) :].split(".", 1)[0]) for k in stage if k.startswith(prefix)}
+        numbers = {_layer_number(key) for key in stage} - {None}
         for key, tensor in stage.items():
-            if key.startswith(prefix):
-                local, rest = key[len(prefix) :].split(".", 1)
-                key = f"{prefix}{int(local) + offset}.{rest}"
-            merged.setdefault(key, tensor)
-        offset += len(layers)
+            local = _layer_number(key)
+            merged.setdefault(key if local is None else _renumbered(key, local + offset), tensor)
+        offset += len(numbers)
     return merged
 
 

@@ -51,10 +51,8 @@ Layouts, and why:
 * Column-parallel weights (qkv, fc1, expert fc1, word embeddings and output layer along the
   vocabulary) are split along dim 0; row-parallel ones (linear_proj, fc2, expert fc2) along
   dim 1; norms and the router are replicated on every rank.
-* Vocabulary: our builder gives GPTModel ``architecture.vocab_size`` rows, so no padding is
-  needed by default; a model built with a padded vocabulary (a multiple of
-  ``make_vocab_size_divisible_by * tp``) gets ``padded_vocab_size``: the extra rows are zeros on
-  import and dropped again on export.
+* Vocabulary: our builder gives GPTModel exactly ``architecture.vocab_size`` rows (no padding),
+  which tensor parallelism must divide.
 
 Experts are assumed unsharded across expert-parallel ranks (EP = 1) and split over tensor
 parallelism like dense weights (expert_tensor_parallel_size = tensor_model_parallel_size,
@@ -196,7 +194,7 @@ class _Param:
     (tp = 1) tensor, and how that is split over tensor-parallel ranks.
 
     ``fuse``: "one" (same tensor), "qkv" (q, k, v grouped per query group), "gated"
-    ([gate; up]), "vocab" (rows padded to the model's vocabulary).
+    ([gate; up]).
     ``shard``: "replicated", "column" (dim 0), "row" (dim 1), "gated" ([gate_r; up_r]).
     """
 
@@ -323,7 +321,7 @@ def _params(
             "embedding.word_embeddings.weight",
             ("model.embed_tokens.weight",),
             ((d.vocab, d.hidden),),
-            "vocab",
+            "one",
             "column",
         )
     ]
@@ -341,7 +339,7 @@ def _params(
                 "output_layer.weight",
                 ("lm_head.weight",),
                 ((d.vocab, d.hidden),),
-                "vocab",
+                "one",
                 "column",
             )
         )
@@ -376,19 +374,11 @@ def _split_qkv(qkv: Tensor, d: _Dims) -> list[Tensor]:
     return [_owned(p.reshape(-1, *rest)) for p in parts]
 
 
-def _pad_rows(t: Tensor, rows: int) -> Tensor:
-    if rows == t.shape[0]:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
-
-
-def _fuse(p: _Param, tensors: list[Tensor], d: _Dims, vocab_rows: int) -> Tensor:
+def _fuse(p: _Param, tensors: list[Tensor], d: _Dims) -> Tensor:
     if p.fuse == "qkv":
         return _fuse_qkv(*tensors, d)
     if p.fuse == "gated":
         return torch.cat(tensors)
-    if p.fuse == "vocab":
-        return _pad_rows(tensors[0], vocab_rows)
     return tensors[0]
 
 
@@ -397,8 +387,6 @@ def _unfuse(p: _Param, full: Tensor, d: _Dims) -> list[Tensor]:
         return _split_qkv(full, d)
     if p.fuse == "gated":
         return [_owned(half) for half in full.chunk(2)]
-    if p.fuse == "vocab":
-        return [_owned(full[: d.vocab])]
     return [full]
 
 
@@ -434,15 +422,13 @@ def _gather(kind: str, pieces: list[Tensor]) -> Tensor:
     return torch.cat([gate for gate, _ in halves] + [up for _, up in halves])
 
 
-def _check_tp(d: _Dims, rank: int, size: int, vocab_rows: int) -> None:
+def _check_tp(d: _Dims, rank: int, size: int) -> None:
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"tp_rank {rank} is not a rank of tensor-parallel size {size}")
-    if vocab_rows < d.vocab:
-        raise ValueError(f"padded_vocab_size {vocab_rows} is smaller than vocab_size {d.vocab}")
     split = {
         "num_attention_heads": d.heads,
         "num_query_groups": d.groups,
-        "vocabulary rows": vocab_rows,
+        "vocabulary rows": d.vocab,
         "ffn_hidden_size": 0 if d.experts else d.ffn,
         "moe_ffn_hidden_size": d.moe_ffn,
     }
@@ -502,12 +488,11 @@ class _HFSource:
             raise UserInputError(f"unexpected tensors for this config.json: {_listed(unused)}")
 
 
-def _moe_family(hf_state: Mapping[str, Tensor], d: _Dims, model_type: str | None) -> str | None:
-    """Which MoE naming the checkpoint uses (None for a dense model)."""
+def _moe_family(hf_state: Mapping[str, Tensor], d: _Dims) -> str | None:
+    """Which MoE naming the checkpoint uses, read from its tensor names (None for a dense
+    model)."""
     if not d.experts:
         return None
-    if model_type is not None:
-        return model_type
     mixtral = any(".block_sparse_moe." in name for name in hf_state)
     return "mixtral" if mixtral else "qwen3_moe"
 
@@ -520,28 +505,21 @@ def hf_to_megatron(
     tp_size: int = 1,
     grouped_experts: bool = False,
     fused_layernorm: bool = False,
-    model_type: str | None = None,
-    padded_vocab_size: int | None = None,
 ) -> dict[str, Tensor]:
     """This tensor-parallel rank's GPTModel state dict (weights only, no ``_extra_state``)
     from a whole Hugging Face state dict. Meta tensors work too (a names-and-shapes check that
     reads no data; the result is then meta tensors).
 
-    ``model_type`` (one of :data:`MODEL_TYPES`) is only checked against the architecture;
-    without it the MoE naming (Qwen3-MoE or Mixtral) is read from the tensor names.
-    ``padded_vocab_size``: the model's embedding rows when it was built with a padded
-    vocabulary (default ``architecture.vocab_size``). Raises :class:`UserInputError` with one
-    line for a missing tensor, a shape that disagrees with config.json, or unused tensors.
+    The MoE naming (Qwen3-MoE or Mixtral) is read from the tensor names. Raises
+    :class:`UserInputError` with one line for a missing tensor, a shape that disagrees with
+    config.json, or unused tensors.
     """
     d = _Dims.of(architecture)
-    if model_type is not None:
-        _check_model_type(model_type, architecture, d)
-    vocab_rows = padded_vocab_size or d.vocab
-    _check_tp(d, tp_rank, tp_size, vocab_rows)
+    _check_tp(d, tp_rank, tp_size)
     source = _HFSource(hf_state)
     params = _params(
         d,
-        _moe_family(hf_state, d, model_type),
+        _moe_family(hf_state, d),
         grouped_experts=grouped_experts,
         fused_layernorm=fused_layernorm,
     )
@@ -549,7 +527,7 @@ def hf_to_megatron(
     for p in params:
         named = zip(p.hf_names, p.hf_shapes, strict=True)
         tensors = [source.take(name, shape) for name, shape in named]
-        out[p.key] = _shard(p.shard, _fuse(p, tensors, d, vocab_rows), tp_rank, tp_size)
+        out[p.key] = _shard(p.shard, _fuse(p, tensors, d), tp_rank, tp_size)
     source.check_tied_head(d)
     source.check_all_used()
     return out
@@ -635,16 +613,13 @@ def _check_no_unexpected(shards: Sequence[Mapping[str, Tensor]], params: list[_P
 def _whole_shape(p: _Param, d: _Dims) -> Shape:
     """The tp = 1 Megatron shape of ``p`` (fusing meta tensors: no memory)."""
     metas = [torch.empty(shape, device="meta") for shape in p.hf_shapes]
-    return tuple(_fuse(p, metas, d, d.vocab).shape)
+    return tuple(_fuse(p, metas, d).shape)
 
 
 def _check_whole_shape(p: _Param, full: Tensor, d: _Dims, tp_size: int) -> None:
     expected = _whole_shape(p, d)
     found = tuple(full.shape)
-    ok = found == expected
-    if p.fuse == "vocab":  # padded vocabularies have extra rows
-        ok = found[1:] == expected[1:] and found[0] >= expected[0]
-    if not ok:
+    if found != expected:
         raise UserInputError(
             f"{p.key}: shape {_shape(found)} over {tp_size} tensor-parallel rank(s), "
             f"expected {_shape(expected)} from the architecture"

@@ -5,25 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import time
 from pathlib import Path
 from typing import Any
-
-
-def environment() -> dict[str, Any]:
-    """Device, versions and date of a measurement."""
-    import megatron.core
-    import torch
-
-    return {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "megatron_core": megatron.core.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-    }
 
 
 def write_results(name: str, payload: dict[str, Any]) -> None:
@@ -32,5 +15,7 @@ def write_results(name: str, payload: dict[str, Any]) -> None:
     where = os.environ.get("NEMO_RL_OFFLOAD_RESULTS")
     if where:
         Path(where).mkdir(parents=True, exist_ok=True)
+        from nemo_rl_offload.telemetry import environment
+
         body = {"environment": environment(), **payload}
         (Path(where) / f"{name}.json").write_text(json.dumps(body, indent=1))

@@ -556,17 +556,6 @@ def test_model_type_must_fit_the_architecture(checkpoint):
         hf_to_megatron(checkpoint("llama").state, checkpoint("llama").architecture, tp_size=3)
 
 
-def test_padded_vocabulary_is_zero_and_dropped_on_export(checkpoint):
-    ckpt = checkpoint("llama")
-    shards = [
-        hf_to_megatron(ckpt.state, ckpt.architecture, tp_rank=r, tp_size=2, padded_vocab_size=192)
-        for r in range(2)
-    ]
-    assert shards[1]["output_layer.weight"].shape == (96, 64)
-    assert not shards[1]["embedding.word_embeddings.weight"][32:].any()
-    _assert_same(megatron_to_hf(shards, ckpt.architecture, model_type="llama"), ckpt.state)
-
-
 # --------------------------------------------------------------------------------------------
 # What model_presets reads from config.json for these checkpoints.
 
