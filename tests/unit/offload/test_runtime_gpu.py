@@ -59,6 +59,9 @@ def test_rl_shaped_steps_keep_one_plan_per_shape_with_stable_memory(worker):
             worker.token_logprobs(batch[:1])  # a forward-only pass between training steps
             metrics = worker.train(batch, {"name": "nll"})
             assert metrics["offloaded_gib_per_step"] > 0
+            # The copy timing counts what went out and came back (bulk and compute-stream).
+            assert metrics["d2h_gib"] == metrics["h2d_gib"] > 0
+            assert metrics["d2h_time_s"] > 0 and metrics["h2d_time_s"] > 0
             peaks[(count, length)].append(metrics["peak_fwd_bwd_gpu_memory_gib"])
         pinned_after_round.append(metrics["pinned_host_gib"])
     assert worker.runtime.plans_recorded == len(SHAPES)  # recorded once, then replayed
