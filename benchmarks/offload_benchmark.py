@@ -49,8 +49,9 @@ SELECTIVE_CORE_ATTN = {
 }
 FULL_RECOMPUTE = {"activation_checkpointing": True}
 SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_on_cpu
-# Full-iteration CUDA graphs: 2 eager steps, the 3rd captured, then replays (medians of those).
-GRAPHS = {"cuda_graph_impl": "full_iteration", "cuda_graph_warmup_steps": 2}
+# Full-iteration CUDA graphs: 3 eager steps (the 2nd and 3rd time the copies), the 4th
+# captured, then replays (medians of those; a graph case runs that many more steps).
+GRAPHS = {"cuda_graph_impl": "full_iteration", "cuda_graph_warmup_steps": 3}
 
 
 def _graphed(settings: dict[str, Any], inflight: int = 1) -> dict[str, Any]:
@@ -73,6 +74,12 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
             **FGO,
             "offload_modules": DENSE_FIVE,
             "activation_offload_fraction": 0.5,
+        },
+        "fgo_all5_fraction_0.5_earliest": {
+            **FGO,
+            "offload_modules": DENSE_FIVE,
+            "activation_offload_fraction": 0.5,
+            "activation_offload_fraction_placement": "earliest",
         },
         "fgo_all5_inflight_1": {
             **FGO,
@@ -241,6 +248,38 @@ def copy_bandwidth(gib: float = 1.0) -> dict[str, float]:
     return result
 
 
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping intervals merged (sorted)."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def forward_gpu_s(worker: Any, microbatch: dict[str, np.ndarray]) -> float:
+    """The GPU's own time for a forward pass of one micro-batch: the union of its kernels'
+    spans. An eager forward at short sequences waits for the CPU to launch kernels; a CUDA
+    graph replays the same kernels without those gaps, so this is the forward time that the
+    copies of a graphed step can hide behind."""
+    import torch
+
+    worker.token_logprobs([microbatch])
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        worker.token_logprobs([microbatch])
+        torch.cuda.synchronize()
+    spans = [
+        (event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+        and not event.name.lower().startswith(("memcpy", "memset"))
+    ]
+    return sum(end - start for start, end in union(spans)) * 1e-6
+
+
 def forward_time_s(worker: Any, microbatch: dict[str, np.ndarray]) -> float:
     """Median time of a forward pass of one micro-batch (no autograd graph kept)."""
     import torch
@@ -315,30 +354,38 @@ def run_case(
         for step in data:
             with context:
                 steps.append(worker.train(step, {"name": "nll"}))
-        forward = forward_time_s(worker, data[0][0]) if name == "no_offload" else None
+        forward: dict[str, float] = {}
+        if name == "no_offload":
+            forward["forward_s_per_microbatch"] = forward_time_s(worker, data[0][0])
+            if on_gpu:
+                forward["forward_gpu_s_per_microbatch"] = forward_gpu_s(worker, data[0][0])
     finally:
         worker.close()  # frees the model before the next case is built
     later = steps[1:] or steps  # the first step records plans and allocates optimizer state
-    replayed = [
-        s for s in steps if s.get("cuda_graph_replayed") and not s.get("cuda_graph_captured")
-    ]
+    timed = later  # steps whose copies were timed (a replayed graph runs no Python to time)
     if settings.get("cuda_graph_impl") == "full_iteration":
-        later = replayed or later  # graph cases: the replays (eager warm-up, capture excluded)
+        # Graph cases: medians of the replays; copy rates from the eager warm-up steps after
+        # the first (they replay the same offload plan with the copies timed).
+        timed = [s for s in later if not s.get("cuda_graph_replayed")] or later
+        replays = [
+            s for s in steps if s.get("cuda_graph_replayed") and not s.get("cuda_graph_captured")
+        ]
+        later = replays or later
     record = {
         "case": name,
         "settings": settings,
         "peak_gib": max(s.get("peak_fwd_bwd_gpu_memory_gib", 0.0) for s in later),
         "fwd_bwd_s": statistics.median(s["fwd_bwd_time_s"] for s in later),
+        "steps_in_medians": len(later),
         "offloaded_gib_per_step": statistics.median(
             s.get("offloaded_gib_per_step", 0.0) for s in later
         ),
-        "d2h_gb_per_s": statistics.median(s.get("d2h_gb_per_s", 0.0) for s in later),
-        "h2d_gb_per_s": statistics.median(s.get("h2d_gb_per_s", 0.0) for s in later),
+        "d2h_gb_per_s": statistics.median(s.get("d2h_gb_per_s", 0.0) for s in timed),
+        "h2d_gb_per_s": statistics.median(s.get("h2d_gb_per_s", 0.0) for s in timed),
         "losses": [s["loss"] / s["num_tokens"] for s in steps],
         "steps": steps,
     }
-    if forward is not None:
-        record["forward_s_per_microbatch"] = forward
+    record.update(forward)
     return record
 
 
@@ -346,19 +393,24 @@ def _is_graphed(record: dict[str, Any]) -> bool:
     return record.get("settings", {}).get("cuda_graph_impl") == "full_iteration"
 
 
-def _eager_twin(record: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The eager case with the same offload settings as a graphed one (its copy rates were
-    timed; a graph replay's are not)."""
-    keys = ("offload_modules", "activation_offload_fraction")
-    wanted = {k: record["settings"].get(k) for k in keys}
+RECOMPUTE_KEYS = ("activation_checkpointing", "recompute_granularity", "recompute_modules")
+
+
+def _recompute_twin(record: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """For an offload case that also recomputes: the case with the same recompute settings and
+    no offloading (its added time is compute the recompute itself costs, outside any copy
+    floor)."""
+    wanted = {k: record["settings"].get(k) for k in RECOMPUTE_KEYS}
+    if not wanted["activation_checkpointing"]:
+        return None
     return next(
         (
             r
             for r in records
             if "peak_gib" in r
-            and not _is_graphed(r)
-            and r.get("d2h_gb_per_s")
-            and {k: r["settings"].get(k) for k in keys} == wanted
+            and not r["settings"].get("fine_grained_activation_offloading")
+            and _is_graphed(r) == _is_graphed(record)
+            and {k: r["settings"].get(k) for k in RECOMPUTE_KEYS} == wanted
         ),
         None,
     )
@@ -368,9 +420,11 @@ def add_floors(records: list[dict[str, Any]], bandwidth: dict[str, float], mbs: 
     """Each case's change against no_offload, and for offload cases two floors from the
     physical model (nemo_rl_offload/offload/cost_model.py): with the bandwidth of one plain
     pinned copy (the hardware's limit) and with the copy rate offloading itself achieved (its
-    copies are many tensors of a few MiB; graphed cases take their eager twin's rate). A
-    graphed case's floor starts from the graphed no-offload step: its passes are shorter, so
-    less copy time hides behind them."""
+    copies are many tensors of a few MiB; a graphed case's rate is from its eager warm-up). A
+    graphed case's floor starts from the graphed no-offload step, and its forward is the GPU's
+    own forward time (``forward_gpu_s``): without the CPU's launch gaps the passes are
+    shorter, so less copy time hides behind them. A case that offloads and recomputes adds
+    what the recompute alone costs (its twin without offloading, when the run has it)."""
     from nemo_rl_offload.offload.cost_model import PassTimes, step_floor_s
 
     done = [r for r in records if "peak_gib" in r]
@@ -378,8 +432,17 @@ def add_floors(records: list[dict[str, Any]], bandwidth: dict[str, float], mbs: 
     if base is None:
         return
     graph_base = next((r for r in done if r["case"] == "no_offload_graph"), None)
-    per_mb = base["fwd_bwd_s"] / mbs
-    forward_share = min(base.get("forward_s_per_microbatch", per_mb / 3), per_mb) / per_mb
+
+    def pass_times(start: dict[str, Any], graphed: bool) -> PassTimes:
+        """A micro-batch's forward and backward seconds in the step ``start`` measured: its
+        forward share from the eager forward; a graphed step's forward from the GPU's time."""
+        per_mb, eager_per_mb = start["fwd_bwd_s"] / mbs, base["fwd_bwd_s"] / mbs
+        eager_forward = base.get("forward_s_per_microbatch", eager_per_mb / 3)
+        forward = per_mb * min(eager_forward, eager_per_mb) / eager_per_mb
+        if graphed and "forward_gpu_s_per_microbatch" in base:
+            forward = min(base["forward_gpu_s_per_microbatch"], per_mb)
+        return PassTimes(forward, per_mb - forward)
+
     for r in done:
         if base["peak_gib"] > 0:  # 0 on CPU, which has no allocator statistics
             r["peak_change"] = r["peak_gib"] / base["peak_gib"] - 1
@@ -387,17 +450,20 @@ def add_floors(records: list[dict[str, Any]], bandwidth: dict[str, float], mbs: 
         moved = r["offloaded_gib_per_step"] * 2**30
         if not moved or bandwidth["d2h_bytes_per_s"] <= 0:
             continue
-        start = graph_base if _is_graphed(r) and graph_base else base
+        graphed = _is_graphed(r) and graph_base is not None
+        start = graph_base if graphed else base
         step = start["fwd_bwd_s"]
-        times = PassTimes(step / mbs * forward_share, step / mbs * (1 - forward_share))
-        floor = step_floor_s(
+        times = pass_times(start, graphed)
+        twin = _recompute_twin(r, done)
+        recompute_s = twin["fwd_bwd_s"] - step if twin else 0.0
+        floor = recompute_s + step_floor_s(
             step, mbs, moved, times, bandwidth["d2h_bytes_per_s"], bandwidth["h2d_bytes_per_s"]
         )
         r["floor_time_change"] = floor / base["fwd_bwd_s"] - 1
         r["gap_to_floor_pp"] = 100 * (r["time_change"] - r["floor_time_change"])
-        rates = _eager_twin(r, done) if _is_graphed(r) else r
-        if rates and rates.get("d2h_gb_per_s") and rates.get("h2d_gb_per_s"):
-            achieved = step_floor_s(
+        rates = r
+        if rates.get("d2h_gb_per_s") and rates.get("h2d_gb_per_s"):
+            achieved = recompute_s + step_floor_s(
                 step, mbs, moved, times, rates["d2h_gb_per_s"] * 1e9, rates["h2d_gb_per_s"] * 1e9
             )
             r["floor_achieved_time_change"] = achieved / base["fwd_bwd_s"] - 1
@@ -468,7 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--rows", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--steps", type=int, default=11, help="first one excluded from medians")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=11,
+        help="first one excluded from medians (graph cases: that many replays, after warm-up)",
+    )
     parser.add_argument("--precision", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--cases", default=None, help="comma-separated case names")
     parser.add_argument(
@@ -497,7 +568,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.one_case:
         settings = resolve_cases(args.model, [args.one_case])[args.one_case]
         vocab = architecture_for(args.model).vocab_size
-        data = batches(args.steps, args.microbatches, args.rows, args.seq, vocab)
+        steps = args.steps
+        if settings.get("cuda_graph_impl") == "full_iteration":
+            steps += GRAPHS["cuda_graph_warmup_steps"] + 1  # as many replays as eager steps
+        data = batches(steps, args.microbatches, args.rows, args.seq, vocab)
         record = run_case(args.one_case, settings, args, data, torch.cuda.is_available())
         Path(args.out).write_text(json.dumps(record))
         return 0

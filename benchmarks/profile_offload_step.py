@@ -4,13 +4,19 @@ For each case of benchmarks/offload_benchmark.py named on the command line, the 
 trains a few steps (plans recorded, buffers allocated), then one step runs under torch's
 profiler. From the trace's GPU timeline the step is split into:
 
-- ``compute_busy_s``: the union of kernels on the compute stream (the one with the most kernel
-  time);
+- ``compute_busy_s``: the union of all kernels (a CUDA graph runs one step's kernels on several
+  streams); ``side_stream_kernel_s``: kernel time off the busiest stream (in an eager step,
+  kernels on the copy streams);
 - ``idle_s``: the step window minus that, split by what the copy engines did meanwhile:
   ``idle_during_h2d_s`` (compute waiting while a reload runs: a reload on the critical path),
   ``idle_during_d2h_s`` (an offload copy runs, no reload), ``idle_no_copy_s`` (nothing on the
   GPU: the CPU is behind, launching kernels or running the offload hooks);
 - copy-engine busy time per direction, kernel count, and the host calls that block (syncs).
+
+With ``--python``, one more step runs under cProfile: where the host's time goes by Python
+function (``python_top``: the functions with the most own time; ``python_offload``: the
+cumulative time of Megatron's offload hooks and this package's offload runtime), which the GPU
+timeline shows only as "CPU behind".
 
 Output: ``profile_<model>_seq<N>.json`` in --out (one summary per case) and a gzipped Chrome
 trace per case, loadable in chrome://tracing or Perfetto.
@@ -44,16 +50,6 @@ BLOCKING_CALLS = (
     "cudaMalloc",
     "cudaFree",
 )
-
-
-def _union(intervals: list[Interval]) -> list[Interval]:
-    merged: list[Interval] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
 
 
 def _length(intervals: list[Interval]) -> float:
@@ -105,14 +101,14 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             blocking.setdefault(name, []).append(event["dur"] * 1e-6)
     if not kernels:
         return {"error": "no kernels in the trace"}
-    compute_stream = max(kernels, key=lambda stream: _length(_union(kernels[stream])))
-    compute = _union(kernels[compute_stream])
+    compute_stream = max(kernels, key=lambda stream: _length(bench.union(kernels[stream])))
+    compute = bench.union([span for spans in kernels.values() for span in spans])
     every_gpu_span = [s for spans in kernels.values() for s in spans] + [
         s for spans in copies.values() for s in spans
     ]
     window = (min(s[0] for s in every_gpu_span), max(s[1] for s in every_gpu_span))
     idle = _complement(compute, window)
-    d2h, h2d = _union(copies["d2h"]), _union(copies["h2d"])
+    d2h, h2d = bench.union(copies["d2h"]), bench.union(copies["h2d"])
     idle_h2d = _length(_intersect(idle, h2d))
     idle_d2h_only = _length(_intersect(_complement(h2d, window), _intersect(idle, d2h)))
     idle_total = _length(idle)
@@ -127,11 +123,44 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "h2d_busy_s": _length(h2d),
         "kernels": sum(len(spans) for spans in kernels.values()),
         "side_stream_kernel_s": sum(
-            _length(_union(spans)) for stream, spans in kernels.items() if stream != compute_stream
+            _length(bench.union(spans))
+            for stream, spans in kernels.items()
+            if stream != compute_stream
         ),
         "blocking_calls": {
             name: {"count": len(durations), "total_s": sum(durations)}
             for name, durations in sorted(blocking.items())
+        },
+    }
+
+
+OFFLOAD_CODE = ("fine_grained_activation_offload", "nemo_rl_offload/offload/")
+
+
+def python_profile(step: Any) -> dict[str, Any]:
+    """Run ``step()`` under cProfile: the 25 functions with the most own time, and the
+    cumulative time of each offload function (Megatron's hooks, this package's runtime)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(step)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, _)
+
+    def label(key: tuple[str, int, str]) -> str:
+        return f"{Path(key[0]).name}:{key[1]}:{key[2]}"
+
+    ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)
+    return {
+        "python_total_s": sum(value[2] for value in stats.values()),
+        "python_top": [
+            {"function": label(key), "calls": value[1], "own_s": value[2], "cum_s": value[3]}
+            for key, value in ranked[:25]
+        ],
+        "python_offload": {
+            label(key): {"calls": value[1], "own_s": value[2], "cum_s": value[3]}
+            for key, value in sorted(stats.items(), key=lambda item: -item[1][3])
+            if any(part in key[0] for part in OFFLOAD_CODE) and value[3] > 1e-3
         },
     }
 
@@ -149,10 +178,14 @@ def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, An
     vocab = architecture_for(args.model).vocab_size
     data = bench.batches(args.warmup + 1, args.microbatches, args.rows, args.seq, vocab)
     worker = bench.build_worker(section, on_gpu=True)
+    python: dict[str, Any] = {}
     try:
         for step in data[:-1]:
             worker.train(step, {"name": "nll"})
         torch.cuda.synchronize()
+        if args.python:
+            python = python_profile(lambda: worker.train(data[-2], {"name": "nll"}))
+            torch.cuda.synchronize()
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
             metrics = worker.train(data[-1], {"name": "nll"})
@@ -171,6 +204,7 @@ def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, An
         "fwd_bwd_s": metrics.get("fwd_bwd_time_s"),
         "offloaded_gib_per_step": metrics.get("offloaded_gib_per_step", 0.0),
         **summary,
+        **python,
     }
 
 
@@ -183,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps before the profiled one")
     parser.add_argument("--cases", default="no_offload,fgo_norms,fgo_all5")
     parser.add_argument("--out", default="results/profile")
+    parser.add_argument(
+        "--python", action="store_true", help="also profile one step's host side with cProfile"
+    )
     args = parser.parse_args(argv)
     wanted = args.cases.split(",")
     try:
@@ -197,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in wanted:
         result = profile_case(name, args, out)
-        print(json.dumps({k: v for k, v in result.items() if k != "blocking_calls"}), flush=True)
+        brief = ("blocking_calls", "python_top", "python_offload")
+        print(json.dumps({k: v for k, v in result.items() if k not in brief}), flush=True)
         results.append(result)
     payload = {"environment": bench.environment(), "args": vars(args), "cases": results}
     (out / f"profile_{args.model}_seq{args.seq}.json").write_text(json.dumps(payload, indent=1))

@@ -91,7 +91,8 @@ def _runtime_settings(
     section: dict[str, Any], where: str, effective: apply.EffectiveSettings
 ) -> dict[str, tuple[Any, str]]:
     """The offload runtime's own settings, resolved: the length buckets steps are padded to
-    (with offloading or full-iteration CUDA graphs on) and the host budget (offloading on)."""
+    (with offloading or full-iteration CUDA graphs on), the host budget (offloading on), and
+    which groups a fraction below 1 offloads."""
     from nemo_rl_offload.offload.runtime import pads_steps, step_buckets
 
     megatron = section.get("megatron_cfg") or {}
@@ -122,6 +123,14 @@ def _runtime_settings(
         if budget
         else ("half of each worker host's RAM / its GPUs", "default")
     )
+    fraction = effective.value("activation_offload_fraction")
+    if isinstance(fraction, int | float) and fraction < 1:
+        placement = megatron.get("activation_offload_fraction_placement")
+        resolved["activation_offload_fraction_placement"] = (
+            (placement, f"{path}.activation_offload_fraction_placement")
+            if placement
+            else ("spread", "default (each module's fraction, evenly over the layers)")
+        )
     return resolved
 
 

@@ -111,6 +111,9 @@ class MegatronConfig(TypedDict):
     offload_modules: NotRequired[list[str] | None]  # default null
     min_offloaded_tensor_size: NotRequired[int]  # Megatron default 1048576 elements
     activation_offload_fraction: NotRequired[Number]  # Megatron default 1.0
+    # Which groups a fraction below 1 offloads: "spread" evenly over the forward pass (ours,
+    # the default) or the "earliest" (Megatron's choice).
+    activation_offload_fraction_placement: NotRequired[Literal["spread", "earliest"]]
     delay_offload_until_cuda_graph: NotRequired[bool]  # Megatron default false
     delta_offload_bytes_across_pp_ranks: NotRequired[int]  # Megatron default 0
     fine_grained_offloading_max_inflight_offloads: NotRequired[int | None]  # Megatron default null

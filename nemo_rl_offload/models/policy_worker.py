@@ -202,6 +202,7 @@ class PolicyWorker:
             sequence_buckets=step_buckets(self.section)[0],
             graphed=self.graphs is not None,
             on_release=self._release_graphs,
+            fraction_placement=megatron_cfg.get("activation_offload_fraction_placement", "spread"),
         )
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)

@@ -298,6 +298,13 @@ def _ranges(ctx: _Context) -> None:
                 f"warning: {ctx.path('activation_offload_fraction')}: 0 means nothing will be "
                 "offloaded; raise it or turn fine_grained_activation_offloading off"
             )
+    placement = ctx.megatron_cfg.get("activation_offload_fraction_placement")
+    if placement is not None and ctx.fgo_on and not (_is_number(fraction) and fraction < 1):
+        ctx.warn(
+            f"warning: {ctx.prefix}.activation_offload_fraction_placement: has no effect while "
+            "activation_offload_fraction is 1 (every group is offloaded); set a fraction below "
+            "1 or remove the placement"
+        )
     for name in ("min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks"):
         value = ctx.value(name)
         if _is_int(value) and value < 0:

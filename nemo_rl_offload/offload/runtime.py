@@ -10,11 +10,12 @@ and replays it on every later one. RL steps do not repeat (shared/measurements/R
   pinned pool without bound: :meth:`OffloadRuntime.prepare_step` pads every micro-batch of a
   step to one length bucket (:func:`sequence_length_buckets`) and keeps one plan per step shape
   (measured: a plan recorded for its shape keeps the savings), under a host-memory budget;
-- the warm-up step's gradients differ from a model without offload (Megatron-LM issue 7398):
-  :func:`_patch_reload_waits_for_offload` closes the race behind it.
+- the warm-up step's gradients differ from a model without offload (Megatron-LM issue 7398),
+  and permuted tensors cost a copy kernel each way: :mod:`.handler_patches` fixes both in
+  Megatron's handler.
 
 Telemetry: bytes per module come from the replayed plan (:func:`plan_metrics`); copy time and
-achieved bandwidth from CUDA events around each group's copies (:class:`CopyTimer`).
+achieved bandwidth from CUDA events around each group's copies (``handler_patches.CopyTimer``).
 
 The runtime is owned by the policy worker; it does nothing when offloading is off (CPU workers,
 recipes without FGO).
@@ -30,54 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.offload import handler_patches
+
 _LOG = logging.getLogger("nemo_rl_offload.offload")
 SMALLEST_BUCKET = 32
-
-
-def _patch_reload_waits_for_offload() -> bool:
-    """Make a synchronous reload wait for its offload copy (megatron-core 0.19).
-
-    Megatron-LM issue 7398: during the warm-up step every group is offloaded, including the
-    last one, whose tensors backward needs at once, before any bulk reload. Then
-    ``ChunkOffloadHandler.tensor_pop`` reloads them on the current stream from pinned memory
-    that the device-to-host copy on the side stream may not have finished writing, so the
-    warm-up step computes with partly stale activations (measured: step-1 gradients differ from
-    an identical model without offload; later steps, which keep that group on the GPU, are
-    bitwise equal). The fix: before such a reload, the current stream waits for the group's
-    offload event, which the group records after its copies. Such reloads run on the compute
-    stream, outside the bulk reloads :func:`_patch_copy_timing` times, so they are timed here
-    (every reload of a MoE warm-up step goes this way). Returns whether it patched.
-    """
-    import torch
-    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
-
-    handler = fgo.ChunkOffloadHandler
-    if getattr(handler.tensor_pop, "_waits_for_offload", False):
-        return False
-    original = handler.tensor_pop
-
-    def tensor_pop(self: Any, tensor_tag: Any) -> Any:
-        if isinstance(tensor_tag, torch.Tensor):
-            return original(self, tensor_tag)
-        group = self.offload_groups[tensor_tag[0] - 1]
-        state = group._tensors.get(tensor_tag)
-        if not isinstance(state, tuple):  # on the GPU already
-            return original(self, tensor_tag)
-        stream = torch.cuda.current_stream()
-        group.wait_offload_event(stream)
-        if not _timing_wanted():
-            return original(self, tensor_tag)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        result = original(self, tensor_tag)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(stream)
-        COPY_TIMER.record("h2d", start, end, _state_bytes(state))
-        return result
-
-    tensor_pop._waits_for_offload = True  # type: ignore[attr-defined]
-    handler.tensor_pop = tensor_pop
-    return True
 
 
 def plan_metrics(manager: Any) -> dict[str, float]:
@@ -194,97 +151,6 @@ def pad_microbatches(
     return padded
 
 
-class CopyTimer:
-    """Time and bytes of the offload (device-to-host) and reload (host-to-device) copies.
-
-    Megatron issues each group's copies on a side stream; CUDA events recorded on that stream
-    just before them (after the stream's waits) and just after them bound the copies. The sum
-    of those intervals is the time the copy streams spent on the step's copies (on a step that
-    records a plan it includes allocating the pinned buffers); bytes over that time is the
-    bandwidth achieved. Events are read after the step, when they have completed, so the timing
-    adds no synchronisation to the step itself. Not recorded while a CUDA graph is captured."""
-
-    def __init__(self) -> None:
-        self._pending: dict[str, list[tuple[Any, Any, int]]] = {"d2h": [], "h2d": []}
-
-    def record(self, direction: str, start: Any, end: Any, nbytes: int) -> None:
-        self._pending[direction].append((start, end, nbytes))
-
-    def collect(self) -> dict[str, float]:
-        """Totals since the last call: seconds, GiB and GB/s per direction."""
-        metrics: dict[str, float] = {}
-        for direction, intervals in self._pending.items():
-            seconds = sum(start.elapsed_time(end) for start, end, _ in intervals) / 1e3
-            nbytes = sum(count for *_, count in intervals)
-            metrics[f"{direction}_time_s"] = seconds
-            metrics[f"{direction}_gib"] = nbytes / 2**30
-            metrics[f"{direction}_gb_per_s"] = nbytes / seconds / 1e9 if seconds > 0 else 0.0
-            intervals.clear()
-        return metrics
-
-
-COPY_TIMER = CopyTimer()
-
-
-def _state_bytes(state: Any) -> int:
-    """Bytes of an offloaded tensor's host copy (Megatron keeps (device, host tensor, pooled))."""
-    host = state[1]
-    return host.numel() * host.element_size()
-
-
-def _timing_wanted() -> bool:
-    """Copies are timed except while a CUDA graph is captured (its events would be captured)."""
-    import torch
-
-    return not torch.cuda.is_current_stream_capturing()
-
-
-def _patch_copy_timing() -> bool:
-    """Wrap the bulk offload and reload of a group with CUDA events for :data:`COPY_TIMER`
-    (reloads on the compute stream are timed by :func:`_patch_reload_waits_for_offload`)."""
-    import torch
-    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
-
-    handler = fgo.ChunkOffloadHandler
-    if getattr(handler.bulk_offload_group, "_timed", False):
-        return False
-    offload_group, reload_group = handler.bulk_offload_group, handler.bulk_reload_group
-
-    def bulk_offload_group(self: Any, group: Any) -> Any:
-        if not _timing_wanted():
-            return offload_group(self, group)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(self.d2h_stream)
-        result = offload_group(self, group)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.d2h_stream)
-        # What the group offloads: Megatron counts it while recording the plan (this very
-        # call on that step), and every replay offloads the same tensors.
-        COPY_TIMER.record("d2h", start, end, group.total_offload_bytes)
-        return result
-
-    def bulk_reload_group(self: Any) -> Any:
-        if not _timing_wanted():
-            return reload_group(self)
-        group = self._groups_to_reload[-1]
-        moved = sum(_state_bytes(v) for v in group._tensors.values() if isinstance(v, tuple))
-        # Megatron's reload waits for the offload first; waiting here keeps that wait out of
-        # the timed interval.
-        group.wait_offload_event(self.h2d_stream)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(self.h2d_stream)
-        result = reload_group(self)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.h2d_stream)
-        COPY_TIMER.record("h2d", start, end, moved)
-        return result
-
-    bulk_offload_group._timed = True  # type: ignore[attr-defined]
-    handler.bulk_offload_group = bulk_offload_group
-    handler.bulk_reload_group = bulk_reload_group
-    return True
-
-
 class OffloadRuntime:
     """One offload plan per step shape, sharing one pinned pool under a host-memory budget.
 
@@ -311,14 +177,17 @@ class OffloadRuntime:
         sequence_buckets: Sequence[int] = (),
         graphed: bool = False,
         on_release: Callable[[tuple[int, int]], None] | None = None,
+        fraction_placement: str = "spread",
     ) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is).
         ``graphed``: steps run as full-iteration CUDA graphs (padded then, offloading or not);
-        ``on_release(shape)`` is told when a plan is released."""
+        ``on_release(shape)`` is told when a plan is released; ``fraction_placement``: which
+        groups a fraction below 1 offloads (``handler_patches.FRACTION_PLACEMENTS``)."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
         self.pad_steps = pads_steps(self.enabled, graphed)
         self.on_release = on_release
+        self.fraction_placement = fraction_placement
         self.host_budget_bytes = host_budget_bytes
         self.sequence_buckets = sorted(sequence_buckets)
         self.step_shape: tuple[int, int] = (0, 0)  # (micro-batches, padded length) of the step
@@ -328,8 +197,7 @@ class OffloadRuntime:
         self.plans_recorded = 0
         self.plans_released = 0
         if self.enabled:
-            _patch_reload_waits_for_offload()
-            _patch_copy_timing()
+            handler_patches.install()
 
     @staticmethod
     def _manager() -> Any:
@@ -371,6 +239,7 @@ class OffloadRuntime:
         else:
             manager_cls.reset_instance()
             manager = manager_cls.OFFLOAD_MGR
+            manager.fraction_placement = self.fraction_placement
             if self._pool is None:
                 self._pool = manager._cpu_tensor_pool
                 self._track_buffers(self._pool)
@@ -428,7 +297,7 @@ class OffloadRuntime:
         self._enforce_budget()
         metrics = plan_metrics(self._manager().get_instance())
         # plan_metrics' pinned_host_gib is the plan's pool: the one pool all kept plans share.
-        copies = COPY_TIMER.collect()
+        copies = handler_patches.COPY_TIMER.collect()
         if copies_timed:
             metrics.update(copies)
         metrics["offload_step_microbatches"] = float(self.step_shape[0])

@@ -37,7 +37,7 @@ def test_eager_and_graphed_floors_start_from_their_own_baseline_and_rates():
         _case("no_offload", {}, 0.3, 0.0, forward=0.1),
         _case("no_offload_graph", GRAPHS, 0.15, 0.0),
         _case("fgo", FGO, 0.4, 10.0, d2h=50.0, h2d=100.0),
-        _case("fgo_graph", {**FGO, **GRAPHS}, 0.25, 10.0),
+        _case("fgo_graph", {**FGO, **GRAPHS}, 0.25, 10.0, d2h=50.0, h2d=100.0),
     ]
     plain_rate = {"d2h_bytes_per_s": 100e9, "h2d_bytes_per_s": 100e9}
     bench.add_floors(records, plain_rate, mbs=1)
@@ -47,7 +47,7 @@ def test_eager_and_graphed_floors_start_from_their_own_baseline_and_rates():
     # At its own rates (50 GB/s out, 100 back): 0.215 s out behind a 0.1 s forward.
     achieved = max(0, 10 * GIB / 50e9 - 0.1) + max(0, 10 * GIB / 100e9 - 0.2)
     assert eager["floor_achieved_time_change"] == pytest.approx(achieved / 0.3)
-    # The graphed case: the graphed step's passes (0.05 / 0.1 s), its eager twin's rates.
+    # The graphed case: the graphed step's passes (0.05 / 0.1 s), its eager warm-up's rates.
     graph_floor = 0.15 + max(0, copy_s - 0.05) + max(0, copy_s - 0.1)
     assert graphed["floor_time_change"] == pytest.approx(graph_floor / 0.3 - 1)
     twin = 0.15 + max(0, 10 * GIB / 50e9 - 0.05) + max(0, 10 * GIB / 100e9 - 0.1)
@@ -55,6 +55,42 @@ def test_eager_and_graphed_floors_start_from_their_own_baseline_and_rates():
     assert graphed["gap_to_floor_pp"] == pytest.approx(
         100 * (0.25 / 0.3 - 1 - graph_floor / 0.3 + 1)
     )
+
+
+def test_a_graphed_floor_takes_the_gpus_own_forward_time_when_measured():
+    # The eager forward took 0.1 s of a 0.3 s step (CPU-bound); its kernels alone 0.04 s.
+    base = _case("no_offload", {}, 0.3, 0.0, forward=0.1)
+    base["forward_gpu_s_per_microbatch"] = 0.04
+    records = [
+        base,
+        _case("no_offload_graph", GRAPHS, 0.15, 0.0),
+        _case("fgo", FGO, 0.4, 10.0, d2h=50.0, h2d=100.0),
+        _case("fgo_graph", {**FGO, **GRAPHS}, 0.25, 10.0),
+    ]
+    bench.add_floors(records, {"d2h_bytes_per_s": 100e9, "h2d_bytes_per_s": 100e9}, mbs=1)
+    copy_s = 10 * GIB / 100e9
+    assert records[2]["floor_time_change"] == pytest.approx(max(0, copy_s - 0.1) / 0.3)
+    graph_floor = 0.15 + max(0, copy_s - 0.04) + max(0, copy_s - 0.11)
+    assert records[3]["floor_time_change"] == pytest.approx(graph_floor / 0.3 - 1)
+
+
+def test_offload_with_recompute_adds_what_the_recompute_alone_costs():
+    recompute = {
+        "activation_checkpointing": True,
+        "recompute_granularity": "selective",
+        "recompute_modules": ["core_attn"],
+    }
+    records = [
+        _case("no_offload", {}, 0.3, 0.0, forward=0.1),
+        _case("recompute", recompute, 0.33, 0.0),
+        _case("fgo+recompute", {**FGO, **recompute}, 0.36, 1.0, d2h=50.0, h2d=50.0),
+        _case("fgo_alone", FGO, 0.31, 1.0, d2h=50.0, h2d=50.0),
+    ]
+    bench.add_floors(records, {"d2h_bytes_per_s": 100e9, "h2d_bytes_per_s": 100e9}, mbs=1)
+    # 1 GiB hides behind both passes: the copy floor is 0; the recompute adds 0.03 s.
+    assert records[2]["floor_time_change"] == pytest.approx(0.03 / 0.3)
+    assert records[2]["floor_achieved_time_change"] == pytest.approx(0.03 / 0.3)
+    assert records[3]["floor_time_change"] == 0.0
 
 
 def test_no_floor_without_bytes_or_a_measured_copy_rate():

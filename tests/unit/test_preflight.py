@@ -30,6 +30,35 @@ def test_valid_recipe_reports_resolved_settings(fgo_recipe):
     assert policy.offload["fine_grained_activation_offloading"][0] is True
 
 
+@pytest.mark.parametrize(
+    ("fraction", "placement", "shown"),
+    [
+        (1.0, None, None),
+        (0.5, None, ("spread", "default")),
+        (
+            0.5,
+            "earliest",
+            ("earliest", "policy.megatron_cfg.activation_offload_fraction_placement"),
+        ),
+    ],
+)
+def test_fraction_placement_is_shown_when_a_fraction_applies(
+    fgo_recipe, fraction, placement, shown
+):
+    recipe = copy.deepcopy(fgo_recipe)
+    megatron = recipe["policy"]["megatron_cfg"]
+    megatron["activation_offload_fraction"] = fraction
+    if placement:
+        megatron["activation_offload_fraction_placement"] = placement
+    report = check_recipe(recipe)
+    assert report.ok, report.errors
+    value = report.sections[0].offload.get("activation_offload_fraction_placement")
+    if shown is None:
+        assert value is None
+    else:
+        assert value[0] == shown[0] and value[1].startswith(shown[1])
+
+
 def test_schema_and_rule_errors_come_together(fgo_recipe):
     recipe = copy.deepcopy(fgo_recipe)
     megatron = recipe["policy"]["megatron_cfg"]

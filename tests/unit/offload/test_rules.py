@@ -97,6 +97,15 @@ def test_all_violations_reported_together():
             f"{P}.recompute_modules",
             "activation_checkpointing is false",
         ),
+        (
+            {
+                **FGO,
+                "offload_modules": ["core_attn"],
+                "activation_offload_fraction_placement": "earliest",
+            },
+            f"{P}.activation_offload_fraction_placement",
+            "no effect while activation_offload_fraction is 1",
+        ),
     ],
     ids=[
         "modules_while_off",
@@ -107,6 +116,7 @@ def test_all_violations_reported_together():
         "delay_with_full_iteration",
         "delta_without_pp",
         "recompute_while_off",
+        "placement_without_fraction",
     ],
 )
 def test_warnings_not_errors(settings, path, fragment):
@@ -125,12 +135,24 @@ def test_warnings_not_errors(settings, path, fragment):
         {
             **FGO,
             "offload_modules": ["core_attn"],
+            "activation_offload_fraction": 0.5,
+            "activation_offload_fraction_placement": "earliest",
+        },
+        {
+            **FGO,
+            "offload_modules": ["core_attn"],
             "cuda_graph_impl": "full_iteration",
             "fine_grained_offloading_max_inflight_offloads": 1,
         },
         {"recompute_granularity": "full", "recompute_modules": None},
     ],
-    ids=["off_and_null", "fraction_half", "full_iteration_graphs", "nemo_rl_default_recompute"],
+    ids=[
+        "off_and_null",
+        "fraction_half",
+        "fraction_half_earliest",
+        "full_iteration_graphs",
+        "nemo_rl_default_recompute",
+    ],
 )
 def test_no_warning_for_sensible_settings(settings):
     # A big model at a long sequence: no size warning either.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_rl_offload.offload import runtime
+from nemo_rl_offload.offload import handler_patches, runtime
 
 
 def _group(name: str, nbytes: int, offload: bool = True) -> SimpleNamespace:
@@ -85,9 +85,8 @@ def _runtime(
     budget: int | None = None,
     buckets: tuple[int, ...] = (),
 ):
-    monkeypatch.setattr(runtime, "_patch_reload_waits_for_offload", lambda: True)
-    monkeypatch.setattr(runtime, "_patch_copy_timing", lambda: True)
-    monkeypatch.setattr(runtime, "COPY_TIMER", runtime.CopyTimer())
+    monkeypatch.setattr(handler_patches, "install", lambda: None)
+    monkeypatch.setattr(handler_patches, "COPY_TIMER", handler_patches.CopyTimer())
     monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
     _FakeManager.OFFLOAD_MGR, _FakeManager.resets = None, 0
     config = SimpleNamespace(fine_grained_activation_offloading=on)
@@ -238,27 +237,6 @@ def test_prepare_step_is_a_no_op_without_offloading(monkeypatch):
     rt = _runtime(monkeypatch, on=False, buckets=(256,))
     step = _step([100, 7])
     assert rt.prepare_step(step) is step
-
-
-class _Event:
-    def __init__(self, at_ms: float) -> None:
-        self.at_ms = at_ms
-
-    def elapsed_time(self, end: _Event) -> float:
-        return end.at_ms - self.at_ms
-
-
-def test_copy_timer_sums_intervals_per_direction_and_resets():
-    timer = runtime.CopyTimer()
-    timer.record("d2h", _Event(0), _Event(10), 10**9)
-    timer.record("d2h", _Event(50), _Event(60), 10**9)
-    timer.record("h2d", _Event(0), _Event(40), 2 * 10**9)
-    metrics = timer.collect()
-    assert metrics["d2h_time_s"] == pytest.approx(0.02)
-    assert metrics["d2h_gb_per_s"] == pytest.approx(100.0)
-    assert metrics["h2d_gb_per_s"] == pytest.approx(50.0)
-    assert metrics["h2d_gib"] == pytest.approx(2 * 10**9 / 2**30)
-    assert timer.collect()["d2h_time_s"] == 0.0 and timer.collect()["d2h_gb_per_s"] == 0.0
 
 
 def test_step_buckets_come_from_the_recipe_or_its_length():

@@ -69,3 +69,30 @@ def test_rl_shaped_steps_keep_one_plan_per_shape_with_stable_memory(worker):
     for shape, values in peaks.items():  # after its first (warm-up) step, a shape's peak holds
         assert abs(values[2] - values[1]) <= 0.05 * values[1], (shape, values)
     assert pinned_after_round[1] == pinned_after_round[2], pinned_after_round
+
+
+def test_a_permuted_tensor_is_copied_by_one_memcpy_each_way_without_a_kernel():
+    """SDPA saves permuted views; offloading them must not launch copy kernels (which compete
+    with the compute) nor change the layout autograd saved."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        ChunkOffloadHandler,
+        OffloadTensorPool,
+    )
+
+    from nemo_rl_offload.offload import handler_patches
+
+    handler_patches.install()
+    handler = SimpleNamespace(cpu_tensor_pool=OffloadTensorPool(device="cpu", pin_memory=True))
+    view = torch.randn(4096, 1, 32, 64, device="cuda", dtype=torch.bfloat16).permute(1, 2, 0, 3)
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        state = ChunkOffloadHandler.offload(handler, view)
+        back = ChunkOffloadHandler.reload(handler, state)
+        torch.cuda.synchronize()
+    kinds = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
+    assert back.stride() == view.stride() and torch.equal(back, view)
+    assert not any("kernel" in name.lower() for name in kinds), kinds
+    assert sum("memcpy" in name.lower() for name in kinds) == 2, kinds
