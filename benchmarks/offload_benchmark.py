@@ -49,6 +49,10 @@ SELECTIVE_CORE_ATTN = {
 }
 FULL_RECOMPUTE = {"activation_checkpointing": True}
 SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_on_cpu
+# Not a recipe setting either: the case runs with Megatron's own copies of non-contiguous
+# tensors (contiguous() first), to measure the runtime's strided copies in the same run.
+MEGATRON_COPIES = "megatron_copies"
+BENCHMARK_ONLY = (SAVE_ON_CPU, MEGATRON_COPIES)
 # Full-iteration CUDA graphs: 3 eager steps (the 2nd and 3rd time the copies), the 4th
 # captured, then replays (medians of those; a graph case runs that many more steps).
 GRAPHS = {"cuda_graph_impl": "full_iteration", "cuda_graph_warmup_steps": 3}
@@ -95,6 +99,8 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
         },
         SAVE_ON_CPU: {SAVE_ON_CPU: True},
     }
+    for name in ("fgo_attn_pair", "fgo_all5"):
+        cases[f"{name}_megatron_copies"] = {**cases[name], MEGATRON_COPIES: True}
     # The same step as one CUDA graph: without the CPU's launch and hook costs, what is left of
     # an offload case's overhead is the copies' own.
     for name in ("no_offload", "fgo_attn_pair", "fgo_norms", "fgo_all5"):
@@ -137,7 +143,7 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
 def section_for(
     model: str, seq: int, settings: dict[str, Any], precision: str = "bfloat16"
 ) -> dict[str, Any]:
-    megatron = {k: v for k, v in settings.items() if k != SAVE_ON_CPU}
+    megatron = {k: v for k, v in settings.items() if k not in BENCHMARK_ONLY}
     if "moe" in model:  # every case on the grouped experts, the layout expert offload needs
         megatron.setdefault("model_overrides", {"moe_grouped_gemm": True})
     return {
@@ -180,7 +186,7 @@ def recipe_section(
     section["make_sequence_length_divisible_by"] = seq
     megatron = section["megatron_cfg"]
     megatron["fine_grained_activation_offloading"] = False
-    megatron.update({k: v for k, v in settings.items() if k != SAVE_ON_CPU})
+    megatron.update({k: v for k, v in settings.items() if k not in BENCHMARK_ONLY})
     return section
 
 
@@ -197,6 +203,15 @@ def check_section(section: dict[str, Any]) -> list[str]:
         caps=detect(),
         gpus_per_node=1,
     ).errors
+
+
+def use_megatron_copies(settings: dict[str, Any]) -> None:
+    """For a ``MEGATRON_COPIES`` case: leave Megatron's own copies in place in this process
+    (each case runs in its own), before any worker installs the runtime's."""
+    if settings.get(MEGATRON_COPIES):
+        from nemo_rl_offload.offload import handler_patches
+
+        handler_patches._patch_strided_copies = lambda: False
 
 
 def build_worker(section: dict[str, Any], on_gpu: bool):
@@ -343,6 +358,7 @@ def run_case(
     errors = check_section(section)
     if errors:
         return {"case": name, "settings": settings, "rejected": errors}
+    use_megatron_copies(settings)
     worker = build_worker(section, on_gpu)
     try:
         context = (

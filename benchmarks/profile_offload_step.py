@@ -177,6 +177,7 @@ def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, An
         return {"case": name, "rejected": errors}
     vocab = architecture_for(args.model).vocab_size
     data = bench.batches(args.warmup + 1, args.microbatches, args.rows, args.seq, vocab)
+    bench.use_megatron_copies(settings)
     worker = bench.build_worker(section, on_gpu=True)
     python: dict[str, Any] = {}
     try:

@@ -178,16 +178,19 @@ class OffloadRuntime:
         graphed: bool = False,
         on_release: Callable[[tuple[int, int]], None] | None = None,
         fraction_placement: str = "spread",
+        strided_copies: bool = True,
     ) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is).
         ``graphed``: steps run as full-iteration CUDA graphs (padded then, offloading or not);
         ``on_release(shape)`` is told when a plan is released; ``fraction_placement``: which
-        groups a fraction below 1 offloads (``handler_patches.FRACTION_PLACEMENTS``)."""
+        groups a fraction below 1 offloads (``handler_patches.FRACTION_PLACEMENTS``);
+        ``strided_copies``: permuted tensors copied as they lie (``handler_patches``)."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
         self.pad_steps = pads_steps(self.enabled, graphed)
         self.on_release = on_release
         self.fraction_placement = fraction_placement
+        self.strided_copies = strided_copies
         self.host_budget_bytes = host_budget_bytes
         self.sequence_buckets = sorted(sequence_buckets)
         self.step_shape: tuple[int, int] = (0, 0)  # (micro-batches, padded length) of the step
@@ -240,6 +243,7 @@ class OffloadRuntime:
             manager_cls.reset_instance()
             manager = manager_cls.OFFLOAD_MGR
             manager.fraction_placement = self.fraction_placement
+            manager.strided_copies = self.strided_copies
             if self._pool is None:
                 self._pool = manager._cpu_tensor_pool
                 self._track_buffers(self._pool)

@@ -51,12 +51,22 @@ def test_dense_permutation_is_a_block_of_memory_in_some_dimension_order(make, de
 
 
 @pytest.fixture
-def handler():
+def strided(monkeypatch):
+    """A manager installed as the runtime installs one for a dense model (strided copies on)."""
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    handler_patches._patch_strided_copies()
+    manager = SimpleNamespace(strided_copies=True)
+    monkeypatch.setattr(fgo.PipelineOffloadManager, "OFFLOAD_MGR", manager)
+    return manager
+
+
+@pytest.fixture
+def handler(strided):
     """What Megatron's offload/reload use of a ChunkOffloadHandler (its constructor needs CUDA
     streams): its pinned pool, unpinned here."""
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorPool
 
-    handler_patches._patch_strided_copies()
     return SimpleNamespace(cpu_tensor_pool=OffloadTensorPool(device="cpu", pin_memory=False))
 
 
@@ -81,6 +91,13 @@ def test_a_permuted_tensor_goes_out_and_back_with_its_strides(handler, use_cpu_p
     if use_cpu_pool:  # the pooled buffer (not the view) is free again, for the next step
         entry = handler.cpu_tensor_pool._pools[(view.shape, view.dtype)]
         assert len(entry["free"]) == 1 and entry["free"][0] is host._base
+
+
+def test_a_plan_without_strided_copies_keeps_megatrons_copy(handler, strided):
+    strided.strided_copies = False  # a MoE model's plan
+    view = torch.randn(2, 3, 4).permute(2, 0, 1)
+    state = _offload(handler, view)
+    assert state[1].is_contiguous() and torch.equal(_reload(handler, state), view)
 
 
 def test_other_tensors_keep_megatrons_contiguous_copy(handler):

@@ -65,32 +65,34 @@ def test_rl_shaped_steps_keep_one_plan_per_shape_with_stable_memory(worker):
             peaks[(count, length)].append(metrics["peak_fwd_bwd_gpu_memory_gib"])
         pinned_after_round.append(metrics["pinned_host_gib"])
     assert worker.runtime.plans_recorded == len(SHAPES)  # recorded once, then replayed
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    assert fgo.PipelineOffloadManager.OFFLOAD_MGR.strided_copies  # a dense model's plans
     assert metrics["offload_plans_released"] == 0
     for shape, values in peaks.items():  # after its first (warm-up) step, a shape's peak holds
         assert abs(values[2] - values[1]) <= 0.05 * values[1], (shape, values)
     assert pinned_after_round[1] == pinned_after_round[2], pinned_after_round
 
 
-def test_a_permuted_tensor_is_copied_by_one_memcpy_each_way_without_a_kernel():
+def test_a_permuted_tensor_is_copied_by_one_memcpy_each_way_without_a_kernel(monkeypatch):
     """SDPA saves permuted views; offloading them must not launch copy kernels (which compete
     with the compute) nor change the layout autograd saved."""
     from types import SimpleNamespace
 
-    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
-        ChunkOffloadHandler,
-        OffloadTensorPool,
-    )
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
     from nemo_rl_offload.offload import handler_patches
 
     handler_patches.install()
-    handler = SimpleNamespace(cpu_tensor_pool=OffloadTensorPool(device="cpu", pin_memory=True))
+    dense_plan = SimpleNamespace(strided_copies=True)  # as the runtime installs for a dense model
+    monkeypatch.setattr(fgo.PipelineOffloadManager, "OFFLOAD_MGR", dense_plan)
+    handler = SimpleNamespace(cpu_tensor_pool=fgo.OffloadTensorPool(device="cpu", pin_memory=True))
     view = torch.randn(4096, 1, 32, 64, device="cuda", dtype=torch.bfloat16).permute(1, 2, 0, 3)
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        state = ChunkOffloadHandler.offload(handler, view)
-        back = ChunkOffloadHandler.reload(handler, state)
+        state = fgo.ChunkOffloadHandler.offload(handler, view)
+        back = fgo.ChunkOffloadHandler.reload(handler, state)
         torch.cuda.synchronize()
     kinds = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
     assert back.stride() == view.stride() and torch.equal(back, view)
