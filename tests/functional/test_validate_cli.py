@@ -322,7 +322,7 @@ def test_graphs_recipe_without_the_inflight_cap_is_refused_before_start() -> Non
     code, out, err = validate(GRAPHS, f"~{MCFG}.fine_grained_offloading_max_inflight_offloads")
     assert code == 2
     assert err[0].startswith(f"{MCFG}.fine_grained_offloading_max_inflight_offloads: "), err
-    assert "full_iteration" in err[0] and "0, 1 or 2" in err[0]
+    assert "full_iteration" in err[0] and "set it to 4" in err[0]
 
 
 def test_graphs_without_offloading_still_show_their_buckets() -> None:

@@ -213,7 +213,7 @@ REJECTED = [
         NO_TE,
         {**FGO, "offload_modules": ["core_attn"], "cuda_graph_impl": "full_iteration"},
         f"{P}.fine_grained_offloading_max_inflight_offloads",
-        ["full_iteration", "0, 1 or 2"],
+        ["full_iteration", "set it to 4"],
     ),
     (
         "full_iteration_moe",

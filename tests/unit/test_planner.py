@@ -50,7 +50,7 @@ def test_predicted_peaks_match_every_measured_offload_case(path):
         # And closer than ignoring offloading altogether would be.
         assert error < abs(profile.peak_gib - case["peak_gib"]), case["case"]
         checked += 1
-    assert checked >= 3  # the smallest tables hold three offload cases
+    assert checked >= 2  # the smallest tables (the copy A/B runs) hold two offload cases
 
 
 def test_module_sets_respect_the_attn_proj_rule():
