@@ -19,6 +19,11 @@ How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offloa
    measured peak fits wins; the override lines to paste are printed. Measurements are shared
    between budgets.
 4. A budget under ``R`` cannot be met by any activation setting: the plan says so, with ``R``.
+
+A recipe with full-iteration CUDA graphs is measured graphed: each measurement runs the
+shape's warm-up and capture steps first, so that its medians are over replays (graphs take the
+hooks' CPU work away, which changes which set is fastest), and offloading there gets the
+max-inflight cap it needs (the recipe's own, else 4, the fastest measured on the 1B step).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ FRACTIONS = (1.0, 0.5)
 # over the budget may still fit, and is tried; only its measured peak decides.
 PREDICTION_TOLERANCE = 0.02
 MCFG = "policy.megatron_cfg"
+GRAPH_INFLIGHT = 4  # max inflight offloads for graphed measurements when the recipe sets none
 
 
 @dataclass(frozen=True)
@@ -205,9 +211,13 @@ def plan(
     )
     everything = offloadable_modules(is_moe)
     # Expert offload needs the grouped expert layout; every measurement (and so every plan)
-    # runs on it, so that the profile and the candidates are the same model.
-    moe_layout = [f"++{MCFG}.model_overrides.moe_grouped_gemm=true"] if is_moe else []
-    overrides = [*overrides, *moe_layout]
+    # runs on it, so that the profile and the candidates are the same model. Graphed
+    # offloading needs the max-inflight cap, and more steps to reach the replays.
+    measured_with = [f"++{MCFG}.model_overrides.moe_grouped_gemm=true"] if is_moe else []
+    graph_lines, graph_steps = graph_settings(recipe["policy"]["megatron_cfg"])
+    measured_with += graph_lines
+    steps += graph_steps
+    overrides = [*overrides, *measured_with]
     print("plan: profiling without offloading ...", file=err)
     base = _measure(
         config, [*overrides, f"{MCFG}.fine_grained_activation_offloading=false"], steps, err
@@ -260,13 +270,25 @@ def plan(
                 "chosen": best(options, budget),
             }
         )
-    return {"profile": profile, "plans": plans, "moe_layout": moe_layout}
+    return {"profile": profile, "plans": plans, "measured_with": measured_with}
+
+
+def graph_settings(megatron_cfg: dict[str, Any]) -> tuple[list[str], int]:
+    """For a recipe with full-iteration CUDA graphs: the override lines every measurement
+    needs (the max-inflight cap offloading requires there, when the recipe sets none) and the
+    steps each shape spends before its first replay (warm-up and capture). Else nothing."""
+    if megatron_cfg.get("cuda_graph_impl") != "full_iteration":
+        return [], 0
+    lines = []
+    if megatron_cfg.get("fine_grained_offloading_max_inflight_offloads") is None:
+        lines.append(f"++{MCFG}.fine_grained_offloading_max_inflight_offloads={GRAPH_INFLIGHT}")
+    return lines, int(megatron_cfg.get("cuda_graph_warmup_steps", 3)) + 1
 
 
 def plan_overrides(result: dict[str, Any], chosen: Candidate) -> list[str]:
-    """The recipe overrides of a chosen plan: the layout every measurement ran on, then the
-    plan's own settings."""
-    return [*result["moe_layout"], *chosen.overrides()]
+    """The recipe overrides of a chosen plan: what every measurement ran with (the expert
+    layout, graph settings), then the plan's own settings."""
+    return [*result["measured_with"], *chosen.overrides()]
 
 
 def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:

@@ -144,7 +144,7 @@ def _result(profile, budget, tried, chosen=None):
     return {
         "profile": profile,
         "plans": [{"budget_gib": budget, "fitting": 0, "tried": tried, "chosen": chosen}],
-        "moe_layout": [],
+        "measured_with": [],
     }
 
 
@@ -183,12 +183,12 @@ def test_plan_json_names_the_choice_and_its_overrides_with_the_layout():
     profile = planner.Profile(20.0, 1.0, {"expert_fc1": 0.5}, resident_gib=13.0)
     chosen = planner.Candidate(("expert_fc1",), 1.0, 19.5, 19.4, 1.2)
     result = _result(profile, 19.6, [chosen], chosen)
-    result["moe_layout"] = ["++policy.megatron_cfg.model_overrides.moe_grouped_gemm=true"]
+    result["measured_with"] = ["++policy.megatron_cfg.model_overrides.moe_grouped_gemm=true"]
     data = planner.as_json(result)
     assert data["profile"]["resident_gib"] == 13.0
     (entry,) = data["plans"]
     assert entry["chosen"] == "expert_fc1"
-    assert entry["overrides"] == [*result["moe_layout"], *chosen.overrides()]
+    assert entry["overrides"] == [*result["measured_with"], *chosen.overrides()]
     assert entry["tried"][0]["measured_peak_gib"] == 19.4
     out = StringIO()
     planner.format_plan(result, out)  # the printed plan and the JSON give the same lines
@@ -212,3 +212,72 @@ def test_the_recipe_without_offloading_is_chosen_when_it_fits():
     assert plain.overrides() == ["policy.megatron_cfg.fine_grained_activation_offloading=false"]
     assert planner.best([plain, offload], 19.0) is plain
     assert planner.best([plain, offload], 17.95) is offload
+
+
+GRAPHS_RECIPE = str(
+    RESULTS.parents[1] / "examples" / "configs" / "grpo_math_1B_megatron_fgo_graphs.yaml"
+)
+
+
+def _fake_measure(calls: list):
+    """Telemetry records as a graphed job reports them: warm-up steps eager, one captured,
+    the rest replayed; offloading moves 0.5 GiB per module and micro-batch and saves it."""
+
+    def measure(config, overrides, steps, err):
+        calls.append((list(overrides), steps))
+        offloading = any("fine_grained_activation_offloading=true" in o for o in overrides)
+        records = []
+        for step in range(1, steps + 1):
+            record = {
+                "length": 1024,
+                "peak_fwd_bwd_gpu_memory_gib": 18.0 if offloading else 20.0,
+                "peak_activation_gpu_memory_gib": 5.0,
+                "fwd_bwd_time_s": 0.3,
+                "offload_step_microbatches": 4.0,
+                "cuda_graph_replayed": float(step >= 4),
+                "cuda_graph_captured": float(step == 4),
+            }
+            if offloading:
+                record.update({f"offloaded_gib_{m}": 2.0 for m in planner.DENSE_MODULES})
+            records.append(record)
+        return records
+
+    return measure
+
+
+@pytest.mark.parametrize(
+    ("overrides", "inflight_line"),
+    [
+        ([], None),  # the recipe's own cap (4) stands
+        (
+            [
+                "policy.megatron_cfg.fine_grained_activation_offloading=false",
+                "~policy.megatron_cfg.fine_grained_offloading_max_inflight_offloads",
+            ],
+            "++policy.megatron_cfg.fine_grained_offloading_max_inflight_offloads=4",
+        ),
+    ],
+)
+def test_a_graphed_recipe_is_measured_over_replays_with_the_inflight_cap(
+    monkeypatch, overrides, inflight_line
+):
+    from io import StringIO
+
+    calls: list = []
+    monkeypatch.setattr(planner, "_measure", _fake_measure(calls))
+    result = planner.plan(GRAPHS_RECIPE, overrides, budgets_gib=[19.0], steps=3, err=StringIO())
+    # The recipe warms each shape up for 2 steps and captures the 3rd: 3 more steps each.
+    assert {steps for _, steps in calls} == {3 + 2 + 1}
+    wanted = [inflight_line] if inflight_line else []
+    assert result["measured_with"] == wanted
+    assert all(lines[len(overrides) : len(overrides) + len(wanted)] == wanted for lines, _ in calls)
+    (entry,) = result["plans"]
+    assert entry["chosen"] is not None
+    assert planner.plan_overrides(result, entry["chosen"])[: len(wanted)] == wanted
+
+
+def test_an_eager_recipe_is_measured_as_asked():
+    assert planner.graph_settings({"cuda_graph_impl": "none"}) == ([], 0)
+    assert planner.graph_settings({}) == ([], 0)
+    lines, extra = planner.graph_settings({"cuda_graph_impl": "full_iteration"})
+    assert extra == 3 + 1 and lines[0].endswith("max_inflight_offloads=4")

@@ -25,7 +25,7 @@ def _fake_plan(chosen, calls):
         entry = {"budget_gib": budgets_gib[0], "fitting": 1, "tried": [chosen], "chosen": chosen}
         if chosen is not None and chosen.measured_peak_gib > budgets_gib[0]:
             entry["chosen"] = None
-        return {"profile": PROFILE, "plans": [entry], "moe_layout": []}
+        return {"profile": PROFILE, "plans": [entry], "measured_with": []}
 
     return plan
 
