@@ -58,8 +58,9 @@ BENCHMARK_ONLY = (SAVE_ON_CPU, MEGATRON_COPIES)
 GRAPHS = {"cuda_graph_impl": "full_iteration", "cuda_graph_warmup_steps": 3}
 
 
-def _graphed(settings: dict[str, Any], inflight: int = 1) -> dict[str, Any]:
-    """A case's settings under full-iteration graphs (offloading there needs the cap)."""
+def _graphed(settings: dict[str, Any], inflight: int = 4) -> dict[str, Any]:
+    """A case's settings under full-iteration graphs (offloading there needs the cap; 4 was
+    the fastest measured on the 1B step)."""
     if settings.get("fine_grained_activation_offloading"):
         return {**settings, **GRAPHS, "fine_grained_offloading_max_inflight_offloads": inflight}
     return {**settings, **GRAPHS}
@@ -99,8 +100,6 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
         },
         SAVE_ON_CPU: {SAVE_ON_CPU: True},
     }
-    for name in ("fgo_attn_pair", "fgo_all5"):
-        cases[f"{name}_megatron_copies"] = {**cases[name], MEGATRON_COPIES: True}
     # The same step as one CUDA graph: without the CPU's launch and hook costs, what is left of
     # an offload case's overhead is the copies' own.
     for name in ("no_offload", "fgo_attn_pair", "fgo_norms", "fgo_all5"):
@@ -120,24 +119,29 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
     """The named cases (all when ``names`` is None), no_offload first. Besides the matrix's
     names, ``fgo:MOD+MOD`` is an offload case of those modules (e.g. a planner's choice), and
     ``CASE_graph_inflight_N`` is an offload case of the matrix under full-iteration graphs with
-    max inflight N."""
+    max inflight N, and ``CASE_megatron_copies`` an offload case with Megatron's own copies of
+    non-contiguous tensors (to measure the runtime's strided copies in the same run)."""
     import re
 
     matrix = cases_for(model)
     if names is None:
         return matrix
-    cases: dict[str, dict[str, Any]] = {}
-    for name in ["no_offload", *names]:
+
+    def resolve(name: str) -> dict[str, Any]:
         graphed = re.fullmatch(r"(.+)_graph_inflight_(\d+)", name)
-        if name.startswith("fgo:"):
-            cases[name] = {**FGO, "offload_modules": name.removeprefix("fgo:").split("+")}
-        elif name not in matrix and graphed and graphed[1] in matrix:
-            cases[name] = _graphed(matrix[graphed[1]], inflight=int(graphed[2]))
-        elif name in matrix:
-            cases[name] = matrix[name]
-        else:
-            raise KeyError(name)
-    return cases
+        if name in matrix:
+            return matrix[name]
+        if graphed:
+            return _graphed(resolve(graphed[1]), inflight=int(graphed[2]))
+        if name.endswith("_megatron_copies"):
+            base = resolve(name.removesuffix("_megatron_copies"))
+            if base.get("fine_grained_activation_offloading"):
+                return {**base, MEGATRON_COPIES: True}
+        elif name.startswith("fgo:"):
+            return {**FGO, "offload_modules": name.removeprefix("fgo:").split("+")}
+        raise KeyError(name)
+
+    return {name: resolve(name) for name in ["no_offload", *names]}
 
 
 def section_for(
@@ -594,7 +598,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cases = resolve_cases(args.model, args.cases.split(",") if args.cases else None)
     except KeyError as unknown:
-        print(f"--cases: unknown {unknown}; --list shows them, or fgo:MOD+MOD", file=sys.stderr)
+        print(
+            f"--cases: unknown {unknown}; --list shows them; also fgo:MOD+MOD, "
+            "CASE_graph_inflight_N and OFFLOAD_CASE_megatron_copies",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,44 @@
+"""The benchmark's case names (benchmarks/offload_benchmark.py: resolve_cases): the matrix, and
+the names built from it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import offload_benchmark as bench  # noqa: E402
+
+
+def test_graph_cases_default_to_max_inflight_4_and_take_any_cap():
+    cases = bench.resolve_cases("llama-1b", ["fgo_all5_graph", "fgo_attn_qkv_graph_inflight_2"])
+    assert list(cases) == ["no_offload", "fgo_all5_graph", "fgo_attn_qkv_graph_inflight_2"]
+    assert cases["fgo_all5_graph"]["fine_grained_offloading_max_inflight_offloads"] == 4
+    graphed = cases["fgo_attn_qkv_graph_inflight_2"]
+    assert graphed["cuda_graph_impl"] == "full_iteration"
+    assert graphed["fine_grained_offloading_max_inflight_offloads"] == 2
+    assert graphed["offload_modules"] == ["qkv_linear", "core_attn", "attn_proj"]
+
+
+def test_megatron_copies_cases_are_built_from_offload_cases_and_compose_with_graphs():
+    name = "fgo:core_attn+attn_proj_megatron_copies_graph_inflight_4"
+    settings = bench.resolve_cases("llama-1b", [name])[name]
+    assert settings[bench.MEGATRON_COPIES] is True
+    assert settings["offload_modules"] == ["core_attn", "attn_proj"]
+    assert settings["fine_grained_offloading_max_inflight_offloads"] == 4
+    section = bench.section_for("llama-1b", 128, settings)  # not a recipe key
+    assert bench.MEGATRON_COPIES not in section["megatron_cfg"]
+
+
+@pytest.mark.parametrize("name", ["recompute_full_megatron_copies", "fgo_al5", "no_offload_x"])
+def test_unknown_or_meaningless_names_are_refused(name):
+    with pytest.raises(KeyError):
+        bench.resolve_cases("llama-1b", [name])
+
+
+def test_the_default_run_is_the_matrix_without_diagnostic_cases():
+    matrix = bench.resolve_cases("llama-1b", None)
+    assert not any(bench.MEGATRON_COPIES in settings for settings in matrix.values())
+    assert "fgo_all5_fraction_0.5_graph" not in matrix  # named on demand: keeps the run short
