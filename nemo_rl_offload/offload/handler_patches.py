@@ -156,8 +156,10 @@ def _patch_strided_copies() -> bool:
     per plan). Measured on an H100 in one run each (4 x 4096 tokens): the 1B dense step's
     attention pair +36.3% -> +22.1% eagerly and +3.3% -> -0.9% under graphs, all five modules
     +54.5% -> +38.3% and +27.0% -> +22.6%; but the 1B MoE step's attention pair was slower
-    with it in two runs (+11.2% -> +17.6%, +17.0% -> +44.4%), for reasons not yet found, so
-    the runtime leaves MoE models on Megatron's copies. Returns whether it patched."""
+    with it in two runs (+11.2% -> +17.6%, +17.0% -> +44.4%), although its GPU ran 300 fewer
+    kernels (that step waits on the host, which was slower across unrelated code too), so until
+    a longer comparison settles it the runtime leaves MoE models on Megatron's copies. Returns
+    whether it patched."""
     import torch
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
@@ -199,9 +201,6 @@ def _patch_strided_copies() -> bool:
     handler.offload = offload
     handler.reload = reload
     return True
-
-
-FRACTION_PLACEMENTS = ("spread", "earliest")
 
 
 def spread_choice(count: int, fraction: float) -> list[bool]:

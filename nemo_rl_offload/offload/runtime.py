@@ -183,7 +183,7 @@ class OffloadRuntime:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is).
         ``graphed``: steps run as full-iteration CUDA graphs (padded then, offloading or not);
         ``on_release(shape)`` is told when a plan is released; ``fraction_placement``: which
-        groups a fraction below 1 offloads (``handler_patches.FRACTION_PLACEMENTS``);
+        groups a fraction below 1 offloads (the recipe's ``activation_offload_fraction_placement``);
         ``strided_copies``: permuted tensors copied as they lie (``handler_patches``)."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
