@@ -287,3 +287,15 @@ def test_untimed_steps_leave_copy_metrics_out(monkeypatch):
     _FakeManager.OFFLOAD_MGR._cpu_tensor_pool.allocate((256, KIB), dtype=torch.uint8)
     assert "d2h_time_s" in rt.after_step()
     assert not any(key.startswith(("d2h", "h2d")) for key in rt.after_step(copies_timed=False))
+
+
+def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
+    monkeypatch.setattr(handler_patches, "install", lambda: None)
+    monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
+    _FakeManager.OFFLOAD_MGR = None
+    config = SimpleNamespace(fine_grained_activation_offloading=True)
+    rt = runtime.OffloadRuntime(config, fraction_placement="earliest", strided_copies=False)
+    for length in (256, 512):
+        rt.before_step(1, length)
+        manager = _FakeManager.OFFLOAD_MGR
+        assert manager.fraction_placement == "earliest" and manager.strided_copies is False
