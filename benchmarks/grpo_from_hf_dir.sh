@@ -5,9 +5,8 @@
 # Run on the GPU machine from the repository root (../shared/device/README.md): OUT=DIR bash benchmarks/grpo_from_hf_dir.sh
 set -u
 OUT=${OUT:-/tmp/grpo_from_hf_dir}
-mkdir -p "$OUT"
 WORK=$(mktemp -d)  # the model, checkpoint and export (GBs): not under $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/device_setup.sh
 python3 -c "import transformers, safetensors; print('transformers', transformers.__version__)"
 python3 examples/make_hf_model.py --out $WORK/hf1b --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 8192 --dtype bfloat16 2>&1 | tail -1
 O="policy.model_name=$WORK/hf1b policy.train_global_batch_size=16 policy.train_micro_batch_size=4 policy.logprob_batch_size=4 grpo.num_prompts_per_step=4 grpo.num_generations_per_prompt=4 grpo.val_period=0 grpo.val_at_start=false policy.generation.max_new_tokens=8 grpo.max_num_steps=3 policy.make_sequence_length_divisible_by=1024 policy.max_total_sequence_length=1024 checkpointing.checkpoint_dir=$WORK/ckpt logger.log_dir=$OUT/grpo_logs"

@@ -5,9 +5,7 @@
 set -u
 BUDGET=${BUDGET:-19}
 OUT=${OUT:-/tmp/plan_at_start}
-mkdir -p "$OUT"
-[ -d /tmp/site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/device_setup.sh
 O="policy.train_global_batch_size=16 policy.train_micro_batch_size=4 policy.logprob_batch_size=4 grpo.num_prompts_per_step=4 grpo.num_generations_per_prompt=4 grpo.val_period=0 grpo.val_at_start=false policy.generation.max_new_tokens=8 grpo.max_num_steps=3 policy.max_total_sequence_length=1024 policy.make_sequence_length_divisible_by=1024 checkpointing.enabled=false logger.log_dir=$OUT/logs"
 timeout 500 python3 -m nemo_rl_offload.cli grpo --config examples/configs/grpo_math_1B_megatron.yaml $O +policy.megatron_cfg.offload_plan_budget_gib=$BUDGET > "$OUT/grpo.out" 2> "$OUT/grpo.err"; echo "grpo rc=$?"
 grep -v "PolicyWorker\|^\s*$\|Warning\|warn" "$OUT/grpo.err" | grep -i "plan\|budget\|GiB\|error\|Traceback" | head -30

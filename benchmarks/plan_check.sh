@@ -11,9 +11,7 @@
 set -u
 SEQ=${SEQ:-8192}
 OUT=${OUT:-/tmp/plan_check}
-mkdir -p "$OUT"
-[ -d /tmp/site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/device_setup.sh
 timeout 560 python3 -m nemo_rl_offload.cli plan --config examples/configs/grpo_math_1B_megatron.yaml \
   --budget-fraction 0.9,0.75,0.6 --steps 4 --json "$OUT/plan_llama-1b_seq$SEQ.json" \
   policy.max_total_sequence_length=$SEQ policy.make_sequence_length_divisible_by=$SEQ \

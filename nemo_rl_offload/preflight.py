@@ -93,7 +93,11 @@ def _runtime_settings(
     """The offload runtime's own settings, resolved: the length buckets steps are padded to
     (with offloading or full-iteration CUDA graphs on), the host budget (offloading on), and
     which groups a fraction below 1 offloads."""
-    from nemo_rl_offload.offload.runtime import pads_steps, step_buckets
+    from nemo_rl_offload.offload.runtime import (
+        DEFAULT_FRACTION_PLACEMENT,
+        pads_steps,
+        step_buckets,
+    )
 
     megatron = section.get("megatron_cfg") or {}
     offloading = effective.value("fine_grained_activation_offloading") is True
@@ -129,7 +133,10 @@ def _runtime_settings(
         resolved["activation_offload_fraction_placement"] = (
             (placement, f"{path}.activation_offload_fraction_placement")
             if placement
-            else ("spread", "default (each module's fraction, evenly over the layers)")
+            else (
+                DEFAULT_FRACTION_PLACEMENT,
+                "default (each module's fraction, evenly over the layers)",
+            )
         )
     return resolved
 

@@ -202,7 +202,7 @@ class PolicyWorker:
             sequence_buckets=step_buckets(self.section)[0],
             graphed=self.graphs is not None,
             on_release=self._release_graphs,
-            fraction_placement=megatron_cfg.get("activation_offload_fraction_placement", "spread"),
+            fraction_placement=megatron_cfg.get("activation_offload_fraction_placement"),
             # Measured faster on dense models, slower on MoE (handler_patches).
             strided_copies=not getattr(model.config, "num_moe_experts", None),
         )

@@ -145,8 +145,9 @@ def _patch_strided_copies() -> bool:
     the offload stream, which competes with the compute for the GPU, and the tensor comes back
     in a layout autograd did not save, so a backward kernel that wants the original layout
     converts it again. SDPA saves its query, key and output as permuted views of contiguous
-    tensors; measured on the 1B dense step (H100, 4 x 4096 tokens): 360 extra copy kernels and
-    60 extra concatenations per step, +8 ms of kernel time under full-iteration CUDA graphs.
+    tensors; measured on the 1B dense step (H100, 4 x 4096 tokens, CUDA graphs): 360 extra
+    copy kernels and 60 extra concatenations per step, +9 ms (all five modules) to +14 ms (the
+    attention pair) of kernel time.
     Here such a tensor (``is_dense_permutation``) lands in a pinned buffer of the same strides
     (a view of a pooled buffer of its shape: one ``cudaMemcpyAsync``, no kernel), and comes
     back into a GPU tensor of the same strides. Other non-contiguous tensors (slices of a larger
@@ -227,15 +228,14 @@ def _patch_fraction_placement() -> bool:
     """Spread the groups a fraction below 1 offloads evenly over the forward pass.
 
     Megatron keeps the earliest groups offloaded, for the longest relief (the fraction counts
-    groups of all modules together). The peak, though,
-    comes at the end of the forward pass, where every offloaded group counts the same, and the
-    earliest groups put all of the copying in the first part of the forward: measured on the
-    1B dense step (H100, 4 x 4096 tokens, all five modules, fraction 0.5, CUDA graphs), the
-    forward waits for the copies and the step costs +11.5% against a floor of -5.7%, more than
-    offloading every group. Spread, each module offloads the fraction of its own groups, evenly
-    spaced over the layers, so the copies run beside the whole forward and every module gives
-    up its share of bytes (a count over all modules together could pick one module only when
-    two alternate). The manager's
+    groups of all modules together). The peak, though, comes at the end of the forward pass,
+    where every offloaded group counts the same, and the earliest groups put all of the copying
+    in the first part of the forward. Measured on the 1B dense step (H100, 4 x 4096 tokens, all
+    five modules, fraction 0.5, CUDA graphs, max inflight 4, one run): earliest +4.3% against
+    a floor of -5.1% (9.4 pp over), spread -2.9% (2.3 pp over), the same peak. Spread, each
+    module offloads the fraction of its own groups, evenly spaced over the layers, so the
+    copies run beside the whole forward and every module gives up its share of bytes (a count
+    over all modules together could pick one module only when two alternate). The manager's
     ``fraction_placement`` (set by the runtime from the recipe) chooses; without it Megatron's
     choice stands. Returns whether it patched."""
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo

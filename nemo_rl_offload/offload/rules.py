@@ -315,7 +315,6 @@ def _ranges(ctx: _Context) -> None:
             f"{ctx.prefix}.offload_host_memory_budget_gib: must be > 0 (got: {budget}); it caps "
             "the pinned host memory of the offload plans, or set null for the default"
         )
-    _plan_budget(ctx)
     inflight = ctx.value("fine_grained_offloading_max_inflight_offloads")
     if _is_int(inflight) and inflight < 0:
         ctx.error(
@@ -583,6 +582,7 @@ _RULES = (
     _module_dependencies,
     _exclusions,
     _ranges,
+    _plan_budget,
     _sequence_buckets,
     _cuda_graphs,
     _recompute,

@@ -35,6 +35,8 @@ from nemo_rl_offload.offload import handler_patches
 
 _LOG = logging.getLogger("nemo_rl_offload.offload")
 SMALLEST_BUCKET = 32
+# activation_offload_fraction_placement when the recipe does not set it (handler_patches).
+DEFAULT_FRACTION_PLACEMENT = "spread"
 
 
 def plan_metrics(manager: Any) -> dict[str, float]:
@@ -177,19 +179,20 @@ class OffloadRuntime:
         sequence_buckets: Sequence[int] = (),
         graphed: bool = False,
         on_release: Callable[[tuple[int, int]], None] | None = None,
-        fraction_placement: str = "spread",
+        fraction_placement: str | None = None,
         strided_copies: bool = True,
     ) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is).
         ``graphed``: steps run as full-iteration CUDA graphs (padded then, offloading or not);
         ``on_release(shape)`` is told when a plan is released; ``fraction_placement``: which
-        groups a fraction below 1 offloads (the recipe's ``activation_offload_fraction_placement``);
+        groups a fraction below 1 offloads (the recipe's ``activation_offload_fraction_placement``,
+        None: :data:`DEFAULT_FRACTION_PLACEMENT`);
         ``strided_copies``: permuted tensors copied as they lie (``handler_patches``)."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
         self.pad_steps = pads_steps(self.enabled, graphed)
         self.on_release = on_release
-        self.fraction_placement = fraction_placement
+        self.fraction_placement = fraction_placement or DEFAULT_FRACTION_PLACEMENT
         self.strided_copies = strided_copies
         self.host_budget_bytes = host_budget_bytes
         self.sequence_buckets = sorted(sequence_buckets)

@@ -38,7 +38,15 @@ def test_unknown_or_meaningless_names_are_refused(name):
         bench.resolve_cases("llama-1b", [name])
 
 
-def test_the_default_run_is_the_matrix_without_diagnostic_cases():
+def test_the_default_run_graphs_at_max_inflight_4_and_uses_the_runtimes_own_copies():
     matrix = bench.resolve_cases("llama-1b", None)
     assert not any(bench.MEGATRON_COPIES in settings for settings in matrix.values())
-    assert "fgo_all5_fraction_0.5_graph" not in matrix  # named on demand: keeps the run short
+    graphed = {
+        name: settings["fine_grained_offloading_max_inflight_offloads"]
+        for name, settings in matrix.items()
+        if settings.get("cuda_graph_impl") == "full_iteration"
+        and settings.get("fine_grained_activation_offloading")
+    }
+    assert graphed and all(
+        cap == (2 if name.endswith("_inflight_2") else 4) for name, cap in graphed.items()
+    ), graphed

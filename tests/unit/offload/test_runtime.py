@@ -299,3 +299,6 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
         rt.before_step(1, length)
         manager = _FakeManager.OFFLOAD_MGR
         assert manager.fraction_placement == "earliest" and manager.strided_copies is False
+    unset = runtime.OffloadRuntime(config, fraction_placement=None)  # the recipe left it out
+    unset.before_step(1, 1024)
+    assert _FakeManager.OFFLOAD_MGR.fraction_placement == runtime.DEFAULT_FRACTION_PLACEMENT

@@ -1,0 +1,6 @@
+# Sourced by the scripts in benchmarks/ on the GPU machine, from the repository root: installs
+# the packages of .whl/ (../shared/device/README.md) into /tmp/site once per machine, puts them
+# and the repository on PYTHONPATH, and makes $OUT (each script gives its default first).
+[ -d /tmp/site/megatron ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+mkdir -p "$OUT"
