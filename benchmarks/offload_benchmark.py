@@ -49,10 +49,17 @@ SELECTIVE_CORE_ATTN = {
 }
 FULL_RECOMPUTE = {"activation_checkpointing": True}
 SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_on_cpu
-# Not a recipe setting either: the case runs with Megatron's own copies of non-contiguous
-# tensors (contiguous() first), to measure the runtime's strided copies in the same run.
+# Not recipe settings either: the case runs with Megatron's own copies of non-contiguous
+# tensors (contiguous() first), or with Megatron's own hook code instead of the runtime's lean
+# one, to measure the runtime's change in the same run. Suffixes of an offload case's name;
+# each names the handler_patches function the case leaves out.
 MEGATRON_COPIES = "megatron_copies"
-BENCHMARK_ONLY = (SAVE_ON_CPU, MEGATRON_COPIES)
+MEGATRON_HOOKS = "megatron_hooks"
+LEFT_OUT_PATCHES = {
+    MEGATRON_COPIES: "_patch_strided_copies",
+    MEGATRON_HOOKS: "_patch_lean_hooks",
+}
+BENCHMARK_ONLY = (SAVE_ON_CPU, *LEFT_OUT_PATCHES)
 # Full-iteration CUDA graphs: 3 eager steps (the 2nd and 3rd time the copies), the 4th
 # captured, then replays (medians of those; a graph case runs that many more steps).
 GRAPHS = {"cuda_graph_impl": "full_iteration", "cuda_graph_warmup_steps": 3}
@@ -119,8 +126,9 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
     """The named cases (all when ``names`` is None), no_offload first. Besides the matrix's
     names, ``fgo:MOD+MOD`` is an offload case of those modules (e.g. a planner's choice), and
     ``CASE_graph_inflight_N`` is an offload case of the matrix under full-iteration graphs with
-    max inflight N, and ``CASE_megatron_copies`` an offload case with Megatron's own copies of
-    non-contiguous tensors (to measure the runtime's strided copies in the same run)."""
+    max inflight N, ``CASE_megatron_copies`` an offload case with Megatron's own copies of
+    non-contiguous tensors and ``CASE_megatron_hooks`` one with Megatron's own hook code (to
+    measure the runtime's strided copies or lean hooks in the same run)."""
     import re
 
     matrix = cases_for(model)
@@ -133,10 +141,11 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
             return matrix[name]
         if graphed:
             return _graphed(resolve(graphed[1]), inflight=int(graphed[2]))
-        if name.endswith("_megatron_copies"):
-            base = resolve(name.removesuffix("_megatron_copies"))
+        left_out = next((k for k in LEFT_OUT_PATCHES if name.endswith(f"_{k}")), None)
+        if left_out:
+            base = resolve(name.removesuffix(f"_{left_out}"))
             if base.get("fine_grained_activation_offloading"):
-                return {**base, MEGATRON_COPIES: True}
+                return {**base, left_out: True}
         elif name.startswith("fgo:"):
             return {**FGO, "offload_modules": name.removeprefix("fgo:").split("+")}
         raise KeyError(name)
@@ -209,13 +218,14 @@ def check_section(section: dict[str, Any]) -> list[str]:
     ).errors
 
 
-def use_megatron_copies(settings: dict[str, Any]) -> None:
-    """For a ``MEGATRON_COPIES`` case: leave Megatron's own copies in place in this process
-    (each case runs in its own), before any worker installs the runtime's."""
-    if settings.get(MEGATRON_COPIES):
-        from nemo_rl_offload.offload import handler_patches
+def use_megatron_handler(settings: dict[str, Any]) -> None:
+    """For a ``MEGATRON_COPIES`` or ``MEGATRON_HOOKS`` case: leave Megatron's own code in place
+    in this process (each case runs in its own), before any worker installs the runtime's."""
+    from nemo_rl_offload.offload import handler_patches
 
-        handler_patches._patch_strided_copies = lambda: False
+    for key, patch in LEFT_OUT_PATCHES.items():
+        if settings.get(key):
+            setattr(handler_patches, patch, lambda: False)
 
 
 def build_worker(section: dict[str, Any], on_gpu: bool):
@@ -362,7 +372,7 @@ def run_case(
     errors = check_section(section)
     if errors:
         return {"case": name, "settings": settings, "rejected": errors}
-    use_megatron_copies(settings)
+    use_megatron_handler(settings)
     worker = build_worker(section, on_gpu)
     try:
         context = (
@@ -600,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as unknown:
         print(
             f"--cases: unknown {unknown}; --list shows them; also fgo:MOD+MOD, "
-            "CASE_graph_inflight_N and OFFLOAD_CASE_megatron_copies",
+            "CASE_graph_inflight_N, OFFLOAD_CASE_megatron_copies and OFFLOAD_CASE_megatron_hooks",
             file=sys.stderr,
         )
         return 2

@@ -13,6 +13,16 @@ profiler. From the trace's GPU timeline the step is split into:
   GPU: the CPU is behind, launching kernels or running the offload hooks);
 - copy-engine busy time per direction, kernel count, and the host calls that block (syncs).
 
+With ``--host``, no profiler runs: each case trains ``--host-steps`` more steps with a clock
+around every entry point of Megatron's offload hooks (``perf_counter``, about a microsecond
+per call), and reports per step (medians): the step's forward-backward GPU time, the host time
+until Megatron's schedule returned (the CPU has issued the whole step by then), and the host
+seconds spent inside the hooks, by entry point. A step whose host time reaches its GPU time is
+host-bound: there, every microsecond of hook work is a microsecond of step time. With
+``--host-detail`` it also clocks the functions the hooks call (``inner ...``, overlapping the
+hooks' seconds) and the host calls that wait for the GPU (``sync ...``: event and stream
+synchronize, ``item``, ``tolist``, ``cpu``), wherever they are called from.
+
 With ``--python``, one more step runs under cProfile: where the host's time goes by Python
 function (``python_top``: the functions with the most own time; ``python_offload``: the
 cumulative time of Megatron's offload hooks and this package's offload runtime), which the GPU
@@ -29,9 +39,13 @@ Run on a GPU machine:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
+import statistics
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,9 +179,107 @@ def python_profile(step: Any) -> dict[str, Any]:
     }
 
 
-def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    import torch
+# The entry points of Megatron's offload hooks, none called from inside another: (where,
+# attribute, label). "start"/"commit" run in the forward (the commit issues the offload
+# copies), "reload"/"reload wait" are their backward halves (the reload issues the next
+# group's copies back), "save"/"get" are autograd's saved-tensor hooks.
+HOOK_ENTRIES = (
+    ("module", "fine_grained_offloading_group_start", "start"),
+    ("module", "fine_grained_offloading_group_offload", "commit"),
+    ("PipelineOffloadManager", "__enter__", "context"),
+    ("PipelineOffloadManager", "__exit__", "context"),
+    ("PipelineOffloadManager", "on_save_for_backward", "save"),
+    ("PipelineOffloadManager", "on_get_saved_tensor", "get"),
+    ("PipelineOffloadManager", "init_model_chunk_offload_handler", "chunk"),
+    ("PipelineOffloadManager", "reset", "chunk"),
+    ("FineGrainedOffloadingGroupStartFunction", "backward", "reload"),
+    ("FineGrainedOffloadingGroupCommitFunction", "backward", "reload wait"),
+)
+# Called from inside the entry points (``--host-detail``): their seconds overlap the hooks'.
+INNER_ENTRIES = (
+    ("ChunkOffloadHandler", "should_bulk_offload", "should offload"),
+    ("ChunkOffloadHandler", "bulk_offload_group", "offload group"),
+    ("ChunkOffloadHandler", "offload", "offload tensor"),
+    ("ChunkOffloadHandler", "tensor_need_offloading_checker", "offload check"),
+    ("ChunkOffloadHandler", "bulk_reload_group", "reload group"),
+    ("ChunkOffloadHandler", "reload", "reload tensor"),
+    ("ChunkOffloadHandler", "tensor_push", "push"),
+    ("ChunkOffloadHandler", "tensor_pop", "pop"),
+    ("OffloadTensorPool", "allocate", "pool allocate"),
+    ("OffloadTensorPool", "free", "pool free"),
+)
+# The host calls that wait for the GPU (``--host-detail``), clocked wherever they are called:
+# a step whose syncs wait long is not host-bound by its own work. (torch attribute, label)
+SYNC_ENTRIES = (
+    ("cuda.Event", "synchronize", "sync event"),
+    ("cuda.Stream", "synchronize", "sync stream"),
+    ("Tensor", "item", "sync item"),
+    ("Tensor", "tolist", "sync tolist"),
+    ("Tensor", "cpu", "sync cpu"),
+)
 
+
+def _clocked(function: Callable[..., Any], label: str, totals: dict[str, float]) -> Any:
+    def clocked(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            totals[label] = totals.get(label, 0.0) + time.perf_counter() - start
+
+    return clocked
+
+
+@contextlib.contextmanager
+def host_clock(detail: bool = False) -> Iterator[dict[str, float]]:
+    """Clock Megatron's offload hooks and the schedule's host time while inside: the yielded
+    dict gains ``hook <label>`` seconds, ``schedule`` (host seconds until the schedule
+    returned) and, with ``detail``, ``inner <label>`` for the functions the hooks call and
+    ``sync <label>`` for the calls that wait for the GPU; the caller clears it between steps."""
+    import megatron.core.pipeline_parallel as pipeline
+    import torch
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    totals: dict[str, float] = {}
+    restore: list[tuple[Any, str, Any]] = []
+    entries = [("hook", entry) for entry in HOOK_ENTRIES]
+    entries += [("inner", entry) for entry in INNER_ENTRIES] if detail else []
+    for kind, (where, attribute, label) in entries:
+        owner = fgo if where == "module" else getattr(fgo, where)
+        original = owner.__dict__[attribute]
+        function = original.__func__ if isinstance(original, staticmethod) else original
+        clocked = _clocked(function, f"{kind} {label}", totals)
+        setattr(owner, attribute, staticmethod(clocked) if function is not original else clocked)
+        restore.append((owner, attribute, original))
+    get_schedule = pipeline.get_forward_backward_func
+
+    def timed_schedule() -> Any:
+        return _clocked(get_schedule(), "schedule", totals)
+
+    pipeline.get_forward_backward_func = timed_schedule
+    restore.append((pipeline, "get_forward_backward_func", get_schedule))
+    inherited: list[tuple[Any, str]] = []  # set on a class that inherited it: deleted after
+    for path, attribute, label in SYNC_ENTRIES if detail else ():
+        owner = torch
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        if attribute in owner.__dict__:
+            restore.append((owner, attribute, owner.__dict__[attribute]))
+        else:
+            inherited.append((owner, attribute))
+        setattr(owner, attribute, _clocked(getattr(owner, attribute), label, totals))
+    try:
+        yield totals
+    finally:
+        for owner, attribute in inherited:
+            delattr(owner, attribute)
+        for owner, attribute, original in reversed(restore):
+            setattr(owner, attribute, original)
+
+
+def _case_worker(name: str, args: argparse.Namespace, steps: int) -> tuple[Any, list] | dict:
+    """The case's policy worker (this process keeps Megatron's own handler code where the case
+    asks) and ``steps`` batches; or the record of a case the offload rules reject."""
     from nemo_rl_offload.config.model_presets import architecture_for
 
     settings = bench.resolve_cases(args.model, [name])[name]
@@ -176,9 +288,41 @@ def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, An
     if errors:
         return {"case": name, "rejected": errors}
     vocab = architecture_for(args.model).vocab_size
-    data = bench.batches(args.warmup + 1, args.microbatches, args.rows, args.seq, vocab)
-    bench.use_megatron_copies(settings)
-    worker = bench.build_worker(section, on_gpu=True)
+    data = bench.batches(steps, args.microbatches, args.rows, args.seq, vocab)
+    bench.use_megatron_handler(settings)
+    return bench.build_worker(section, on_gpu=True), data
+
+
+def host_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--host``: the case's steps with the hooks clocked (no profiler)."""
+    prepared = _case_worker(name, args, args.warmup + args.host_steps)
+    if isinstance(prepared, dict):
+        return prepared
+    worker, data = prepared
+    steps: list[dict[str, float]] = []
+    try:
+        for step in data[: args.warmup]:
+            worker.train(step, {"name": "nll"})
+        with host_clock(args.host_detail) as totals:
+            for step in data[args.warmup :]:
+                totals.clear()
+                metrics = worker.train(step, {"name": "nll"})
+                hooks = sum(v for k, v in totals.items() if k.startswith("hook "))
+                steps.append({"fwd_bwd_s": metrics["fwd_bwd_time_s"], "hooks_s": hooks, **totals})
+    finally:
+        worker.close()
+    keys = sorted({key for step in steps for key in step})
+    medians = {key: statistics.median(step.get(key, 0.0) for step in steps) for key in keys}
+    return {"case": name, "steps": len(steps), **medians}
+
+
+def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    import torch
+
+    prepared = _case_worker(name, args, args.warmup + 1)
+    if isinstance(prepared, dict):
+        return prepared
+    worker, data = prepared
     python: dict[str, Any] = {}
     try:
         for step in data[:-1]:
@@ -221,6 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--python", action="store_true", help="also profile one step's host side with cProfile"
     )
+    parser.add_argument(
+        "--host",
+        action="store_true",
+        help="no profiler: clock the offload hooks and the schedule's host time per step",
+    )
+    parser.add_argument("--host-steps", type=int, default=8, help="clocked steps with --host")
+    parser.add_argument(
+        "--host-detail",
+        action="store_true",
+        help="with --host, also clock the functions the hooks call (their times overlap)",
+    )
     args = parser.parse_args(argv)
     wanted = args.cases.split(",")
     try:
@@ -234,12 +389,13 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in wanted:
-        result = profile_case(name, args, out)
+        result = host_case(name, args) if args.host else profile_case(name, args, out)
         brief = ("blocking_calls", "python_top", "python_offload")
         print(json.dumps({k: v for k, v in result.items() if k not in brief}), flush=True)
         results.append(result)
     payload = {"environment": bench.environment(), "args": vars(args), "cases": results}
-    (out / f"profile_{args.model}_seq{args.seq}.json").write_text(json.dumps(payload, indent=1))
+    kind = "host" if args.host else "profile"
+    (out / f"{kind}_{args.model}_seq{args.seq}.json").write_text(json.dumps(payload, indent=1))
     return 0
 
 

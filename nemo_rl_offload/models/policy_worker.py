@@ -194,6 +194,7 @@ class PolicyWorker:
             else torch.device("cpu")
         )
         budget_gib = megatron_cfg.get("offload_host_memory_budget_gib")
+        is_moe = bool(getattr(model.config, "num_moe_experts", None))
         self.runtime = OffloadRuntime(
             model.config,
             host_budget_bytes=int(budget_gib * 2**30)
@@ -204,7 +205,10 @@ class PolicyWorker:
             on_release=self._release_graphs,
             fraction_placement=megatron_cfg.get("activation_offload_fraction_placement"),
             # Measured faster on dense models, slower on MoE (handler_patches).
-            strided_copies=not getattr(model.config, "num_moe_experts", None),
+            strided_copies=not is_moe,
+            # Verified on dense models (GPU suites); MoE keeps Megatron's hooks until its suite
+            # has run with them.
+            lean_hooks=not is_moe,
         )
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)

@@ -181,19 +181,22 @@ class OffloadRuntime:
         on_release: Callable[[tuple[int, int]], None] | None = None,
         fraction_placement: str | None = None,
         strided_copies: bool = True,
+        lean_hooks: bool = True,
     ) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is).
         ``graphed``: steps run as full-iteration CUDA graphs (padded then, offloading or not);
         ``on_release(shape)`` is told when a plan is released; ``fraction_placement``: which
         groups a fraction below 1 offloads (the recipe's ``activation_offload_fraction_placement``,
         None: :data:`DEFAULT_FRACTION_PLACEMENT`);
-        ``strided_copies``: permuted tensors copied as they lie (``handler_patches``)."""
+        ``strided_copies``: permuted tensors copied as they lie; ``lean_hooks``: the hooks' work
+        in less host time (both ``handler_patches``)."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
         self.pad_steps = pads_steps(self.enabled, graphed)
         self.on_release = on_release
         self.fraction_placement = fraction_placement or DEFAULT_FRACTION_PLACEMENT
         self.strided_copies = strided_copies
+        self.lean_hooks = lean_hooks
         self.host_budget_bytes = host_budget_bytes
         self.sequence_buckets = sorted(sequence_buckets)
         self.step_shape: tuple[int, int] = (0, 0)  # (micro-batches, padded length) of the step
@@ -247,6 +250,7 @@ class OffloadRuntime:
             manager = manager_cls.OFFLOAD_MGR
             manager.fraction_placement = self.fraction_placement
             manager.strided_copies = self.strided_copies
+            manager.lean_hooks = self.lean_hooks
             if self._pool is None:
                 self._pool = manager._cpu_tensor_pool
                 self._track_buffers(self._pool)

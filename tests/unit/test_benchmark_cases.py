@@ -22,17 +22,46 @@ def test_graph_cases_default_to_max_inflight_4_and_take_any_cap():
     assert graphed["offload_modules"] == ["qkv_linear", "core_attn", "attn_proj"]
 
 
-def test_megatron_copies_cases_are_built_from_offload_cases_and_compose_with_graphs():
-    name = "fgo:core_attn+attn_proj_megatron_copies_graph_inflight_4"
+@pytest.mark.parametrize("key", [bench.MEGATRON_COPIES, bench.MEGATRON_HOOKS])
+def test_megatron_handler_cases_are_built_from_offload_cases_and_compose_with_graphs(key):
+    name = f"fgo:core_attn+attn_proj_{key}_graph_inflight_4"
     settings = bench.resolve_cases("llama-1b", [name])[name]
-    assert settings[bench.MEGATRON_COPIES] is True
+    assert settings[key] is True
     assert settings["offload_modules"] == ["core_attn", "attn_proj"]
     assert settings["fine_grained_offloading_max_inflight_offloads"] == 4
     section = bench.section_for("llama-1b", 128, settings)  # not a recipe key
-    assert bench.MEGATRON_COPIES not in section["megatron_cfg"]
+    assert key not in section["megatron_cfg"]
 
 
-@pytest.mark.parametrize("name", ["recompute_full_megatron_copies", "fgo_al5", "no_offload_x"])
+def test_both_megatron_handler_suffixes_compose():
+    name = "fgo_attn_pair_megatron_copies_megatron_hooks"
+    settings = bench.resolve_cases("llama-1b", [name])[name]
+    assert settings[bench.MEGATRON_COPIES] is settings[bench.MEGATRON_HOOKS] is True
+
+
+@pytest.mark.parametrize(
+    ("key", "patch"),
+    [
+        (bench.MEGATRON_COPIES, "_patch_strided_copies"),
+        (bench.MEGATRON_HOOKS, "_patch_lean_hooks"),
+    ],
+)
+def test_a_megatron_handler_case_leaves_its_patch_out_of_the_process(monkeypatch, key, patch):
+    from nemo_rl_offload.offload import handler_patches
+
+    original = getattr(handler_patches, patch)
+    monkeypatch.setattr(handler_patches, patch, original)  # restored after the test
+    bench.use_megatron_handler({key: True})
+    assert getattr(handler_patches, patch) is not original
+    assert getattr(handler_patches, patch)() is False
+    other = next(p for k, p in bench.LEFT_OUT_PATCHES.items() if k != key)
+    assert getattr(handler_patches, other).__name__ == other
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["recompute_full_megatron_copies", "no_offload_megatron_hooks", "fgo_al5", "no_offload_x"],
+)
 def test_unknown_or_meaningless_names_are_refused(name):
     with pytest.raises(KeyError):
         bench.resolve_cases("llama-1b", [name])
@@ -40,7 +69,9 @@ def test_unknown_or_meaningless_names_are_refused(name):
 
 def test_the_default_run_graphs_at_max_inflight_4_and_uses_the_runtimes_own_copies():
     matrix = bench.resolve_cases("llama-1b", None)
-    assert not any(bench.MEGATRON_COPIES in settings for settings in matrix.values())
+    assert not any(
+        key in settings for settings in matrix.values() for key in bench.LEFT_OUT_PATCHES
+    )
     graphed = {
         name: settings["fine_grained_offloading_max_inflight_offloads"]
         for name, settings in matrix.items()

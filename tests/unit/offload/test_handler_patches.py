@@ -50,15 +50,20 @@ def test_dense_permutation_is_a_block_of_memory_in_some_dimension_order(make, de
     assert handler_patches.is_dense_permutation(make()) is dense
 
 
-@pytest.fixture
-def strided(monkeypatch):
-    """A manager installed as the runtime installs one for a dense model (strided copies on)."""
+def _dense_plan(monkeypatch):
+    """The changes installed, and a manager as the runtime installs one for a dense model."""
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
-    handler_patches._patch_strided_copies()
-    manager = SimpleNamespace(strided_copies=True)
+    handler_patches.install()
+    manager = SimpleNamespace(strided_copies=True, lean_hooks=True)
     monkeypatch.setattr(fgo.PipelineOffloadManager, "OFFLOAD_MGR", manager)
     return manager
+
+
+@pytest.fixture
+def strided(monkeypatch):
+    """A dense model's plan: strided copies on."""
+    return _dense_plan(monkeypatch)
 
 
 @pytest.fixture
@@ -111,12 +116,17 @@ def test_other_tensors_keep_megatrons_contiguous_copy(handler):
 def test_install_is_idempotent():
     from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
         ChunkOffloadHandler,
+        OffloadTensorPool,
     )
 
+    def installed():
+        names = ("offload", "tensor_pop", "bulk_offload_group", "bulk_reload_group")
+        return [getattr(ChunkOffloadHandler, name) for name in names] + [OffloadTensorPool.free]
+
     handler_patches.install()
-    methods = (ChunkOffloadHandler.offload, ChunkOffloadHandler.tensor_pop)
+    methods = installed()
     handler_patches.install()
-    assert (ChunkOffloadHandler.offload, ChunkOffloadHandler.tensor_pop) == methods
+    assert installed() == methods
 
 
 @pytest.mark.parametrize(
@@ -205,3 +215,143 @@ def test_earliest_placement_is_megatrons_own(printed, placement):
     PipelineOffloadManager.post_warmup_callback(manager)
     assert [group.offload for group in chunk.offload_groups] == [True] * 4 + [False] * 6
     assert printed == [{"core_attn": 200, "attn_proj": 200}]
+
+
+@pytest.fixture
+def lean(monkeypatch):
+    """A dense model's plan: lean hooks on."""
+    return _dense_plan(monkeypatch)
+
+
+LEAN_METHODS = handler_patches.LEAN_METHODS
+
+
+def test_install_makes_the_hooks_lean_over_the_timed_and_megatron_methods():
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    handler_patches.install()
+    chunk = fgo.ChunkOffloadHandler
+    assert all(getattr(getattr(chunk, name), "_lean", False) for name in LEAN_METHODS)
+    # Under graph capture the lean methods fall back on what they replaced: the copy timing's
+    # wrappers, which wrap Megatron's own.
+    assert chunk.bulk_offload_group._replaced._timed
+    assert fgo.OffloadTensorPool.free._replaced.__module__ == fgo.__name__
+
+
+def test_another_megatron_version_keeps_its_own_hooks(monkeypatch):
+    import megatron.core
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    handler_patches.install()
+    chunk = fgo.ChunkOffloadHandler
+    for name in LEAN_METHODS:
+        monkeypatch.setattr(chunk, name, getattr(chunk, name)._replaced)
+    pool = fgo.OffloadTensorPool
+    monkeypatch.setattr(pool, "free", pool.free._replaced)
+    monkeypatch.setattr(pool, "allocate", pool.allocate._replaced)
+    monkeypatch.setattr(megatron.core, "__version__", "0.20.0")
+    assert handler_patches._patch_lean_hooks() is False
+    assert not any(getattr(getattr(chunk, name), "_lean", False) for name in LEAN_METHODS)
+    assert fgo.OffloadTensorPool.free.__module__ == fgo.__name__
+
+
+def _pool_run(allocate, free):
+    """The same allocations and frees through one pool: what a step does to it."""
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorPool
+
+    pool = OffloadTensorPool(device="cpu", pin_memory=False)
+    shape = torch.Size([4, 8])
+    first = [allocate(pool, shape, torch.bfloat16) for _ in range(3)]
+    other = allocate(pool, torch.Size([2]), torch.float32)
+    for tensor in first[:2]:
+        free(pool, tensor)
+    again = allocate(pool, shape, torch.bfloat16)
+    free(pool, other)
+    pool.reset()
+    after_reset = allocate(pool, shape, torch.bfloat16)
+    reuse = [again is first[0], after_reset is first[0]]
+    free_counts = {key: len(entry["free"]) for key, entry in pool._pools.items()}
+    return pool._stats, reuse, free_counts, pool
+
+
+def test_the_lean_pinned_pool_keeps_megatrons_counts_and_reuse(lean):
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorPool
+
+    methods = (OffloadTensorPool.allocate, OffloadTensorPool.free)
+    megatron = tuple(method._replaced for method in methods)
+    assert _pool_run(*methods)[:3] == _pool_run(*megatron)[:3]
+
+
+@pytest.mark.parametrize("lean_hooks", [True, False])
+def test_a_plan_without_lean_hooks_keeps_megatrons_pool(lean, lean_hooks):
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorPool
+
+    lean.lean_hooks = lean_hooks  # False: a MoE model's plan
+    *_, pool = _pool_run(OffloadTensorPool.allocate, OffloadTensorPool.free)
+    # The lean free keeps the identities of the pool's tensors beside its list.
+    assert all(("owned" in entry) is lean_hooks for entry in pool._pools.values())
+
+
+def test_the_lean_pool_refuses_a_tensor_it_did_not_make_as_megatron_does(lean):
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import OffloadTensorPool
+
+    *_, pool = _pool_run(OffloadTensorPool.allocate, OffloadTensorPool.free)
+    with pytest.raises(ValueError, match="doesn't belong to this pool"):
+        pool.free(torch.empty(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="No pool exists"):
+        pool.free(torch.empty(3, 3))
+
+
+def test_owned_identities_follow_the_pools_list():
+    made = [torch.empty(1), torch.empty(1)]
+    entry = {"all": list(made)}
+    assert handler_patches._owned(entry) == {id(t) for t in made}
+    entry["all"].append(torch.empty(1))
+    assert id(entry["all"][-1]) in handler_patches._owned(entry)
+
+
+class _Duck:
+    """What the offload check reads of a tensor, on a "cuda" device (there is none here)."""
+
+    def __init__(self, numel: int, **marks: object) -> None:
+        self.device = SimpleNamespace(type="cuda")
+        self._numel = numel
+        for name, value in marks.items():
+            setattr(self, name, value)
+
+    def numel(self) -> int:
+        return self._numel
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        _Duck(10),
+        _Duck(2),
+        _Duck(10, _do_not_offload=True),
+        _Duck(10, _TE_do_not_offload=True),
+        _Duck(10, get_data_tensors=lambda: [_Duck(1, _TE_do_not_offload=True)]),
+        _Duck(10, get_data_tensors=lambda: [None, _Duck(1)]),
+        torch.empty(10),  # on the CPU
+        torch.nn.Parameter(torch.empty(10)),
+    ],
+)
+def test_the_lean_offload_check_answers_as_megatrons(lean, tensor):
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        ChunkOffloadHandler,
+    )
+
+    check = ChunkOffloadHandler.tensor_need_offloading_checker
+    owner = SimpleNamespace(
+        min_offloaded_tensor_size=5,
+        _can_manage_tensor_for_offload=ChunkOffloadHandler._can_manage_tensor_for_offload,
+    )
+    assert check(owner, tensor) is check._replaced(owner, tensor)
+
+
+def test_copy_timer_reuses_the_events_it_has_read():
+    timer = handler_patches.CopyTimer()
+    start, end = _Event(0), _Event(5)
+    timer.record("d2h", start, end, 10)
+    timer.collect()
+    assert {timer.event(), timer.event()} == {start, end}

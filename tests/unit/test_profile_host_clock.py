@@ -1,0 +1,57 @@
+"""The host clock of benchmarks/profile_offload_step.py (``--host``): it times Megatron's real
+offload hook entry points, including the autograd Functions' static backward methods, and puts
+every one back as it was."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import profile_offload_step as profile  # noqa: E402
+
+
+def _entries(fgo):
+    return {
+        (where, attribute): (fgo if where == "module" else getattr(fgo, where)).__dict__[attribute]
+        for where, attribute, _ in profile.HOOK_ENTRIES
+    }
+
+
+def test_clocks_a_static_backward_and_restores_every_entry():
+    import megatron.core.pipeline_parallel as pipeline
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    before, schedule = _entries(fgo), pipeline.get_forward_backward_func
+    calls = []
+    handler = SimpleNamespace(on_group_start_backward=lambda: calls.append("reload"))
+    with profile.host_clock() as totals:
+        grads = fgo.FineGrainedOffloadingGroupStartFunction.backward(
+            SimpleNamespace(cpu_offload_handler=handler), "grad"
+        )
+    assert grads == ("grad", None, None, None)
+    assert calls == ["reload"]
+    assert totals["hook reload"] > 0
+    assert set(totals) == {"hook reload"}
+    assert _entries(fgo) == before
+    assert pipeline.get_forward_backward_func is schedule
+
+
+def test_every_entry_exists_in_megatron():
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    assert all(callable(getattr(entry, "__func__", entry)) for entry in _entries(fgo).values())
+
+
+def test_detail_clocks_inherited_sync_calls_and_removes_them_after():
+    import torch
+
+    assert "item" not in torch.Tensor.__dict__
+    event_synchronize = torch.cuda.Event.__dict__["synchronize"]
+    with profile.host_clock(detail=True) as totals:
+        assert torch.tensor(3).item() == 3
+    assert totals["sync item"] > 0
+    assert "item" not in torch.Tensor.__dict__
+    assert torch.tensor(4).item() == 4
+    assert torch.cuda.Event.__dict__["synchronize"] is event_synchronize
