@@ -99,3 +99,35 @@ def test_no_floor_without_bytes_or_a_measured_copy_rate():
     assert "floor_time_change" not in records[1] and records[1]["time_change"] == pytest.approx(
         1 / 3
     )
+
+
+def test_processes_combine_into_their_median_time_highest_peak_and_median_rates():
+    runs = [
+        {**_case("fgo", FGO, 0.30, 1.0, d2h=40.0, h2d=50.0), "steps": [1], "peak_gib": 10.0},
+        {**_case("fgo", FGO, 0.40, 1.0, d2h=50.0, h2d=52.0), "steps": [2], "peak_gib": 10.2},
+        {**_case("fgo", FGO, 0.33, 1.0, d2h=45.0, h2d=54.0), "steps": [3], "peak_gib": 10.1},
+    ]
+    merged = bench.combine_processes(runs)
+    assert merged["fwd_bwd_s"] == 0.33 and merged["fwd_bwd_s_by_process"] == [0.30, 0.40, 0.33]
+    assert merged["peak_gib"] == 10.2
+    assert (merged["d2h_gb_per_s"], merged["h2d_gb_per_s"]) == (45.0, 52.0)
+    assert merged["steps_by_process"] == [[1], [2], [3]] and "steps" not in merged
+    assert bench.combine_processes(runs[:1]) is runs[0]  # one round: the record as it is
+
+
+def test_a_failed_process_is_named_and_the_others_count():
+    ok = _case("fgo", FGO, 0.30, 1.0)
+    merged = bench.combine_processes([ok, {"case": "fgo", "failed": "CUDA error"}])
+    assert merged["fwd_bwd_s"] == 0.30 and merged["failed_processes"] == ["CUDA error"]
+    failed = {"case": "fgo", "failed": "boom"}
+    assert bench.combine_processes([failed, dict(failed)]) is failed
+
+
+def test_the_table_shows_processes_and_their_spread_only_with_rounds():
+    base = _case("no_offload", {}, 0.25, 0.0)
+    single = bench.table([base])
+    assert "processes" not in single and single.splitlines()[1].count("|---") == 12
+    merged = bench.combine_processes([_case("no_offload", {}, t, 0.0) for t in (0.2, 0.25, 0.3)])
+    rounds = bench.table([merged]).splitlines()
+    assert rounds[0].endswith("processes: spread |") and rounds[1].count("|---") == 13
+    assert rounds[2].endswith("| 3: 40% |")
