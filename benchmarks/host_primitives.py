@@ -3,8 +3,8 @@
 The offload hooks of an eager step run on the host; on a host-bound step (the 1B dense step at
 4 x 4096 tokens on an H100: the schedule's host time is within a few percent of its GPU time)
 their host time is step time. This prints the host microseconds per call of each primitive
-they are built of (median of --repeat rounds of --calls calls; the GPU is kept busy meanwhile
-so that no call waits for it), as JSON lines and, with --out, a JSON file.
+they are built of (median of --repeat rounds of --calls calls; the GPU is kept busy meanwhile,
+as in a training step), as JSON lines and, with --out, a JSON file.
 
 Run on a GPU machine:
     python3 benchmarks/host_primitives.py --out /tmp/primitives
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     busy = torch.randn(8192, 8192, device="cuda")
     results = {}
     for name, action in primitives(args.mib).items():
-        for _ in range(4):  # keep the GPU busy: no call below waits for an idle queue
+        for _ in range(4):  # the GPU busy while the calls are timed, as in a training step
             busy = busy @ busy.T / 8192
         results[name] = _per_call_us(action, args.calls, args.repeat)
         print(json.dumps({"primitive": name, "host_us_per_call": round(results[name], 2)}))

@@ -53,14 +53,11 @@ SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_o
 # Not recipe settings either: the case runs with Megatron's own copies of non-contiguous
 # tensors (contiguous() first), or with Megatron's own hook code instead of the runtime's lean
 # one, to measure the runtime's change in the same run. Suffixes of an offload case's name;
-# each names the handler_patches function the case leaves out.
+# each names the offload runtime's per-plan choice the case turns off (as for a MoE model).
 MEGATRON_COPIES = "megatron_copies"
 MEGATRON_HOOKS = "megatron_hooks"
-LEFT_OUT_PATCHES = {
-    MEGATRON_COPIES: "_patch_strided_copies",
-    MEGATRON_HOOKS: "_patch_lean_hooks",
-}
-BENCHMARK_ONLY = (SAVE_ON_CPU, *LEFT_OUT_PATCHES)
+RUNTIME_CHOICES = {MEGATRON_COPIES: "strided_copies", MEGATRON_HOOKS: "lean_hooks"}
+BENCHMARK_ONLY = (SAVE_ON_CPU, *RUNTIME_CHOICES)
 # Full-iteration CUDA graphs: 3 eager steps (the 2nd and 3rd time the copies), the 4th
 # captured, then replays (medians of those; a graph case runs that many more steps).
 GRAPHS = {"cuda_graph_impl": "full_iteration", "cuda_graph_warmup_steps": 3}
@@ -142,7 +139,7 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
             return matrix[name]
         if graphed:
             return _graphed(resolve(graphed[1]), inflight=int(graphed[2]))
-        left_out = next((k for k in LEFT_OUT_PATCHES if name.endswith(f"_{k}")), None)
+        left_out = next((k for k in RUNTIME_CHOICES if name.endswith(f"_{k}")), None)
         if left_out:
             base = resolve(name.removesuffix(f"_{left_out}"))
             if base.get("fine_grained_activation_offloading"):
@@ -219,14 +216,13 @@ def check_section(section: dict[str, Any]) -> list[str]:
     ).errors
 
 
-def use_megatron_handler(settings: dict[str, Any]) -> None:
-    """For a ``MEGATRON_COPIES`` or ``MEGATRON_HOOKS`` case: leave Megatron's own code in place
-    in this process (each case runs in its own), before any worker installs the runtime's."""
-    from nemo_rl_offload.offload import handler_patches
-
-    for key, patch in LEFT_OUT_PATCHES.items():
+def use_megatron_handler(worker: Any, settings: dict[str, Any]) -> None:
+    """For a ``MEGATRON_COPIES`` or ``MEGATRON_HOOKS`` case: the worker's offload runtime
+    records its plans with that change of Megatron's handler turned off (before its first
+    step), so they run Megatron's own code."""
+    for key, choice in RUNTIME_CHOICES.items():
         if settings.get(key):
-            setattr(handler_patches, patch, lambda: False)
+            setattr(worker.runtime, choice, False)
 
 
 def build_worker(section: dict[str, Any], on_gpu: bool):
@@ -373,8 +369,8 @@ def run_case(
     errors = check_section(section)
     if errors:
         return {"case": name, "settings": settings, "rejected": errors}
-    use_megatron_handler(settings)
     worker = build_worker(section, on_gpu)
+    use_megatron_handler(worker, settings)
     try:
         context = (
             torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
@@ -424,8 +420,9 @@ def combine_processes(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One case measured in several processes (``--rounds``), as one record: the median of the
     processes' step-time medians, the highest peak, the median copy rates and forward times,
     and each process's own time (``fwd_bwd_s_by_process``). Eager steps of the 1B models are
-    host-bound, and this host's speed differs between processes by more than offloading costs
-    (the MoE no-offload step took 0.46 to 0.60 s in three processes), so one process per case
+    host-bound, and the H100 host's speed drifted by more than offloading costs, within a
+    process and between processes (the MoE step without offloading: 0.462 and 0.527 s in one
+    process, before and after another case; 0.526 s in another), so one measurement per case
     cannot rank close cases. A single run is returned as it is."""
     done = [r for r in runs if "peak_gib" in r]
     if len(runs) == 1 or not done:
@@ -522,10 +519,9 @@ def add_floors(records: list[dict[str, Any]], bandwidth: dict[str, float], mbs: 
         )
         r["floor_time_change"] = floor / base["fwd_bwd_s"] - 1
         r["gap_to_floor_pp"] = 100 * (r["time_change"] - r["floor_time_change"])
-        rates = r
-        if rates.get("d2h_gb_per_s") and rates.get("h2d_gb_per_s"):
+        if r.get("d2h_gb_per_s") and r.get("h2d_gb_per_s"):
             achieved = recompute_s + step_floor_s(
-                step, mbs, moved, times, rates["d2h_gb_per_s"] * 1e9, rates["h2d_gb_per_s"] * 1e9
+                step, mbs, moved, times, r["d2h_gb_per_s"] * 1e9, r["h2d_gb_per_s"] * 1e9
             )
             r["floor_achieved_time_change"] = achieved / base["fwd_bwd_s"] - 1
             r["gap_to_achieved_floor_pp"] = 100 * (
@@ -632,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="measure every case in this many processes, the case order reversed every other "
-        "round, and report the median (eager steps differ between processes)",
+        "round, and report the median (the host's speed drifts during a run)",
     )
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     parser.add_argument("--out", default="results/benchmark")

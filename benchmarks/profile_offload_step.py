@@ -29,7 +29,8 @@ cumulative time of Megatron's offload hooks and this package's offload runtime),
 timeline shows only as "CPU behind".
 
 Output: ``profile_<model>_seq<N>.json`` in --out (one summary per case) and a gzipped Chrome
-trace per case, loadable in chrome://tracing or Perfetto.
+trace per case, loadable in chrome://tracing or Perfetto; with ``--host``,
+``host_<model>_seq<N>.json`` (the medians per case).
 
 Run on a GPU machine:
     python3 benchmarks/profile_offload_step.py --model llama-1b --seq 4096 \\
@@ -241,45 +242,46 @@ def host_clock(detail: bool = False) -> Iterator[dict[str, float]]:
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
     totals: dict[str, float] = {}
+    # (owner, attribute, what its class dict held: None when inherited), to put back after.
     restore: list[tuple[Any, str, Any]] = []
+
+    def clock(owner: Any, attribute: str, label: str) -> None:
+        own = owner.__dict__.get(attribute)
+        if isinstance(own, staticmethod):
+            owner_function = own.__func__
+        else:
+            owner_function = getattr(owner, attribute)
+        clocked = _clocked(owner_function, label, totals)
+        setattr(
+            owner, attribute, staticmethod(clocked) if isinstance(own, staticmethod) else clocked
+        )
+        restore.append((owner, attribute, own))
+
     entries = [("hook", entry) for entry in HOOK_ENTRIES]
     entries += [("inner", entry) for entry in INNER_ENTRIES] if detail else []
     for kind, (where, attribute, label) in entries:
-        owner = fgo if where == "module" else getattr(fgo, where)
-        original = owner.__dict__[attribute]
-        function = original.__func__ if isinstance(original, staticmethod) else original
-        clocked = _clocked(function, f"{kind} {label}", totals)
-        setattr(owner, attribute, staticmethod(clocked) if function is not original else clocked)
-        restore.append((owner, attribute, original))
-    get_schedule = pipeline.get_forward_backward_func
-
-    def timed_schedule() -> Any:
-        return _clocked(get_schedule(), "schedule", totals)
-
-    pipeline.get_forward_backward_func = timed_schedule
-    restore.append((pipeline, "get_forward_backward_func", get_schedule))
-    inherited: list[tuple[Any, str]] = []  # set on a class that inherited it: deleted after
+        clock(fgo if where == "module" else getattr(fgo, where), attribute, f"{kind} {label}")
     for path, attribute, label in SYNC_ENTRIES if detail else ():
         owner = torch
         for part in path.split("."):
             owner = getattr(owner, part)
-        if attribute in owner.__dict__:
-            restore.append((owner, attribute, owner.__dict__[attribute]))
-        else:
-            inherited.append((owner, attribute))
-        setattr(owner, attribute, _clocked(getattr(owner, attribute), label, totals))
+        clock(owner, attribute, label)
+    get_schedule = pipeline.get_forward_backward_func
+    pipeline.get_forward_backward_func = lambda: _clocked(get_schedule(), "schedule", totals)
+    restore.append((pipeline, "get_forward_backward_func", get_schedule))
     try:
         yield totals
     finally:
-        for owner, attribute in inherited:
-            delattr(owner, attribute)
-        for owner, attribute, original in reversed(restore):
-            setattr(owner, attribute, original)
+        for owner, attribute, own in reversed(restore):
+            if own is None:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, own)
 
 
 def _case_worker(name: str, args: argparse.Namespace, steps: int) -> tuple[Any, list] | dict:
-    """The case's policy worker (this process keeps Megatron's own handler code where the case
-    asks) and ``steps`` batches; or the record of a case the offload rules reject."""
+    """The case's policy worker (on Megatron's own handler code where the case asks) and
+    ``steps`` batches; or the record of a case the offload rules reject."""
     from nemo_rl_offload.config.model_presets import architecture_for
 
     settings = bench.resolve_cases(args.model, [name])[name]
@@ -289,8 +291,9 @@ def _case_worker(name: str, args: argparse.Namespace, steps: int) -> tuple[Any, 
         return {"case": name, "rejected": errors}
     vocab = architecture_for(args.model).vocab_size
     data = bench.batches(steps, args.microbatches, args.rows, args.seq, vocab)
-    bench.use_megatron_handler(settings)
-    return bench.build_worker(section, on_gpu=True), data
+    worker = bench.build_worker(section, on_gpu=True)
+    bench.use_megatron_handler(worker, settings)
+    return worker, data
 
 
 def host_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -377,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         help="with --host, also clock the functions the hooks call (their times overlap)",
     )
     args = parser.parse_args(argv)
+    if args.host_detail and not args.host:
+        print("--host-detail: clocks --host steps; add --host", file=sys.stderr)
+        return 2
     wanted = args.cases.split(",")
     try:
         bench.resolve_cases(args.model, wanted)

@@ -170,11 +170,11 @@ def best(measured: list[Candidate], budget_gib: float) -> Candidate | None:
 def contenders(measured: list[Candidate], budget_gib: float) -> list[Candidate]:
     """The fitting plans measured within ``RECHECK_MARGIN`` of the fastest fitting one, when
     there is more than one (a lone plan has nothing to be ranked against)."""
-    fastest = best(measured, budget_gib)
-    if fastest is None or fastest.measured_fwd_bwd_s is None:
+    fitting = _fitting(measured, budget_gib)
+    if len(fitting) < 2:
         return []
-    limit = fastest.measured_fwd_bwd_s * (1 + RECHECK_MARGIN)
-    close = [c for c in _fitting(measured, budget_gib) if (c.measured_fwd_bwd_s or 0.0) <= limit]
+    limit = min(c.measured_fwd_bwd_s or 0.0 for c in fitting) * (1 + RECHECK_MARGIN)
+    close = [c for c in fitting if (c.measured_fwd_bwd_s or 0.0) <= limit]
     return close if len(close) > 1 else []
 
 

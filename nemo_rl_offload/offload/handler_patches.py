@@ -350,8 +350,9 @@ class _Streams:
     """The current CUDA stream without building a ``torch.cuda.Stream`` per call, and stream
     switches without ``torch.cuda.stream``'s context manager: measured on the H100 host,
     ``torch.cuda.current_stream()`` costs 7.6 us, the context manager 11.9 us and
-    ``wait_stream`` 13.7 us per call (benchmarks/host_primitives.py); an eager offload group
-    made ten such calls. One ``Stream`` object is kept per stream seen (a handful)."""
+    ``wait_stream`` 13.7 us per call (benchmarks/host_primitives.py); Megatron 0.19's code
+    makes seven such calls per offloaded group (eight with tensors to release). One ``Stream``
+    object is kept per stream seen (a handful)."""
 
     def __init__(self) -> None:
         import torch
@@ -441,28 +442,46 @@ def _patch_lean_hooks() -> bool:
         event.record(producer)
         stream.wait_event(event)
 
-    originals = {name: getattr(handler, name) for name in LEAN_METHODS}
     original_allocate, original_free = pool_class.allocate, pool_class.free
+    replaced: list[str] = []
 
+    def replace(function: Any, *, in_capture: bool = False) -> Any:
+        """Install ``function`` as the handler method of its name, for plans that want lean
+        hooks, outside graph capture unless ``in_capture`` (a method that records no events);
+        the method it replaces runs otherwise."""
+        name = function.__name__
+        original = getattr(handler, name)
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not wanted() or (not in_capture and capturing()):
+                return original(self, *args, **kwargs)
+            return function(self, *args, **kwargs)
+
+        method.__name__ = name
+        method._lean = True  # type: ignore[attr-defined]
+        method._replaced = original  # type: ignore[attr-defined]
+        # The bulk copies keep timing them (the copy timing's marker, so it is not re-wrapped).
+        method._timed = getattr(original, "_timed", False)  # type: ignore[attr-defined]
+        setattr(handler, name, method)
+        replaced.append(name)
+        return method
+
+    @replace
     def on_group_commit_forward(self: Any, name: str, forced_released_tensors: Any) -> Any:
-        if capturing() or not wanted():
-            return originals["on_group_commit_forward"](self, name, forced_released_tensors)
         if not self.do_offload:
             return None
         wait_for(self.d2h_stream, streams.current())
         return self.bulk_offload(name, forced_released_tensors)
 
+    @replace
     def on_group_start_backward(self: Any) -> Any:
-        if capturing() or not wanted():
-            return originals["on_group_start_backward"](self)
         if not self.do_offload:
             return None
         wait_for(self.h2d_stream, streams.current())
         return self.bulk_reload()
 
+    @replace
     def on_group_commit_backward(self: Any, name: str) -> Any:
-        if capturing() or not wanted():
-            return originals["on_group_commit_backward"](self, name)
         if not self.do_offload:
             return None
         manager = manager_class.get_instance()
@@ -477,9 +496,8 @@ def _patch_lean_hooks() -> bool:
                     break
         return None
 
+    @replace
     def bulk_offload_group(self: Any, group: Any) -> Any:
-        if capturing() or not wanted():
-            return originals["bulk_offload_group"](self, group)
         d2h, compute = self.d2h_stream, streams.current()
         fgo.nvtx_range_push("activation offloading " + group._name)
         start = COPY_TIMER.event()
@@ -505,9 +523,8 @@ def _patch_lean_hooks() -> bool:
             self._drain_offload_pending(group._name)
         return None
 
+    @replace
     def bulk_reload_group(self: Any) -> Any:
-        if capturing() or not wanted():
-            return originals["bulk_reload_group"](self)
         group = self._groups_to_reload[-1]
         h2d, compute = self.h2d_stream, streams.current()
         fgo.nvtx_range_push("activation reloading " + group._name)
@@ -533,8 +550,6 @@ def _patch_lean_hooks() -> bool:
         return None
 
     def tensor_need_offloading_checker(self: Any, tensor: Any) -> bool:
-        if not wanted():
-            return originals["tensor_need_offloading_checker"](self, tensor)
         if (
             isinstance(tensor, (torch.nn.Parameter, *stray_types))
             or tensor.device.type != "cuda"
@@ -543,6 +558,8 @@ def _patch_lean_hooks() -> bool:
         ):
             return False
         return not getattr(tensor, "_do_not_offload", False)
+
+    replace(tensor_need_offloading_checker, in_capture=True)
 
     def allocate(self: Any, shape: Any, dtype: Any = torch.float32) -> Any:
         if fgo.DEBUG or not wanted():
@@ -574,22 +591,7 @@ def _patch_lean_hooks() -> bool:
         self._stats["current_in_use"] -= 1
         return None
 
-    replacements = (
-        on_group_commit_forward,
-        on_group_start_backward,
-        on_group_commit_backward,
-        bulk_offload_group,
-        bulk_reload_group,
-        tensor_need_offloading_checker,
-    )
-    assert tuple(function.__name__ for function in replacements) == LEAN_METHODS
-    for function in replacements:
-        name = function.__name__
-        function._lean = True  # type: ignore[attr-defined]
-        function._replaced = originals[name]  # type: ignore[attr-defined]
-        # The bulk copies keep timing them (the copy timing's marker, so it is not re-wrapped).
-        function._timed = getattr(originals[name], "_timed", False)  # type: ignore[attr-defined]
-        setattr(handler, name, function)
+    assert tuple(replaced) == LEAN_METHODS
     if not getattr(pool_class.free, "_lean", False):
         for function, original in ((allocate, original_allocate), (free, original_free)):
             function._lean, function._replaced = True, original  # type: ignore[attr-defined]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -40,22 +41,21 @@ def test_both_megatron_handler_suffixes_compose():
 
 
 @pytest.mark.parametrize(
-    ("key", "patch"),
-    [
-        (bench.MEGATRON_COPIES, "_patch_strided_copies"),
-        (bench.MEGATRON_HOOKS, "_patch_lean_hooks"),
-    ],
+    ("key", "choice"),
+    [(bench.MEGATRON_COPIES, "strided_copies"), (bench.MEGATRON_HOOKS, "lean_hooks")],
 )
-def test_a_megatron_handler_case_leaves_its_patch_out_of_the_process(monkeypatch, key, patch):
-    from nemo_rl_offload.offload import handler_patches
+def test_a_megatron_handler_case_turns_off_only_its_runtime_choice(key, choice):
+    from nemo_rl_offload.offload.runtime import OffloadRuntime
 
-    original = getattr(handler_patches, patch)
-    monkeypatch.setattr(handler_patches, patch, original)  # restored after the test
-    bench.use_megatron_handler({key: True})
-    assert getattr(handler_patches, patch) is not original
-    assert getattr(handler_patches, patch)() is False
-    other = next(p for k, p in bench.LEFT_OUT_PATCHES.items() if k != key)
-    assert getattr(handler_patches, other).__name__ == other
+    config = SimpleNamespace(fine_grained_activation_offloading=False)
+    worker = SimpleNamespace(runtime=OffloadRuntime(config))
+    bench.use_megatron_handler(worker, {key: True})
+    assert getattr(worker.runtime, choice) is False
+    other = next(c for k, c in bench.RUNTIME_CHOICES.items() if k != key)
+    assert getattr(worker.runtime, other) is True
+    untouched = SimpleNamespace(runtime=OffloadRuntime(config))
+    bench.use_megatron_handler(untouched, {})  # a case without a suffix
+    assert untouched.runtime.strided_copies is untouched.runtime.lean_hooks is True
 
 
 @pytest.mark.parametrize(
@@ -69,9 +69,7 @@ def test_unknown_or_meaningless_names_are_refused(name):
 
 def test_the_default_run_graphs_at_max_inflight_4_and_uses_the_runtimes_own_copies():
     matrix = bench.resolve_cases("llama-1b", None)
-    assert not any(
-        key in settings for settings in matrix.values() for key in bench.LEFT_OUT_PATCHES
-    )
+    assert not any(key in settings for settings in matrix.values() for key in bench.RUNTIME_CHOICES)
     graphed = {
         name: settings["fine_grained_offloading_max_inflight_offloads"]
         for name, settings in matrix.items()

@@ -15,7 +15,7 @@ import profile_offload_step as profile  # noqa: E402
 def _entries(fgo):
     return {
         (where, attribute): (fgo if where == "module" else getattr(fgo, where)).__dict__[attribute]
-        for where, attribute, _ in profile.HOOK_ENTRIES
+        for where, attribute, _ in profile.HOOK_ENTRIES + profile.INNER_ENTRIES
     }
 
 
@@ -38,20 +38,35 @@ def test_clocks_a_static_backward_and_restores_every_entry():
     assert pipeline.get_forward_backward_func is schedule
 
 
-def test_every_entry_exists_in_megatron():
+def test_every_clocked_entry_exists_in_megatron_and_torch():
+    import torch
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
-    assert all(callable(getattr(entry, "__func__", entry)) for entry in _entries(fgo).values())
+    for where, attribute, _ in profile.HOOK_ENTRIES + profile.INNER_ENTRIES:
+        assert callable(getattr(fgo if where == "module" else getattr(fgo, where), attribute))
+    for path, attribute, _ in profile.SYNC_ENTRIES:
+        owner = torch
+        for part in path.split("."):
+            owner = getattr(owner, part)
+        assert callable(getattr(owner, attribute)), (path, attribute)
+
+
+def test_host_detail_without_host_is_one_line(capsys):
+    assert profile.main(["--host-detail"]) == 2
+    assert capsys.readouterr().err.strip() == "--host-detail: clocks --host steps; add --host"
 
 
 def test_detail_clocks_inherited_sync_calls_and_removes_them_after():
     import torch
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
     assert "item" not in torch.Tensor.__dict__
     event_synchronize = torch.cuda.Event.__dict__["synchronize"]
+    before = _entries(fgo)
     with profile.host_clock(detail=True) as totals:
         assert torch.tensor(3).item() == 3
     assert totals["sync item"] > 0
     assert "item" not in torch.Tensor.__dict__
     assert torch.tensor(4).item() == 4
     assert torch.cuda.Event.__dict__["synchronize"] is event_synchronize
+    assert _entries(fgo) == before  # the inner entries too
