@@ -53,7 +53,8 @@ SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_o
 # Not recipe settings either: the case runs with Megatron's own copies of non-contiguous
 # tensors (contiguous() first), or with Megatron's own hook code instead of the runtime's lean
 # one, to measure the runtime's change in the same run. Suffixes of an offload case's name;
-# each names the offload runtime's per-plan choice the case turns off (as for a MoE model).
+# each names the offload runtime's per-plan choice the case turns off (strided copies are off
+# for MoE models anyway).
 MEGATRON_COPIES = "megatron_copies"
 MEGATRON_HOOKS = "megatron_hooks"
 RUNTIME_CHOICES = {MEGATRON_COPIES: "strided_copies", MEGATRON_HOOKS: "lean_hooks"}
@@ -117,6 +118,9 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
             **FGO,
             "offload_modules": ["core_attn", "attn_proj", *experts],
         }
+        # Graphed only with drop-and-pad dispatch (--model-override); rejected otherwise.
+        for name in ("fgo_experts", "fgo_attn_pair_experts"):
+            cases[f"{name}_graph"] = _graphed(cases[name])
     return cases
 
 
@@ -152,11 +156,20 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
 
 
 def section_for(
-    model: str, seq: int, settings: dict[str, Any], precision: str = "bfloat16"
+    model: str,
+    seq: int,
+    settings: dict[str, Any],
+    precision: str = "bfloat16",
+    model_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """A case's policy section on the preset ``model``; ``model_overrides`` (TransformerConfig
+    fields, e.g. drop-and-pad dispatch for a MoE model) apply to every case."""
     megatron = {k: v for k, v in settings.items() if k not in BENCHMARK_ONLY}
+    overrides = dict(model_overrides or {})
     if "moe" in model:  # every case on the grouped experts, the layout expert offload needs
-        megatron.setdefault("model_overrides", {"moe_grouped_gemm": True})
+        overrides.setdefault("moe_grouped_gemm", True)
+    if overrides:
+        megatron["model_overrides"] = overrides
     return {
         "model_name": model,
         "precision": precision,
@@ -342,6 +355,7 @@ def run_case_in_subprocess(name: str, args: argparse.Namespace, out: Path) -> di
         args.precision,
         *(["--recipe", args.recipe] if args.recipe else []),
         *[f"--recipe-override={line}" for line in args.recipe_override],
+        *[f"--model-override={line}" for line in args.model_override],
         "--one-case",
         name,
         "--out",
@@ -357,6 +371,19 @@ def run_case_in_subprocess(name: str, args: argparse.Namespace, out: Path) -> di
     return record
 
 
+def parse_model_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``--model-override KEY=VALUE`` lines as a dict (values read as YAML: 1.0, true, ...)."""
+    import yaml
+
+    overrides: dict[str, Any] = {}
+    for line in args.model_override:
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--model-override {line!r}: write KEY=VALUE")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return overrides
+
+
 def run_case(
     name: str, settings: dict[str, Any], args: argparse.Namespace, data: list, on_gpu: bool
 ) -> dict[str, Any]:
@@ -365,7 +392,9 @@ def run_case(
     if args.recipe:
         section = recipe_section(args.recipe, args.recipe_override, args.model, args.seq, settings)
     else:
-        section = section_for(args.model, args.seq, settings, args.precision)
+        section = section_for(
+            args.model, args.seq, settings, args.precision, parse_model_overrides(args)
+        )
     errors = check_section(section)
     if errors:
         return {"case": name, "settings": settings, "rejected": errors}
@@ -624,6 +653,16 @@ def main(argv: list[str] | None = None) -> int:
         help="an override of --recipe (repeatable), e.g. --recipe-override=policy.precision=...",
     )
     parser.add_argument(
+        "--model-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a TransformerConfig field for every case of the preset (repeatable), e.g. "
+        "drop-and-pad MoE dispatch, which full-iteration graphs need: "
+        "--model-override moe_expert_capacity_factor=1.0 "
+        "--model-override moe_pad_expert_input_to_capacity=true",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -660,6 +699,14 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        parse_model_overrides(args)
+    except ValueError as bad:
+        print(bad, file=sys.stderr)
+        return 2
+    if args.recipe and args.model_override:
+        print("--model-override: give it in --recipe-override lines with --recipe", file=sys.stderr)
+        return 2
     if args.rounds < 1:
         print(f"--rounds: {args.rounds}; give 1 or more", file=sys.stderr)
         return 2
@@ -682,6 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
         "command": " ".join(["python3", "benchmarks/offload_benchmark.py", *sys.argv[1:]]),
         "model": args.model,
+        "model_overrides": parse_model_overrides(args),
         "seq": args.seq,
         "microbatches": args.microbatches,
         "rows": args.rows,

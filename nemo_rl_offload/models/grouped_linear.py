@@ -69,7 +69,14 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _offsets(counts: Sequence[int], device: torch.device) -> torch.Tensor:
-    """End row of each expert's chunk, as ``torch._grouped_mm`` wants them (int32)."""
+    """End row of each expert's chunk, as ``torch._grouped_mm`` wants them (int32).
+
+    Equal counts (drop-and-pad dispatch: every expert takes exactly its capacity) are made on
+    the device by a kernel, not copied from the host: a host-to-device copy of a Python list
+    synchronises, which a CUDA graph capture cannot hold."""
+    if counts and all(n == counts[0] for n in counts):
+        ends = torch.arange(1, len(counts) + 1, dtype=torch.int32, device=device)
+        return ends.mul_(counts[0])
     ends, total = [], 0
     for n in counts:
         total += n

@@ -12,6 +12,8 @@ with fine-grained offloading is built (:func:`install`):
 - :func:`_patch_fraction_placement`: with ``activation_offload_fraction`` below 1, the groups
   offloaded are spread evenly over the forward pass (``spread``, the default) instead of being
   the earliest ones (Megatron's choice, ``earliest``), so the copies keep pace with the compute;
+- :func:`_patch_pooled_expert_groups`: MoE expert groups take their pinned buffers from the pool
+  when drop-and-pad dispatch makes their shapes recur (what a CUDA graph of a MoE step needs);
 - :func:`_patch_copy_timing`: CUDA events around each group's copies, for :data:`COPY_TIMER`
   (copy time and achieved bandwidth in the step metrics);
 - :func:`_patch_lean_hooks`: the same work in less host time, outside CUDA graph capture (an
@@ -69,6 +71,7 @@ def install() -> None:
     _patch_reload_waits_for_offload()
     _patch_strided_copies()
     _patch_fraction_placement()
+    _patch_pooled_expert_groups()
     _patch_copy_timing()
     _patch_lean_hooks()
 
@@ -290,6 +293,50 @@ def _patch_fraction_placement() -> bool:
     return True
 
 
+def pool_static_groups(manager: Any) -> int:
+    """Switch every recorded group that allocates fresh pinned tensors to the pool; returns
+    how many were switched."""
+    switched = 0
+    for chunk in manager._cached_chunks_forward:
+        for group in chunk.offload_groups:
+            if not group.use_cpu_pool:
+                group.use_cpu_pool = True
+                switched += 1
+    return switched
+
+
+def _patch_pooled_expert_groups() -> bool:
+    """Give the MoE expert groups (``expert_fc1``, ``moe_act``) pinned buffers from the pool
+    once their plan is recorded, where their shapes are static.
+
+    Megatron allocates a fresh pinned tensor for every offload of an expert group, as their row
+    count follows the routing (a pool keyed by shape would fill with one-off sizes). With
+    drop-and-pad dispatch (``moe_expert_capacity_factor`` with
+    ``moe_pad_expert_input_to_capacity``) every expert takes exactly its capacity, so the shapes
+    recur with the step's shape, like the dense groups'. A full-iteration CUDA graph needs that:
+    its copies write to the host buffers they were captured with on every replay, which the pool
+    keeps alive and reuses in the same order, while a fresh tensor is freed after its reload.
+    Eagerly it saves a pinned allocation per group and step. It applies where the installed
+    manager's ``pool_expert_groups`` is true (the runtime sets it for drop-and-pad models), from
+    the first step after the plan's warm-up step. Returns whether it patched."""
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    manager_class = fgo.PipelineOffloadManager
+    if getattr(manager_class.post_warmup_callback, "_pools_experts", False):
+        return False
+    original = manager_class.post_warmup_callback
+
+    def post_warmup_callback(self: Any) -> Any:
+        result = original(self)
+        if getattr(self, "pool_expert_groups", False):
+            pool_static_groups(self)
+        return result
+
+    post_warmup_callback._pools_experts = True  # type: ignore[attr-defined]
+    manager_class.post_warmup_callback = post_warmup_callback
+    return True
+
+
 def _patch_copy_timing() -> bool:
     """Wrap the bulk offload and reload of a group with CUDA events for :data:`COPY_TIMER`
     (reloads on the compute stream are timed by :func:`_patch_reload_waits_for_offload`)."""
@@ -399,15 +446,15 @@ def _patch_lean_hooks() -> bool:
       finds its tensor by identity in a set instead of scanning the pool's list;
     - the offload check looks its tensor types up once.
 
-    It applies where the installed manager's ``lean_hooks`` is true (the runtime sets it per
-    plan: dense models; MoE models keep Megatron's code until their GPU suite has run with it),
-    and not while a CUDA graph is captured (a capture runs once, and records what every replay
-    does): there the original code runs. Measured on an H100 (1B dense, 4 x 4096 tokens,
+    It applies where the installed manager's ``lean_hooks`` is true (the runtime's default,
+    dense and MoE models; a benchmark case can turn it off to compare), and not while a CUDA
+    graph is captured (a capture runs once, and records what every replay does): there the
+    original code runs. Measured on an H100 (1B dense, 4 x 4096 tokens,
     eager, hooks' host time per step against Megatron's code in separate processes): the
     norms 54 -> 42 ms; all five modules 135-162 -> 122-146 ms in three pairs, of which the
     reloads 43-59 -> 33-34 ms while the offload side stayed within the host's spread.
-    Gradients stayed bitwise equal over the runtime suite's 100 steps and the graphed SFT test
-    (benchmarks/results/README.md).
+    Gradients stayed bitwise equal over the dense and MoE runtime suites' 100 steps each and
+    the graphed SFT tests (benchmarks/results/README.md).
     Returns whether it patched."""
     import megatron.core
     import torch

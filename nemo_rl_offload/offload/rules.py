@@ -409,11 +409,7 @@ def _cuda_graphs(ctx: _Context) -> None:
             "until a transformer_engine layer graph has replayed)"
         )
     if impl == "full_iteration" and ctx.is_moe:
-        ctx.error(
-            f"{impl_path}: full_iteration CUDA graphs cannot capture this MoE model: its token "
-            "dispatch copies the per-expert token counts to the host every step, a "
-            "synchronisation a graph cannot hold; set cuda_graph_impl: none"
-        )
+        _moe_in_full_iteration_graphs(ctx, impl_path)
     if impl != "none" and ctx.gpus_per_node == 0:
         ctx.warn(
             f"warning: {impl_path}: CUDA graphs are GPU-only and will not be applied on CPU "
@@ -454,6 +450,33 @@ def _cuda_graphs(ctx: _Context) -> None:
                 f"{ctx.path('cuda_graph_modules')}: whole-layer local CUDA graphs cannot run "
                 "with offloading; list the parts to capture, e.g. [attn, moe_router]"
             )
+
+
+def _moe_in_full_iteration_graphs(ctx: _Context, impl_path: str) -> None:
+    """A full-iteration graph holds a MoE step only with drop-and-pad dispatch: otherwise the
+    all-to-all dispatcher copies the per-expert token counts to the host every layer and waits
+    for them (shapes follow the routing), and the allgather one does so always; a graph cannot
+    hold a synchronisation or a changing shape. Drop-and-pad gives every expert exactly its
+    capacity (tokens beyond it are dropped, empty slots padded), so nothing leaves the GPU."""
+    dispatcher = ctx.value("moe_token_dispatcher_type", "allgather")
+    factor = ctx.value("moe_expert_capacity_factor")
+    padded = ctx.value("moe_pad_expert_input_to_capacity") is True
+    if dispatcher != "alltoall":
+        ctx.error(
+            f"{ctx.path('moe_token_dispatcher_type')}: full_iteration CUDA graphs need the "
+            f"alltoall token dispatcher on a MoE model, not {dispatcher!r} (it copies token "
+            "counts to the host every layer); set model_overrides.moe_token_dispatcher_type: "
+            "alltoall, or cuda_graph_impl: none"
+        )
+    elif not (padded and isinstance(factor, int | float) and not isinstance(factor, bool)):
+        ctx.error(
+            f"{impl_path}: full_iteration CUDA graphs cannot capture this MoE model without "
+            "drop-and-pad dispatch: its token dispatch copies the per-expert token counts to "
+            "the host every layer, a synchronisation a graph cannot hold; set "
+            f"{ctx.prefix}.model_overrides: {{moe_expert_capacity_factor: 1.0 (or more: tokens "
+            "beyond an expert's capacity are dropped), moe_pad_expert_input_to_capacity: "
+            "true}, or cuda_graph_impl: none"
+        )
 
 
 def _recompute(ctx: _Context) -> None:

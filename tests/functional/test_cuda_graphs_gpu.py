@@ -62,15 +62,39 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _section(offload: bool = False, graphs: bool = False, inflight: int | None = None) -> dict:
+# A MoE model graphs only with drop-and-pad dispatch (every expert takes its capacity).
+MOE_MODEL = "moe-1b"
+MOE_MODULES = ["core_attn", "attn_proj", "expert_fc1", "moe_act"]
+DROP_AND_PAD = {
+    "moe_grouped_gemm": True,
+    "moe_expert_capacity_factor": 1.0,
+    "moe_pad_expert_input_to_capacity": True,
+}
+MOE_VARIANTS: dict[str, dict[str, Any]] = {
+    "plain_a": {},
+    "plain_b": {},
+    "fgo_eager": {"offload": True},
+    "fgo_graph_4": {"offload": True, "graphs": True, "inflight": 4},
+    "graph_only": {"graphs": True},
+}
+
+
+def _section(
+    offload: bool = False,
+    graphs: bool = False,
+    inflight: int | None = None,
+    model: str = MODEL,
+    modules: list[str] = MODULES,
+    overrides: dict[str, Any] | None = None,
+) -> dict:
     megatron_cfg: dict[str, Any] = {
         "enabled": True,
         "fine_grained_activation_offloading": offload,
-        "offload_modules": MODULES if offload else None,
+        "offload_modules": modules if offload else None,
         "fine_grained_offloading_max_inflight_offloads": inflight,
         "cuda_graph_impl": "full_iteration" if graphs else "none",
         "cuda_graph_warmup_steps": WARMUP,
-        "model_overrides": {"deterministic_mode": True},
+        "model_overrides": {"deterministic_mode": True, **(overrides or {})},
         "optimizer": {
             "optimizer": "adam",
             "lr": 1e-5,
@@ -80,7 +104,7 @@ def _section(offload: bool = False, graphs: bool = False, inflight: int | None =
         },
     }
     return {
-        "model_name": MODEL,
+        "model_name": model,
         "precision": "bfloat16",
         "max_total_sequence_length": MAX_LENGTH,
         "megatron_cfg": megatron_cfg,
@@ -96,7 +120,7 @@ def _check_recipe_section(section: dict) -> None:
     findings = check_policy(
         section,
         where="policy",
-        architecture=architecture_for(MODEL),
+        architecture=architecture_for(section["model_name"]),
         caps=detect(),
         gpus_per_node=1,
     )
@@ -137,10 +161,14 @@ def _batches(algorithm: str, vocab: int) -> list[list[dict[str, np.ndarray]]]:
     return steps
 
 
-def _run(algorithm: str, variant: str, steps: list[list[dict]]) -> list[dict[str, float]]:
+def _run(
+    algorithm: str, variant: str, steps: list[list[dict]], **model: Any
+) -> list[dict[str, float]]:
+    """``model``: ``_section``'s model, modules and overrides (the dense preset's without)."""
     from nemo_rl_offload.models.policy_worker import PolicyWorker
 
-    section = _section(**VARIANTS[variant])
+    variants = MOE_VARIANTS if model.get("model") == MOE_MODEL else VARIANTS
+    section = _section(**variants[variant], **model)
     _check_recipe_section(section)
     worker = PolicyWorker(
         section=section,
@@ -172,7 +200,8 @@ def _run(algorithm: str, variant: str, steps: list[list[dict]]) -> list[dict[str
                     if key.startswith(
                         ("loss", "num_tokens", "peak", "step_time", "fwd_bwd", "cuda_graph")
                     )
-                    or key in ("offloaded_gib_per_step", "pinned_host_gib", "grad_norm")
+                    or key.startswith("offload")
+                    or key in ("pinned_host_gib", "grad_norm")
                 }
             )
     finally:
@@ -272,3 +301,47 @@ def test_graphed_offloading_matches_eager_and_replays(algorithm, vocab):
             < summary["graph_only"]["median_activation_peak_gib"]
         ), summary
     assert summary["graph_only"]["max_abs_loss_diff_vs_fgo_eager"] <= spread, summary
+
+
+def test_graphed_moe_with_drop_and_pad_matches_eager_and_replays(vocab):
+    """A MoE model with drop-and-pad dispatch under full-iteration graphs, its attention pair
+    and both expert modules offloaded (the expert groups then pinned from the pool): every step
+    after a shape's warm-up replays, the losses equal eager offloading's, and every module
+    still moves its bytes and the activation peak stays below the graphs alone."""
+    from nemo_rl_offload.config.model_presets import architecture_for
+
+    assert architecture_for(MOE_MODEL).vocab_size == vocab  # the same batches fit
+    steps = _batches("sft", vocab)
+    model = {"model": MOE_MODEL, "modules": MOE_MODULES, "overrides": DROP_AND_PAD}
+    runs = {variant: _run("sft", variant, steps, **model) for variant in MOE_VARIANTS}
+    summary = _summary(runs)
+    write_results(
+        "cuda_graphs_moe_drop_and_pad",
+        {
+            "model": MOE_MODEL,
+            "model_overrides": DROP_AND_PAD,
+            "offload_modules": MOE_MODULES,
+            "steps": STEPS,
+            "shapes": [list(s) for s in _schedule(STEPS)],
+            "warmup_steps": WARMUP,
+            "summary": summary,
+            "runs": runs,
+        },
+    )
+    shapes = len(set(_schedule(STEPS)))
+    graphed = runs["fgo_graph_4"]
+    assert sum(r["cuda_graph_captured"] for r in graphed) == shapes
+    assert sum(r["cuda_graph_replayed"] for r in graphed) == STEPS - WARMUP * shapes
+    spread = summary["plain_spread"]
+    for variant in ("fgo_graph_4", "graph_only"):
+        assert summary[variant]["max_abs_loss_diff_vs_fgo_eager"] <= spread, summary
+    for name in MOE_MODULES:
+        assert all(r.get(f"offloaded_gib_{name}", 0) > 0 for r in graphed), name
+    # The expert groups' host buffers are the pool's (one micro-batch's worth at least).
+    for r in (r for r in graphed if r["cuda_graph_replayed"]):
+        experts = r["offloaded_gib_expert_fc1"] + r["offloaded_gib_moe_act"]
+        assert r["pinned_host_gib"] >= experts / r["offload_step_microbatches"] * 0.999, r
+    assert (
+        summary["fgo_graph_4"]["median_activation_peak_gib"]
+        < summary["graph_only"]["median_activation_peak_gib"]
+    ), summary

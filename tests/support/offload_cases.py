@@ -221,7 +221,38 @@ REJECTED = [
         NO_TE,
         {"cuda_graph_impl": "full_iteration"},
         f"{P}.cuda_graph_impl",
-        ["cannot capture this MoE model", "cuda_graph_impl: none"],
+        [
+            "cannot capture this MoE model without drop-and-pad",
+            "moe_expert_capacity_factor: 1.0",
+            "moe_pad_expert_input_to_capacity: true",
+            "cuda_graph_impl: none",
+        ],
+    ),
+    (
+        "full_iteration_moe_capacity_without_padding",
+        "tiny-moe",
+        NO_TE,
+        {
+            "cuda_graph_impl": "full_iteration",
+            "model_overrides": {"moe_expert_capacity_factor": 1.5},
+        },
+        f"{P}.cuda_graph_impl",
+        ["without drop-and-pad", "moe_pad_expert_input_to_capacity: true"],
+    ),
+    (
+        "full_iteration_moe_allgather",
+        "tiny-moe",
+        NO_TE,
+        {
+            "cuda_graph_impl": "full_iteration",
+            "model_overrides": {
+                "moe_token_dispatcher_type": "allgather",
+                "moe_expert_capacity_factor": 1.0,
+                "moe_pad_expert_input_to_capacity": True,
+            },
+        },
+        f"{P}.model_overrides.moe_token_dispatcher_type",
+        ["alltoall token dispatcher", "not 'allgather'"],
     ),
     (
         "full_iteration_with_modules",
@@ -567,6 +598,22 @@ ACCEPTED = [
         },
     ),
     ("override_known_field", "tiny-dense", NO_TE, {"model_overrides": {"num_moe_experts": 4}}),
+    (
+        "full_iteration_moe_drop_and_pad",
+        "tiny-moe",
+        NO_TE,
+        {
+            **FGO,
+            "offload_modules": ["core_attn", "expert_fc1", "moe_act"],
+            "fine_grained_offloading_max_inflight_offloads": 4,
+            "cuda_graph_impl": "full_iteration",
+            "model_overrides": {
+                "moe_grouped_gemm": True,
+                "moe_expert_capacity_factor": 1.0,
+                "moe_pad_expert_input_to_capacity": True,
+            },
+        },
+    ),
     (
         "recompute_core_attn_without_te",
         "tiny-dense",

@@ -79,3 +79,38 @@ def test_the_default_run_graphs_at_max_inflight_4_and_uses_the_runtimes_own_copi
     assert graphed and all(
         cap == (2 if name.endswith("_inflight_2") else 4) for name, cap in graphed.items()
     ), graphed
+
+
+DROP_AND_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
+
+
+def test_moe_graph_cases_run_only_with_drop_and_pad_dispatch():
+    """The MoE matrix graphs its expert sets too; the rules refuse them (reported, not run)
+    unless every case gets drop-and-pad dispatch through the model overrides."""
+    matrix = bench.cases_for("moe-1b")
+    graphed = [name for name, s in matrix.items() if s.get("cuda_graph_impl") == "full_iteration"]
+    assert {"fgo_experts_graph", "fgo_attn_pair_experts_graph", "no_offload_graph"} <= set(graphed)
+    for overrides, refused in ((None, True), (DROP_AND_PAD, False)):
+        for name in graphed:
+            section = bench.section_for("moe-1b", 4096, matrix[name], model_overrides=overrides)
+            assert section["megatron_cfg"]["model_overrides"]["moe_grouped_gemm"] is True
+            errors = bench.check_section(section)
+            assert bool(errors) is refused, (name, errors)
+
+
+@pytest.mark.parametrize(
+    ("lines", "parsed"),
+    [
+        (["moe_expert_capacity_factor=1.25"], {"moe_expert_capacity_factor": 1.25}),
+        (["moe_pad_expert_input_to_capacity=true"], {"moe_pad_expert_input_to_capacity": True}),
+        ([" a = x ", "b=2"], {"a": "x", "b": 2}),
+    ],
+)
+def test_model_override_lines_are_read_as_yaml(lines, parsed):
+    assert bench.parse_model_overrides(SimpleNamespace(model_override=lines)) == parsed
+
+
+@pytest.mark.parametrize("line", ["moe_expert_capacity_factor", "=1.0"])
+def test_a_model_override_without_key_and_value_is_refused_in_one_line(line, capsys):
+    assert bench.main(["--model-override", line, "--cases", "no_offload"]) == 2
+    assert "write KEY=VALUE" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from nemo_rl_offload.models.grouped_linear import (
     LocalColumnParallelGroupedLinear,
     LocalRowParallelGroupedLinear,
     _GroupedLinearFunction,
+    _offsets,
     local_grouped_experts,
 )
 
@@ -362,3 +363,73 @@ def test_grouped_mm_path_equals_the_loop_on_gpu():
     for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
     assert results[0][2 + 1].abs().max() == 0  # expert 1 had no tokens
+
+
+@pytest.mark.parametrize("counts", [(6, 6, 6, 6), (5, 0, 7, 3), (9,), (0, 0)])
+def test_offsets_are_the_end_rows_whether_made_on_the_device_or_copied(counts):
+    """Equal counts (drop-and-pad) take the device-side path; both give the same end rows."""
+    ends = _offsets(counts, torch.device("cpu"))
+    expected = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    assert ends.dtype == torch.int32 and torch.equal(ends, expected)
+
+
+def test_drop_and_pad_gives_the_experts_host_counts_of_their_capacity(
+    build_tiny, moe_globals_restored
+):
+    """Drop-and-pad dispatch hands the grouped experts a host tensor of equal counts (nothing
+    copied from the device, what a CUDA graph needs), and the step trains."""
+    overrides = {
+        "moe_grouped_gemm": True,
+        "moe_expert_capacity_factor": 1.0,
+        "moe_pad_expert_input_to_capacity": True,
+    }
+    model, _ = build_tiny("tiny-moe", seed=3, model_overrides=overrides)
+    seen: list[torch.Tensor] = []
+    for layer in model.decoder.layers:
+        layer.mlp.experts.register_forward_pre_hook(lambda _module, args: seen.append(args[1]))
+    ids = torch.randint(0, model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24).expand(2, 24)
+    model(ids, pos, None, labels=torch.roll(ids, -1, 1)).sum().backward()
+    assert len(seen) == len(model.decoder.layers)
+    capacity = 2 * 24 * model.config.moe_router_topk // model.config.num_moe_experts
+    for counts in seen:
+        assert counts.device.type == "cpu"
+        assert counts.tolist() == [capacity] * model.config.num_moe_experts
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_grouped_mm_with_equal_counts_replays_in_a_cuda_graph():
+    """Equal counts (drop-and-pad) let the grouped linear be captured: forward and backward
+    replayed from a CUDA graph equal the eager pass."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    counts = (64,) * 8
+    x = torch.randn(sum(counts), 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    weights = [
+        torch.nn.Parameter(torch.randn(192, 128, device="cuda", dtype=torch.bfloat16) * 0.1)
+        for _ in counts
+    ]
+    grad = torch.randn(sum(counts), 192, device="cuda", dtype=torch.bfloat16, generator=g)
+    static_x = x.clone().requires_grad_(True)
+
+    def step() -> list[torch.Tensor]:
+        static_x.grad = None
+        for w in weights:
+            w.grad = None
+        out = _GroupedLinearFunction.apply(static_x, counts, True, *weights)
+        out.backward(grad)
+        return [out, static_x.grad, *(w.grad for w in weights)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = [t.clone() for t in step()]  # warm-up on a side stream, as capture wants
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, expected in zip(captured, eager, strict=True):
+        assert torch.equal(got, expected)

@@ -162,8 +162,10 @@ class _Chunk:
         return len({group._name for group in self.offload_groups})
 
 
-def _warmed_up_manager(placement: str | None, fraction: float):
-    chunk = _Chunk(["core_attn", "attn_proj"], layers=5)
+def _warmed_up_manager(
+    placement: str | None, fraction: float, names: tuple[str, ...] = ("core_attn", "attn_proj")
+):
+    chunk = _Chunk(list(names), layers=5)
     manager = SimpleNamespace(
         _is_warmup=True,
         _cached_chunks_forward=[chunk],
@@ -215,6 +217,27 @@ def test_earliest_placement_is_megatrons_own(printed, placement):
     PipelineOffloadManager.post_warmup_callback(manager)
     assert [group.offload for group in chunk.offload_groups] == [True] * 4 + [False] * 6
     assert printed == [{"core_attn": 200, "attn_proj": 200}]
+
+
+@pytest.mark.parametrize("pool_expert_groups", [True, False, None])
+def test_expert_groups_are_pooled_after_warmup_only_where_shapes_are_static(
+    printed, pool_expert_groups
+):
+    from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+        PipelineOffloadManager,
+    )
+
+    handler_patches._patch_pooled_expert_groups()
+    manager, chunk = _warmed_up_manager("spread", 1.0, ("core_attn", "expert_fc1", "moe_act"))
+    if pool_expert_groups is not None:
+        manager.pool_expert_groups = pool_expert_groups
+    pooled = {g._name: g.use_cpu_pool for g in chunk.offload_groups}
+    assert pooled == {"core_attn": True, "expert_fc1": False, "moe_act": False}  # Megatron's
+    PipelineOffloadManager.post_warmup_callback(manager)
+    expected = pool_expert_groups is True
+    for group in chunk.offload_groups:
+        assert group.use_cpu_pool is (True if group._name == "core_attn" else expected)
+    assert not manager._is_warmup  # Megatron's own callback ran too
 
 
 @pytest.fixture

@@ -43,6 +43,8 @@ STRICTER_BY_DESIGN = {
     "recompute_layernorm_without_te",  # fails at run time (NameError), not in the config
     "inflight_negative",  # Megatron checks it only under full_iteration graphs
     "full_iteration_moe",  # capture fails at run time (host sync in the token dispatch)
+    "full_iteration_moe_capacity_without_padding",  # dropping alone still syncs
+    "full_iteration_moe_allgather",  # the allgather dispatcher syncs always
 }
 
 

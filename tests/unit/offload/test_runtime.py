@@ -295,14 +295,19 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
     _FakeManager.OFFLOAD_MGR = None
     config = SimpleNamespace(fine_grained_activation_offloading=True)
     rt = runtime.OffloadRuntime(
-        config, fraction_placement="earliest", strided_copies=False, lean_hooks=False
+        config,
+        fraction_placement="earliest",
+        strided_copies=False,
+        lean_hooks=False,
+        pool_expert_groups=True,
     )
     for length in (256, 512):
         rt.before_step(1, length)
         manager = _FakeManager.OFFLOAD_MGR
         assert manager.fraction_placement == "earliest" and manager.strided_copies is False
-        assert manager.lean_hooks is False
+        assert manager.lean_hooks is False and manager.pool_expert_groups is True
     unset = runtime.OffloadRuntime(config, fraction_placement=None)  # the recipe left it out
     unset.before_step(1, 1024)
     assert _FakeManager.OFFLOAD_MGR.fraction_placement == runtime.DEFAULT_FRACTION_PLACEMENT
     assert _FakeManager.OFFLOAD_MGR.lean_hooks is True  # the default
+    assert _FakeManager.OFFLOAD_MGR.pool_expert_groups is False  # Megatron's choice
