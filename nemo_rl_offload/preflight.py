@@ -78,7 +78,9 @@ def _architecture(
 def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any, str]]:
     defaults = capabilities.transformer_config_defaults()
     resolved: dict[str, tuple[Any, str]] = {}
-    for name in (*apply.FGO_KEYS, *apply.CUDA_GRAPH_KEYS):
+    experts = effective.value("num_moe_experts")
+    moe_keys = apply.MOE_DISPATCH_KEYS if isinstance(experts, int) and experts > 1 else ()
+    for name in (*apply.FGO_KEYS, *apply.CUDA_GRAPH_KEYS, *moe_keys):
         setting = effective.settings.get(name)
         if setting is not None:
             resolved[name] = (setting.value, setting.source)

@@ -204,8 +204,9 @@ class PolicyWorker:
             graphed=self.graphs is not None,
             on_release=self._release_graphs,
             fraction_placement=megatron_cfg.get("activation_offload_fraction_placement"),
-            # Measured faster on dense models, slower on MoE (handler_patches).
-            strided_copies=not is_moe,
+            # Measured faster on dense models and on graphed MoE steps; eager MoE steps (host
+            # bound) were slower with them in two runs (handler_patches).
+            strided_copies=not is_moe or self.graphs is not None,
             # Verified bitwise on the dense and MoE runtime suites and graphed steps.
             lean_hooks=True,
             pool_expert_groups=bool(

@@ -34,6 +34,13 @@ FGO_KEYS = (
     "fine_grained_offloading_max_inflight_offloads",
 )
 CUDA_GRAPH_KEYS = ("cuda_graph_impl", "cuda_graph_modules", "cuda_graph_warmup_steps")
+# How a MoE model dispatches tokens: whether its step has static shapes (drop-and-pad), which
+# full-iteration graphs need, and which changes what the model computes (dropped tokens).
+MOE_DISPATCH_KEYS = (
+    "moe_token_dispatcher_type",
+    "moe_expert_capacity_factor",
+    "moe_pad_expert_input_to_capacity",
+)
 RECOMPUTE_KEYS = (
     "recompute_granularity",
     "recompute_method",

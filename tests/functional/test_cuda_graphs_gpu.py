@@ -256,6 +256,24 @@ def _summary(runs: dict[str, list[dict]]) -> dict[str, Any]:
     return summary
 
 
+def _write(name: str, runs: dict[str, list[dict]], summary: dict[str, Any], **setup: Any) -> None:
+    """Every run's records and the summary to $NEMO_RL_OFFLOAD_RESULTS/<name>.json."""
+    shapes = [list(s) for s in _schedule(STEPS)]
+    write_results(
+        name,
+        {**setup, "steps": STEPS, "shapes": shapes, "warmup_steps": WARMUP}
+        | {"summary": summary, "runs": runs},
+    )
+
+
+def _assert_each_shape_captured_once_then_replayed(records: list[dict]) -> None:
+    """Each shape: WARMUP eager steps, one capture, then replays only."""
+    shapes = len(set(_schedule(STEPS)))
+    assert sum(r["cuda_graph_captured"] for r in records) == shapes
+    assert sum(r["cuda_graph_replayed"] for r in records) == STEPS - WARMUP * shapes
+    assert records[-1]["cuda_graphs_kept"] == shapes
+
+
 @pytest.fixture(scope="module")
 def vocab() -> int:
     from nemo_rl_offload.config.model_presets import architecture_for
@@ -268,29 +286,13 @@ def test_graphed_offloading_matches_eager_and_replays(algorithm, vocab):
     steps = _batches(algorithm, vocab)
     runs = {variant: _run(algorithm, variant, steps) for variant in VARIANTS}
     summary = _summary(runs)
-    write_results(
-        f"cuda_graphs_{algorithm}",
-        {
-            "model": MODEL,
-            "offload_modules": MODULES,
-            "steps": STEPS,
-            "shapes": [list(s) for s in _schedule(STEPS)],
-            "warmup_steps": WARMUP,
-            "summary": summary,
-            "runs": runs,
-        },
-    )
-
-    shapes = len(set(_schedule(STEPS)))
+    _write(f"cuda_graphs_{algorithm}", runs, summary, model=MODEL, offload_modules=MODULES)
     for variant, records in runs.items():
         assert len(records) == STEPS, variant
         if "graph" not in variant:
             assert not any(r.get("cuda_graph_replayed") for r in records), variant
             continue
-        # Each shape: WARMUP eager steps, one capture, then replays only.
-        assert sum(r["cuda_graph_captured"] for r in records) == shapes, variant
-        assert sum(r["cuda_graph_replayed"] for r in records) == STEPS - WARMUP * shapes
-        assert records[-1]["cuda_graphs_kept"] == shapes
+        _assert_each_shape_captured_once_then_replayed(records)
     spread = summary["plain_spread"]
     for variant in ("fgo_graph_0", "fgo_graph_1", "fgo_graph_2"):
         assert summary[variant]["max_abs_loss_diff_vs_fgo_eager"] <= spread, summary
@@ -315,23 +317,16 @@ def test_graphed_moe_with_drop_and_pad_matches_eager_and_replays(vocab):
     model = {"model": MOE_MODEL, "modules": MOE_MODULES, "overrides": DROP_AND_PAD}
     runs = {variant: _run("sft", variant, steps, **model) for variant in MOE_VARIANTS}
     summary = _summary(runs)
-    write_results(
+    _write(
         "cuda_graphs_moe_drop_and_pad",
-        {
-            "model": MOE_MODEL,
-            "model_overrides": DROP_AND_PAD,
-            "offload_modules": MOE_MODULES,
-            "steps": STEPS,
-            "shapes": [list(s) for s in _schedule(STEPS)],
-            "warmup_steps": WARMUP,
-            "summary": summary,
-            "runs": runs,
-        },
+        runs,
+        summary,
+        model=MOE_MODEL,
+        model_overrides=DROP_AND_PAD,
+        offload_modules=MOE_MODULES,
     )
-    shapes = len(set(_schedule(STEPS)))
     graphed = runs["fgo_graph_4"]
-    assert sum(r["cuda_graph_captured"] for r in graphed) == shapes
-    assert sum(r["cuda_graph_replayed"] for r in graphed) == STEPS - WARMUP * shapes
+    _assert_each_shape_captured_once_then_replayed(graphed)
     spread = summary["plain_spread"]
     for variant in ("fgo_graph_4", "graph_only"):
         assert summary[variant]["max_abs_loss_diff_vs_fgo_eager"] <= spread, summary

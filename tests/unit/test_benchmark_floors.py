@@ -3,6 +3,7 @@ made up for it: which baseline and which copy rate each case's floors use."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -55,6 +56,10 @@ def test_eager_and_graphed_floors_start_from_their_own_baseline_and_rates():
     assert graphed["gap_to_floor_pp"] == pytest.approx(
         100 * (0.25 / 0.3 - 1 - graph_floor / 0.3 + 1)
     )
+    # In points of each case's own mode's step: the graphed gap is twice as many points.
+    assert graphed["gap_to_floor_own_step_pp"] == pytest.approx(100 * (0.25 - graph_floor) / 0.15)
+    assert graphed["gap_to_achieved_floor_own_step_pp"] == pytest.approx(100 * (0.25 - twin) / 0.15)
+    assert eager["gap_to_floor_own_step_pp"] == pytest.approx(eager["gap_to_floor_pp"])
 
 
 def test_a_graphed_floor_takes_the_gpus_own_forward_time_when_measured():
@@ -126,8 +131,31 @@ def test_a_failed_process_is_named_and_the_others_count():
 def test_the_table_shows_processes_and_their_spread_only_with_rounds():
     base = _case("no_offload", {}, 0.25, 0.0)
     single = bench.table([base])
-    assert "processes" not in single and single.splitlines()[1].count("|---") == 12
+    assert "processes" not in single and single.splitlines()[1].count("|---") == 14
     merged = bench.combine_processes([_case("no_offload", {}, t, 0.0) for t in (0.2, 0.25, 0.3)])
     rounds = bench.table([merged]).splitlines()
-    assert rounds[0].endswith("processes: spread |") and rounds[1].count("|---") == 13
+    assert rounds[0].endswith("processes: spread |") and rounds[1].count("|---") == 15
     assert rounds[2].endswith("| 3: 40% |")
+
+
+def test_retable_derives_the_floors_and_the_table_again_from_a_results_json(tmp_path, capsys):
+    records = [
+        _case("no_offload", {}, 0.3, 0.0, forward=0.1),
+        _case("no_offload_graph", GRAPHS, 0.15, 0.0),
+        _case("fgo_graph", {**FGO, **GRAPHS}, 0.25, 10.0, d2h=50.0, h2d=100.0),
+    ]
+    payload = {
+        "microbatches": 1,
+        "copy_bandwidth": {"d2h_bytes_per_s": 100e9, "h2d_bytes_per_s": 100e9},
+        "cases": records,
+    }
+    path = tmp_path / "moe-1b_seq4096.json"
+    path.write_text(json.dumps(payload))
+    assert bench.retable(path) == 0
+    again = json.loads(path.read_text())["cases"][2]
+    assert "gap_to_floor_own_step_pp" in again and "floor_time_change" in again
+    table = (tmp_path / "moe-1b_seq4096.md").read_text()
+    assert table.splitlines()[0].startswith("| case |") and "| fgo_graph |" in table
+    (tmp_path / "bad.json").write_text("{}")
+    assert bench.retable(tmp_path / "bad.json") == 2
+    assert "not a benchmark results JSON" in capsys.readouterr().err

@@ -30,6 +30,25 @@ def test_valid_recipe_reports_resolved_settings(fgo_recipe):
     assert policy.offload["fine_grained_activation_offloading"][0] is True
 
 
+def test_a_moe_recipe_shows_its_token_dispatch_and_a_dense_one_does_not(fgo_recipe):
+    graphed = check_recipe(load_recipe("examples/configs/grpo_moe_1B_megatron_fgo_graphs.yaml"))
+    assert graphed.ok, graphed.errors
+    shown = graphed.sections[0].offload
+    assert shown["moe_token_dispatcher_type"] == ("alltoall", "policy.model_name")
+    assert shown["moe_expert_capacity_factor"] == (
+        1.0,
+        "policy.megatron_cfg.model_overrides.moe_expert_capacity_factor",
+    )
+    assert shown["moe_pad_expert_input_to_capacity"][0] is True
+    eager = check_recipe(load_recipe("examples/configs/grpo_moe_1B_megatron_fgo.yaml"))
+    assert eager.sections[0].offload["moe_expert_capacity_factor"] == (
+        None,
+        "megatron-core default",
+    )
+    dense = check_recipe(copy.deepcopy(fgo_recipe)).sections[0].offload
+    assert not any(key.startswith("moe_") for key in dense)
+
+
 @pytest.mark.parametrize(
     ("fraction", "placement", "shown"),
     [
