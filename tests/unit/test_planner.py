@@ -25,7 +25,8 @@ def _profile_from_table(table: dict) -> planner.Profile:
     for case in cases.values():
         if case["settings"].get("activation_offload_fraction", 1.0) != 1.0:
             continue
-        for key, value in case["steps"][1].items():
+        steps = case.get("steps") or case["steps_by_process"][0]  # --rounds: per process
+        for key, value in steps[1].items():
             if key.startswith("offloaded_gib_") and key != "offloaded_gib_per_step":
                 module = key.removeprefix("offloaded_gib_")
                 per_module.setdefault(module, value / table["microbatches"])
