@@ -53,8 +53,8 @@ SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_o
 # Not recipe settings either: the case runs with Megatron's own copies of non-contiguous
 # tensors (contiguous() first), or with Megatron's own hook code instead of the runtime's lean
 # one, to measure the runtime's change in the same run. Suffixes of an offload case's name;
-# each names the offload runtime's per-plan choice the case turns off (strided copies are off
-# for MoE models anyway).
+# each names the offload runtime's per-plan choice the case turns off (eager MoE plans have
+# both off already).
 MEGATRON_COPIES = "megatron_copies"
 MEGATRON_HOOKS = "megatron_hooks"
 RUNTIME_CHOICES = {MEGATRON_COPIES: "strided_copies", MEGATRON_HOOKS: "lean_hooks"}

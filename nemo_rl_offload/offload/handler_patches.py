@@ -294,18 +294,6 @@ def _patch_fraction_placement() -> bool:
     return True
 
 
-def pool_static_groups(manager: Any) -> int:
-    """Switch every recorded group that allocates fresh pinned tensors to the pool; returns
-    how many were switched."""
-    switched = 0
-    for chunk in manager._cached_chunks_forward:
-        for group in chunk.offload_groups:
-            if not group.use_cpu_pool:
-                group.use_cpu_pool = True
-                switched += 1
-    return switched
-
-
 def _patch_pooled_expert_groups() -> bool:
     """Give the MoE expert groups (``expert_fc1``, ``moe_act``) pinned buffers from the pool
     once their plan is recorded, where their shapes are static.
@@ -330,7 +318,9 @@ def _patch_pooled_expert_groups() -> bool:
     def post_warmup_callback(self: Any) -> Any:
         result = original(self)
         if getattr(self, "pool_expert_groups", False):
-            pool_static_groups(self)
+            for chunk in self._cached_chunks_forward:
+                for group in chunk.offload_groups:
+                    group.use_cpu_pool = True  # Megatron's choice was False for expert groups
         return result
 
     post_warmup_callback._pools_experts = True  # type: ignore[attr-defined]
