@@ -285,7 +285,9 @@ def _case_worker(name: str, args: argparse.Namespace, steps: int) -> tuple[Any, 
     from nemo_rl_offload.config.model_presets import architecture_for
 
     settings = bench.resolve_cases(args.model, [name])[name]
-    section = bench.section_for(args.model, args.seq, settings)
+    section = bench.section_for(
+        args.model, args.seq, settings, model_overrides=bench.parse_model_overrides(args)
+    )
     errors = bench.check_section(section)
     if errors:
         return {"case": name, "rejected": errors}
@@ -364,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3, help="steps before the profiled one")
     parser.add_argument("--cases", default="no_offload,fgo_norms,fgo_all5")
+    parser.add_argument(
+        "--model-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a TransformerConfig field for every case (repeatable), as offload_benchmark.py's",
+    )
     parser.add_argument("--out", default="results/profile")
     parser.add_argument(
         "--python", action="store_true", help="also profile one step's host side with cProfile"
@@ -382,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.host_detail and not args.host:
         print("--host-detail: clocks --host steps; add --host", file=sys.stderr)
+        return 2
+    try:
+        bench.parse_model_overrides(args)
+    except ValueError as bad:
+        print(bad, file=sys.stderr)
         return 2
     wanted = args.cases.split(",")
     try:

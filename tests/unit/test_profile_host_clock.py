@@ -56,6 +56,11 @@ def test_host_detail_without_host_is_one_line(capsys):
     assert capsys.readouterr().err.strip() == "--host-detail: clocks --host steps; add --host"
 
 
+def test_a_model_override_without_a_value_is_one_line(capsys):
+    assert profile.main(["--model-override", "moe_pad_expert_input_to_capacity"]) == 2
+    assert "write KEY=VALUE" in capsys.readouterr().err
+
+
 def test_detail_clocks_inherited_sync_calls_and_removes_them_after():
     import torch
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
