@@ -372,16 +372,33 @@ def run_case_in_subprocess(name: str, args: argparse.Namespace, out: Path) -> di
 
 
 def parse_model_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """``--model-override KEY=VALUE`` lines as a dict (values read as YAML: 1.0, true, ...)."""
-    import yaml
+    """``--model-override KEY=VALUE`` lines as a dict, each value read as a recipe override's
+    (``1.0``, ``true``, ``[a, b]``: :func:`nemo_rl_offload.config.overrides.parse_value`).
+    Raises ValueError with one line naming a malformed one."""
+    from nemo_rl_offload.config.overrides import parse_value
+    from nemo_rl_offload.errors import UserInputError
 
     overrides: dict[str, Any] = {}
     for line in args.model_override:
         key, sep, value = line.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--model-override {line!r}: write KEY=VALUE")
-        overrides[key.strip()] = yaml.safe_load(value)
+        try:
+            overrides[key.strip()] = parse_value(value)
+        except UserInputError as bad:
+            raise ValueError(f"--model-override {line!r}: {bad}") from None
     return overrides
+
+
+def model_overrides_refused(args: argparse.Namespace) -> bool:
+    """Print the one-line reason and return True when ``--model-override`` lines are malformed
+    (the main functions then exit 2)."""
+    try:
+        parse_model_overrides(args)
+    except ValueError as bad:
+        print(bad, file=sys.stderr)
+        return True
+    return False
 
 
 def run_case(
@@ -734,10 +751,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        parse_model_overrides(args)
-    except ValueError as bad:
-        print(bad, file=sys.stderr)
+    if model_overrides_refused(args):
         return 2
     if args.recipe and args.model_override:
         print("--model-override: give it in --recipe-override lines with --recipe", file=sys.stderr)

@@ -392,10 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_detail and not args.host:
         print("--host-detail: clocks --host steps; add --host", file=sys.stderr)
         return 2
-    try:
-        bench.parse_model_overrides(args)
-    except ValueError as bad:
-        print(bad, file=sys.stderr)
+    if bench.model_overrides_refused(args):
         return 2
     wanted = args.cases.split(",")
     try:

@@ -210,9 +210,6 @@ class PolicyWorker:
             # Bitwise on the dense and MoE runtime suites; faster on dense steps, no faster on
             # eager MoE steps (+1.2% and +4.2% in a two-round A/B, within the process spread).
             lean_hooks=not is_moe,
-            pool_expert_groups=bool(
-                getattr(model.config, "moe_pad_expert_input_to_capacity", False)
-            ),
         )
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)

@@ -182,7 +182,6 @@ class OffloadRuntime:
         fraction_placement: str | None = None,
         strided_copies: bool = True,
         lean_hooks: bool = True,
-        pool_expert_groups: bool = False,
     ) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is).
         ``graphed``: steps run as full-iteration CUDA graphs (padded then, offloading or not);
@@ -190,9 +189,9 @@ class OffloadRuntime:
         groups a fraction below 1 offloads (the recipe's ``activation_offload_fraction_placement``,
         None: :data:`DEFAULT_FRACTION_PLACEMENT`);
         ``strided_copies``: permuted tensors copied as they lie; ``lean_hooks``: the hooks' work
-        in less host time; ``pool_expert_groups``: the MoE expert groups' shapes are static
-        (drop-and-pad dispatch), so their pinned buffers come from the pool (all three
-        ``handler_patches``)."""
+        in less host time (both ``handler_patches``). With drop-and-pad MoE dispatch in
+        ``config`` the expert groups' shapes are static, so their pinned buffers come from the
+        pool (``pool_expert_groups``, ``handler_patches`` too)."""
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
         self.pad_steps = pads_steps(self.enabled, graphed)
@@ -200,7 +199,7 @@ class OffloadRuntime:
         self.fraction_placement = fraction_placement or DEFAULT_FRACTION_PLACEMENT
         self.strided_copies = strided_copies
         self.lean_hooks = lean_hooks
-        self.pool_expert_groups = pool_expert_groups
+        self.pool_expert_groups = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
         self.host_budget_bytes = host_budget_bytes
         self.sequence_buckets = sorted(sequence_buckets)
         self.step_shape: tuple[int, int] = (0, 0)  # (micro-batches, padded length) of the step

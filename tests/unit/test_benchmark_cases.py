@@ -110,7 +110,15 @@ def test_model_override_lines_are_read_as_yaml(lines, parsed):
     assert bench.parse_model_overrides(SimpleNamespace(model_override=lines)) == parsed
 
 
-@pytest.mark.parametrize("line", ["moe_expert_capacity_factor", "=1.0"])
-def test_a_model_override_without_key_and_value_is_refused_in_one_line(line, capsys):
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("moe_expert_capacity_factor", "write KEY=VALUE"),
+        ("=1.0", "write KEY=VALUE"),
+        ("moe_layer_freq=[1, 0", "value '[1, 0'"),
+    ],
+)
+def test_a_malformed_model_override_is_refused_in_one_line(line, says, capsys):
     assert bench.main(["--model-override", line, "--cases", "no_offload"]) == 2
-    assert "write KEY=VALUE" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1

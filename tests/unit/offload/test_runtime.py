@@ -294,12 +294,9 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
     monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
     _FakeManager.OFFLOAD_MGR = None
     config = SimpleNamespace(fine_grained_activation_offloading=True)
+    drop_and_pad = SimpleNamespace(**vars(config), moe_pad_expert_input_to_capacity=True)
     rt = runtime.OffloadRuntime(
-        config,
-        fraction_placement="earliest",
-        strided_copies=False,
-        lean_hooks=False,
-        pool_expert_groups=True,
+        drop_and_pad, fraction_placement="earliest", strided_copies=False, lean_hooks=False
     )
     for length in (256, 512):
         rt.before_step(1, length)
@@ -310,4 +307,4 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
     unset.before_step(1, 1024)
     assert _FakeManager.OFFLOAD_MGR.fraction_placement == runtime.DEFAULT_FRACTION_PLACEMENT
     assert _FakeManager.OFFLOAD_MGR.lean_hooks is True  # the default
-    assert _FakeManager.OFFLOAD_MGR.pool_expert_groups is False  # Megatron's choice
+    assert _FakeManager.OFFLOAD_MGR.pool_expert_groups is False  # routed shapes: Megatron's
