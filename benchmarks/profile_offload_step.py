@@ -11,7 +11,9 @@ profiler. From the trace's GPU timeline the step is split into:
   ``idle_during_h2d_s`` (compute waiting while a reload runs: a reload on the critical path),
   ``idle_during_d2h_s`` (an offload copy runs, no reload), ``idle_no_copy_s`` (nothing on the
   GPU: the CPU is behind, launching kernels or running the offload hooks);
-- copy-engine busy time per direction, kernel count, and the host calls that block (syncs).
+- copy-engine busy time per direction and with both directions at once
+  (``both_directions_busy_s``: they then share the link), kernel count, and the host calls
+  that block (syncs).
 
 With ``--host``, no profiler runs: each case trains ``--host-steps`` more steps with a clock
 around every entry point of Megatron's offload hooks (``perf_counter``, about a microsecond
@@ -136,6 +138,9 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "idle_no_copy_s": idle_total - idle_h2d - idle_d2h_only,
         "d2h_busy_s": _length(d2h),
         "h2d_busy_s": _length(h2d),
+        # Copies out and back at once share the PCIe link (~50 GB/s each way against ~55 for
+        # one direction alone: benchmarks/copy_rates.py).
+        "both_directions_busy_s": _length(_intersect(d2h, h2d)),
         "kernels": sum(len(spans) for spans in kernels.values()),
         "side_stream_kernel_s": sum(
             _length(bench.union(spans))
