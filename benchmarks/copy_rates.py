@@ -150,6 +150,7 @@ def measure(chunk_mib: float, total_mib: int, repeat: int) -> dict[str, float]:
 
 
 def table(results: dict[float, dict[str, float]]) -> str:
+    """A markdown table: a row per copy size, a column per mode and direction (GB/s)."""
     keys = [f"{mode}/{direction}" for mode in MODES for direction in DIRECTIONS]
     lines = [
         "| copy MiB | " + " | ".join(keys) + " |",
