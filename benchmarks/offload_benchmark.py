@@ -54,7 +54,7 @@ SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_o
 # tensors (contiguous() first), or with Megatron's own hook code instead of the runtime's lean
 # one, to measure the runtime's change in the same run. Suffixes of an offload case's name;
 # each names the offload runtime's per-plan choice the case turns off (eager MoE plans have
-# both off already).
+# the copies off already).
 MEGATRON_COPIES = "megatron_copies"
 MEGATRON_HOOKS = "megatron_hooks"
 RUNTIME_CHOICES = {MEGATRON_COPIES: "strided_copies", MEGATRON_HOOKS: "lean_hooks"}
