@@ -84,21 +84,24 @@ class Series:
         return self.bytes / (start.elapsed_time(end) / 1e3) / 1e9
 
 
-def _loads() -> dict[str, Callable[[], None]]:
-    """Work for the compute stream that outlasts a series (~40 ms at 55 GB/s for 2 GiB): bf16
-    matrix products (``gemm``, ~1.5 ms each), or copies between two 1 GiB GPU tensors
-    (``memory``: bound by the GPU's memory bandwidth, as a step's elementwise kernels are)."""
+def _loads(series_bytes: int) -> dict[str, Callable[[], None]]:
+    """Work for the compute stream that outlasts a series of ``series_bytes`` (2 GiB: ~40 ms at
+    55 GB/s), scaled with it: bf16 matrix products (``gemm``, ~1.5 ms each, 40 per 2 GiB), or
+    copies between two 1 GiB GPU tensors (``memory``, ~0.65 ms each, 120 per 2 GiB: bound by
+    the GPU's memory bandwidth, as a step's elementwise kernels are)."""
     import torch
+
+    scale = max(1.0, series_bytes / 2**31)
 
     matrix = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) / 8192
     source, target = (torch.empty(2**30, dtype=torch.uint8, device="cuda") for _ in range(2))
 
     def gemm() -> None:
-        for _ in range(40):
+        for _ in range(round(40 * scale)):
             matrix.copy_(matrix @ matrix * (1.0 / matrix.shape[0]))
 
     def memory() -> None:
-        for _ in range(120):
+        for _ in range(round(120 * scale)):
             target.copy_(source)
 
     return {"gemm": gemm, "memory": memory}
@@ -129,7 +132,7 @@ def measure(chunk_mib: float, total_mib: int, repeat: int) -> dict[str, float]:
 
     chunk = int(chunk_mib * 2**20)
     series = Series(chunk, max(1, int(total_mib * 2**20) // chunk))
-    graphs, loads = _graphs(series), _loads()
+    graphs, loads = _graphs(series), _loads(series.bytes)
     samples: dict[str, list[float]] = {}
 
     def sample(mode: str, direction: str, events: Any) -> None:

@@ -78,8 +78,7 @@ def _architecture(
 def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any, str]]:
     defaults = capabilities.transformer_config_defaults()
     resolved: dict[str, tuple[Any, str]] = {}
-    experts = effective.value("num_moe_experts")
-    moe_keys = apply.MOE_DISPATCH_KEYS if isinstance(experts, int) and experts > 1 else ()
+    moe_keys = apply.MOE_DISPATCH_KEYS if effective.is_moe else ()
     for name in (*apply.FGO_KEYS, *apply.CUDA_GRAPH_KEYS, *moe_keys):
         setting = effective.settings.get(name)
         if setting is not None:

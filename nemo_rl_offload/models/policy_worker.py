@@ -207,10 +207,6 @@ class PolicyWorker:
             # Measured faster on dense models and on graphed MoE steps; eager MoE steps (host
             # bound) were slower with them in two runs (handler_patches).
             strided_copies=not is_moe or self.graphs is not None,
-            # Bitwise on the dense and MoE runtime suites; faster on dense steps, as fast on
-            # eager MoE steps (+1.2% and +4.2% in a two-round A/B, within the process spread).
-            # The MoE suite failed with them off (session 7), which no GPU run has explained.
-            lean_hooks=True,
         )
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)

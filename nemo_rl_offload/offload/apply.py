@@ -103,6 +103,12 @@ class EffectiveSettings:
         setting = self.settings.get(name)
         return fallback if setting is None else setting.source
 
+    @property
+    def is_moe(self) -> bool:
+        """The model has experts (more than one: one expert is a dense MLP)."""
+        experts = self.value("num_moe_experts")
+        return isinstance(experts, int) and not isinstance(experts, bool) and experts > 1
+
 
 def resolve_transformer_impl(requested: str | None, te_installed: bool) -> str:
     """``auto`` (the default) means Transformer Engine when it is installed, else Megatron's local

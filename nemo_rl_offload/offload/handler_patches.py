@@ -438,11 +438,11 @@ def _patch_lean_hooks() -> bool:
     - the offload check looks its tensor types up once.
 
     It applies where the installed manager's ``lean_hooks`` is true (the runtime's default, for
-    dense and MoE models: on the 1B MoE step, eager, it was no faster in a two-round A/B, +1.2%
-    and +4.2% within the processes' 4-9% spread, but the MoE runtime suite passed with it and
-    failed twice without it), and not while a CUDA
-    graph is captured (a capture runs once, and records what every replay does): there the
-    original code runs. Measured on an H100 (1B dense, 4 x 4096 tokens,
+    every model: on the eager 1B MoE step it was no faster, +1.2% and +4.2% in a two-round A/B
+    within the processes' 4-9% spread, but the MoE runtime suite passed with it and failed
+    twice on the H100 without it, cause not yet found), and not while a CUDA graph is captured
+    (a capture runs once, and records what every replay does): there the original code runs.
+    Measured on an H100 (1B dense, 4 x 4096 tokens,
     eager, hooks' host time per step against Megatron's code in separate processes): the
     norms 54 -> 42 ms; all five modules 135-162 -> 122-146 ms in three pairs, of which the
     reloads 43-59 -> 33-34 ms while the offload side stayed within the host's spread.

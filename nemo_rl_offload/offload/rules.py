@@ -109,8 +109,7 @@ class _Context:
 
     @property
     def is_moe(self) -> bool:
-        experts = self.value("num_moe_experts")
-        return _is_int(experts) and experts > 1
+        return self.effective.is_moe
 
 
 def check_policy(
@@ -468,7 +467,7 @@ def _moe_in_full_iteration_graphs(ctx: _Context, impl_path: str) -> None:
             "counts to the host every layer); set model_overrides.moe_token_dispatcher_type: "
             "alltoall, or cuda_graph_impl: none"
         )
-    elif not (padded and isinstance(factor, int | float) and not isinstance(factor, bool)):
+    elif not (padded and _is_number(factor)):
         ctx.error(
             f"{impl_path}: full_iteration CUDA graphs cannot capture this MoE model without "
             "drop-and-pad dispatch: its token dispatch copies the per-expert token counts to "

@@ -106,7 +106,7 @@ def test_moe_graph_cases_run_only_with_drop_and_pad_dispatch():
         ([" a = x ", "b=2"], {"a": "x", "b": 2}),
     ],
 )
-def test_model_override_lines_are_read_as_yaml(lines, parsed):
+def test_model_override_values_are_read_as_recipe_override_values(lines, parsed):
     assert bench.parse_model_overrides(SimpleNamespace(model_override=lines)) == parsed
 
 
