@@ -2,7 +2,9 @@
 
 :func:`load_recipe` runs four steps and returns plain data (dicts, lists, scalars):
 
-1. read the YAML file (``yaml.safe_load``; anchors and ``<<:`` merge keys work);
+1. read the YAML file (YAML's safe loader; anchors and ``<<:`` merge keys work), with numbers
+   read as NeMo-RL reads them: ``1e-8`` is a float, as in YAML 1.2 and OmegaConf, where plain
+   YAML 1.1 would keep it as text because it has no decimal point;
 2. follow ``defaults:`` - a path or a list of paths, each relative to the directory of the file
    that names it - loading parents recursively, deep-merging them in order (later wins) and the
    file's own content on top (the file wins); mappings merge key by key, anything else replaces;
@@ -41,6 +43,21 @@ __all__ = [
 ]
 
 DEFAULTS_KEY = "defaults"
+
+
+class _RecipeYamlLoader(yaml.SafeLoader):
+    """YAML's safe loader that also reads exponent-only numbers (``1e-8``, ``5E+3``) as floats.
+
+    Why: NeMo-RL reads recipes with OmegaConf, whose loader takes them as floats; PyYAML follows
+    YAML 1.1, which needs a decimal point, and would hand the schema the text ``'1e-8'``.
+    """
+
+
+_RecipeYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -126,7 +143,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
         raise UserInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_RecipeYamlLoader)
     except yaml.MarkedYAMLError as exc:
         raise UserInputError(_yaml_problem(path, exc)) from None
     except yaml.YAMLError as exc:

@@ -149,6 +149,30 @@ def test_unsupported_yaml_values_are_reported_together(tmp_path: Path) -> None:
     assert "boolean" in problems[1]
 
 
+def test_numbers_read_as_nemo_rl_reads_them(tmp_path: Path) -> None:
+    """NeMo-RL's recipes write ``adam_eps: 1e-8``: a float there (OmegaConf), so here too;
+    quoted text and words that merely start like a number stay text."""
+    path = write(
+        tmp_path / "r.yaml",
+        """
+        eps: 1e-8
+        rate: 1E-3
+        big: +5e3
+        dotted: 1.0e-5
+        under: 1_0e2
+        whole: 7
+        quoted: "1e-3"
+        word: 1e3x
+        """,
+    )
+    data = load_recipe(path)
+    assert data["eps"] == 1e-8 and type(data["eps"]) is float
+    assert data["rate"] == 1e-3 and data["big"] == 5e3 and data["dotted"] == 1e-5
+    assert data["under"] == 1000.0 and type(data["under"]) is float
+    assert data["whole"] == 7 and type(data["whole"]) is int
+    assert data["quoted"] == "1e-3" and data["word"] == "1e3x"
+
+
 def test_anchors_and_merge_keys(tmp_path: Path) -> None:
     path = write(
         tmp_path / "r.yaml",
