@@ -6,6 +6,7 @@ distillation uses it as the teacher, as a user would chain them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -19,6 +20,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "configs" / "tiny"
+# Learning margins: each a fraction of what the tiny recipes reached from several seeds
+# (benchmarks/results/2026-11-23_cpu_learning_margins.md), so that a machine whose rounding sends
+# training down another path still gives the same verdict.
+GRPO_MIN_HELD_OUT_GAIN = 0.03
+DPO_MIN_HELD_OUT_ACCURACY = 0.58
+DPO_MIN_HELD_OUT_LOSS_DROP = 0.01
 
 
 def cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -74,12 +81,17 @@ def test_grpo_from_sft_raises_held_out_reward(sft_run, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     assert "policy weights loaded from" in result.stderr
     val = metrics(tmp_path, "val")
-    assert val[0]["step"] == 0 and len(val) >= 3
-    # Held-out reward (4 samples per prompt): the last two validations beat the start.
-    assert statistics.mean(r["val_reward"] for r in val[-2:]) > val[0]["val_reward"], val
+    assert [r["step"] for r in val] == [0, 20, 40, 60, 80]
+    # Learning is judged on held-out reward only: 256 prompts x 4 samples, drawn with the same
+    # seed at every validation. The reward of a training step (16 prompts) swings more from step
+    # to step than the policy improves over the run, so a window of training rewards rose or fell
+    # with the CPU's rounding (the same seed failed on one machine and passed on another). The
+    # margin is a fraction of the gain this recipe reached from every seed tried
+    # (benchmarks/results/2026-11-23_cpu_learning_margins.md).
+    gain = statistics.mean(r["val_reward"] for r in val[-2:]) - val[0]["val_reward"]
+    assert gain > GRPO_MIN_HELD_OUT_GAIN, val
     train = metrics(tmp_path, "train")
-    assert all(0.0 <= r["reward"] <= 1.0 for r in train)
-    assert window_mean(train, "reward", first=False) > window_mean(train, "reward", first=True)
+    assert len(train) == 80 and all(0.0 <= r["reward"] <= 1.0 for r in train)
     assert train[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step starts at the reference
 
 
@@ -92,12 +104,15 @@ def test_dpo_preference_accuracy_rises(sft_run, tmp_path):
         f"policy.init_checkpoint={sft_run / 'ckpt'}",
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    train = metrics(tmp_path, "train")
-    first = window_mean(train, "preference_accuracy", first=True)
-    last = window_mean(train, "preference_accuracy", first=False)
-    assert last > first + 0.05, (first, last)
+    assert len(metrics(tmp_path, "train")) == 60
+    # Held-out pairs only (see GRPO above). At the start the policy is its own reference: every
+    # margin is zero, the accuracy 0 and the loss ln 2.
     val = metrics(tmp_path, "val")
-    assert val[-1]["val_preference_accuracy"] > val[0]["val_preference_accuracy"], val
+    assert [r["step"] for r in val] == [0, 20, 40, 60]
+    assert val[0]["val_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    accuracy = statistics.mean(r["val_preference_accuracy"] for r in val[-2:])
+    assert accuracy > DPO_MIN_HELD_OUT_ACCURACY, val
+    assert val[-1]["val_loss"] < math.log(2) - DPO_MIN_HELD_OUT_LOSS_DROP, val
 
 
 def test_distillation_kl_falls(sft_run, tmp_path):
