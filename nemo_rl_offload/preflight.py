@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_offload.config import checkpointing
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import Architecture, architecture_for
 from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
@@ -165,6 +166,37 @@ def _megatron_crosscheck(effective: apply.EffectiveSettings, where: str, report:
             report.warnings.append(line)
 
 
+def _check_checkpointing(recipe: dict[str, Any], algorithm: str, report: Report) -> None:
+    """checkpointing.metric_name names a metric the algorithm logs; with keep_top_k on a
+    validation metric, checkpoints saved between validations would rank last (they record no
+    validation value), which a user is told."""
+    ckpt = recipe.get("checkpointing")
+    section = recipe.get(algorithm)
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("metric_name"), str):
+        return
+    try:
+        metric = checkpointing.resolve_metric(ckpt["metric_name"], algorithm)
+    except ValueError as exc:
+        report.errors.append(f"checkpointing.metric_name: {exc}")
+        return
+    save_period = ckpt.get("save_period")
+    val_period = section.get("val_period") if isinstance(section, dict) else None
+    if (
+        metric.phase == "val"
+        and ckpt.get("keep_top_k")
+        and isinstance(save_period, int)
+        and isinstance(val_period, int)
+        and save_period > 0
+        and (val_period <= 0 or save_period % val_period)
+    ):
+        report.warnings.append(
+            f"warning: checkpointing.save_period: {save_period} is not a multiple of "
+            f"{algorithm}.val_period ({val_period}): checkpoints saved without a validation "
+            f"record no {metric.name} and keep_top_k ranks them last; make save_period a "
+            "multiple of val_period"
+        )
+
+
 def check_recipe(
     recipe: dict[str, Any],
     *,
@@ -187,6 +219,7 @@ def check_recipe(
             "policy.megatron_cfg.optimizer: required key is missing (the trained policy needs "
             "an optimizer section, e.g. {optimizer: adam, lr: 5.0e-6})"
         )
+    _check_checkpointing(recipe, algorithm, report)
     cluster = recipe.get("cluster")
     gpus_per_node = cluster.get("gpus_per_node") if isinstance(cluster, dict) else None
     effective_by_section: dict[str, apply.EffectiveSettings] = {}

@@ -26,6 +26,7 @@ import numpy as np
 
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup
+from nemo_rl_offload.config import checkpointing
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.data.datasets import encode_and_check_lengths
 from nemo_rl_offload.data.tokenizer import Tokenizer, load_tokenizer
@@ -118,6 +119,10 @@ class Run:
     last_step: int = 0
     last_position: int = 0
     _saved_step: int = 0
+    # What keep_top_k ranks checkpoints by (checkpointing.metric_name), and what the current
+    # step has logged of each phase, which its checkpoint records.
+    metric: checkpointing.Metric | None = None
+    _step_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def policy_cfg(self) -> dict[str, Any]:
@@ -145,15 +150,32 @@ class Run:
         tmp = root / f".tmp_step_{step:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
         policy.save(str(tmp / "policy"))
-        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **state}, indent=1))
+        recorded = checkpointing.record(self.metric, self._step_metrics)
+        (tmp / STATE_FILE).write_text(
+            json.dumps({"step": step, **state, "metrics": recorded}, indent=1)
+        )
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self._saved_step = step
-        keep = ckpt.get("keep_top_k")
-        if keep:
-            for old in checkpoint_dirs(root)[: -int(keep)]:
-                shutil.rmtree(old, ignore_errors=True)
+        self._retain(root)
         return final
+
+    def _retain(self, root: Path) -> None:
+        """keep_top_k: delete the checkpoints it does not keep (config.checkpointing says
+        which: the best k by metric_name, or the newest k, and always the newest)."""
+        ckpt = self.recipe["checkpointing"]
+        directories = {int(path.name.split("_")[1]): path for path in checkpoint_dirs(root)}
+        history = [
+            (step, json.loads((path / STATE_FILE).read_text()).get("metrics") or {})
+            for step, path in directories.items()
+        ]
+        for step in checkpointing.steps_to_delete(
+            history,
+            keep_top_k=ckpt.get("keep_top_k"),
+            metric=self.metric,
+            higher_is_better=bool(ckpt.get("higher_is_better", True)),
+        ):
+            shutil.rmtree(directories[step], ignore_errors=True)
 
     def sampler(self, size: int, seed: int) -> EpochSampler:
         """The training-data order, continuing where a resumed run stopped."""
@@ -191,6 +213,7 @@ class Run:
         record["train_time_s"] = record.pop("step_time_s", elapsed)
         record.update(tokens_per_s=tokens / elapsed, step_time_s=elapsed)
         self.logger.log(step, record)
+        self._step_metrics = {"train": record}
 
     def end_step(
         self,
@@ -204,7 +227,8 @@ class Run:
         """After a training step: validate every ``val_period`` steps, save every
         ``checkpointing.save_period`` steps and at the last step."""
         if val_period and step % val_period == 0:
-            self.logger.log(step, validate(), phase="val")
+            self._step_metrics["val"] = validate()
+            self.logger.log(step, self._step_metrics["val"], phase="val")
         save_period = int(self.recipe["checkpointing"].get("save_period", 0) or 0)
         if step == self.max_steps or (save_period and step % save_period == 0):
             self.save(policy, step, {"position": position})
@@ -338,6 +362,7 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
         f"{algorithm}: metrics -> {logger.path}; checkpoints -> {ckpt['checkpoint_dir']}",
         file=sys.stderr,
     )
+    metric_name = ckpt.get("metric_name")
     return Run(
         algorithm,
         recipe,
@@ -349,6 +374,7 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
         driver_state,
         resume_from,
         max_steps=int(recipe[algorithm][total_steps_key]),
+        metric=checkpointing.resolve_metric(metric_name, algorithm) if metric_name else None,
     )
 
 

@@ -145,6 +145,33 @@ def test_resume_continues_from_the_latest_checkpoint(tmp_path):
     assert steps == list(range(1, 10))  # 1..6 from the first run, 7..9 after resuming
 
 
+def test_keep_top_k_keeps_the_best_checkpoint_by_its_metric_and_the_newest(tmp_path):
+    # higher_is_better on a loss keeps the worst-loss checkpoint: one the newest-k rule would
+    # have deleted, so the test tells the two rules apart.
+    result = cli(
+        "sft",
+        "--config",
+        str(TINY / "sft.yaml"),
+        *outputs(tmp_path),
+        "sft.max_num_steps=6",
+        "sft.val_period=2",
+        "sft.val_at_start=false",
+        "checkpointing.save_period=2",
+        "checkpointing.keep_top_k=1",
+        "checkpointing.metric_name=val:val_loss",
+        "checkpointing.higher_is_better=true",
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    val = {r["step"]: r["val_loss"] for r in metrics(tmp_path, "val")}
+    assert sorted(val) == [2, 4, 6]
+    best = max(val, key=val.get)
+    assert best != 6, val
+    kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert kept == [f"step_{best:06d}", "step_000006"], (kept, val)
+    state = json.loads((tmp_path / "ckpt" / f"step_{best:06d}" / "state.json").read_text())
+    assert state["metrics"] == {"val:val_loss": val[best]}
+
+
 def test_dead_worker_fails_the_job_within_a_minute(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(

@@ -1,0 +1,112 @@
+"""What the ``checkpointing`` keys mean: which metric ``metric_name`` names, and which checkpoints
+``keep_top_k`` keeps.
+
+NeMo-RL's meaning, which recipes brought from NeMo-RL rely on:
+
+- ``metric_name`` is ``"val:<name>"`` or ``"train:<name>"`` (a bare ``<name>`` is read as a
+  validation metric when the algorithm validates with that name, else as a training one). A
+  checkpoint records the value the step that saved it produced; a step that did not validate
+  records no validation metric, and such a checkpoint ranks last.
+- ``keep_top_k`` keeps the k best checkpoints by that metric (ties go to the newer one), or the
+  k newest without a metric, and always the newest of all, which resume needs.
+
+Pure functions on plain data: the recipe checks (:mod:`nemo_rl_offload.preflight`) and the
+algorithm loop's saving (:mod:`nemo_rl_offload.algorithms.common`) share them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+# The metrics each algorithm logs, by phase: what a metric_name can name.
+METRICS: dict[str, dict[str, tuple[str, ...]]] = {
+    "sft": {"val": ("val_loss",), "train": ("loss", "grad_norm")},
+    "dpo": {
+        "val": ("val_loss", "val_preference_accuracy"),
+        "train": ("loss", "preference_accuracy", "grad_norm"),
+    },
+    "grpo": {
+        "val": ("val_reward", "val_reward_greedy"),
+        "train": ("loss", "reward", "kl", "grad_norm"),
+    },
+    "distillation": {
+        "val": ("val_reward", "val_reward_greedy"),
+        "train": ("loss", "kl", "reward", "grad_norm"),
+    },
+}
+# NeMo-RL's names for the same quantities: its math environment's accuracy is this backend's
+# mean held-out reward (the math reward is 1 for a right answer, else 0).
+ALIASES: dict[str, dict[str, str]] = {
+    "grpo": {"accuracy": "val_reward"},
+    "distillation": {"accuracy": "val_reward"},
+}
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric as checkpoints record it: ``phase`` (val or train) and the logged ``key``."""
+
+    phase: str
+    key: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.phase}:{self.key}"
+
+
+def resolve_metric(metric_name: str, algorithm: str) -> Metric:
+    """The metric ``metric_name`` names for ``algorithm``; ValueError with the names it can
+    name otherwise (the caller adds the recipe path)."""
+    produced = METRICS[algorithm]
+    phase, sep, key = metric_name.partition(":")
+    if not sep:
+        phase, key = "", metric_name
+    key = ALIASES.get(algorithm, {}).get(key, key)
+    phases = (phase,) if phase else ("val", "train")
+    if phase and phase not in produced:
+        raise ValueError(
+            f"'{metric_name}' starts with '{phase}:'; write val:<name> or train:<name>"
+        )
+    for candidate in phases:
+        if key in produced[candidate]:
+            return Metric(candidate, key)
+    names = [f"{p}:{k}" for p in ("val", "train") for k in produced[p]]
+    raise ValueError(
+        f"{algorithm} does not produce a metric '{metric_name}'; use one of " + ", ".join(names)
+    )
+
+
+def record(metric: Metric | None, step_metrics: Mapping[str, Mapping[str, float]]) -> dict:
+    """What a checkpoint records of ``metric`` from the metrics its step logged by phase
+    (empty when the step did not produce it)."""
+    if metric is None:
+        return {}
+    value = step_metrics.get(metric.phase, {}).get(metric.key)
+    return {} if value is None else {metric.name: float(value)}
+
+
+def steps_to_delete(
+    history: Sequence[tuple[int, Mapping[str, float]]],
+    *,
+    keep_top_k: int | None,
+    metric: Metric | None,
+    higher_is_better: bool,
+) -> list[int]:
+    """The checkpoint steps ``keep_top_k`` lets go, from ``history``: (step, recorded metrics)
+    per checkpoint. The newest is always kept; checkpoints without the metric rank last."""
+    if not keep_top_k or not history:
+        return []
+    newest = max(step for step, _ in history)
+    if metric is None:
+        ranked = sorted(history, key=lambda item: item[0], reverse=True)
+    else:
+        worst = float("-inf") if higher_is_better else float("inf")
+
+        def score(item: tuple[int, Mapping[str, float]]) -> tuple[float, int]:
+            value = item[1].get(metric.name, worst)
+            return (value if higher_is_better else -value, item[0])
+
+        ranked = sorted(history, key=score, reverse=True)
+    kept = {step for step, _ in ranked[:keep_top_k]} | {newest}
+    return sorted(step for step, _ in history if step not in kept)
