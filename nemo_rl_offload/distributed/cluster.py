@@ -99,7 +99,11 @@ def start_or_join(
             ) from exc
         started = False
     else:
+        # "local": a cluster of this job's own. Without an address Ray joins the newest
+        # cluster on the machine (another job's embedded one included), where this job's
+        # num_cpus cannot apply and the two jobs would share workers' resources.
         ray.init(
+            address="local",
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             include_dashboard=False,
