@@ -100,6 +100,9 @@ def start_or_join(
         started = False
     else:
         ray.init(
+            # "local": a new cluster even where /tmp/ray/ray_current_cluster names the one a
+            # `ray start` on this machine left behind (Ray would join that, dead or not).
+            address="local",
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             include_dashboard=False,
