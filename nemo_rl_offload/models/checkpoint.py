@@ -6,9 +6,10 @@ distributed checkpoint format, written by Megatron), into ``<step dir>/policy/``
 - ``model``: the model's sharded state dict: every tensor is stored as its whole-model
   tensor, so a later run with other tensor/pipeline/data-parallel sizes can read it;
 - ``optimizer``: Megatron's optimizer sharded state dict (Adam moments, the float32 main
-  weights of mixed precision, its step); with the distributed optimizer in the
-  ``fully_sharded_model_space`` format, where each rank's shard of a state is stored as a
-  slice of the whole parameter's tensor, so the data-parallel size may change too;
+  weights of mixed precision, step counts): the plain optimizer's as whole-model tensors like
+  the weights; the distributed optimizer's in Megatron's ``dp_reshardable`` format, each rank
+  writing its own shard of the gradient buffers' buckets without any exchange, which reloads
+  onto another data-parallel size but not onto other model-parallel sizes;
 - ``scheduler`` and ``step``: the learning-rate schedule and the worker's step counter;
 - ``rng_state``: each rank's random generators (Python, numpy, torch, CUDA and Megatron's
   model-parallel tracker), one object per rank; restored only onto the same layout (a
@@ -42,12 +43,14 @@ from nemo_rl_offload.errors import UserInputError
 FORMAT = "megatron_dist_checkpoint"
 FORMAT_VERSION = 1
 LAYOUT_FILE = "layout.json"
-# The distributed optimizer's checkpoint format (Megatron's default). Its layout rules, from
-# DistributedOptimizer.sharded_state_dict: 'fully_sharded_model_space' and
-# 'fully_reshardable' store states in model space and reload onto any tensor, pipeline and
-# data-parallel sizes; 'dp_reshardable' stores the internal gradient-buffer buckets and
-# reloads only onto other data-parallel sizes; 'dp_zero_gather_scatter' gathers everything on
-# data-parallel rank 0 under a fixed tensor x pipeline structure (data-parallel changes only).
+# The distributed optimizer's checkpoint format (Megatron-LM's default). The layout rules of
+# DistributedOptimizer.sharded_state_dict's formats: 'dp_reshardable' stores the gradient
+# buffers' buckets, whose contents depend on the model-parallel sizes, and reloads onto other
+# data-parallel sizes only; 'fully_reshardable' gathers the state on data-parallel rank 0 in
+# model space and reloads onto any layout; 'dp_zero_gather_scatter' also gathers on rank 0 but
+# keeps a fixed tensor x pipeline structure (data-parallel changes only);
+# 'fully_sharded_model_space' (flattened ShardedTensors) is refused by megatron-core 0.19's
+# ShardedTensor ("flattened_range is not supported").
 DISTRIBUTED_OPTIMIZER_FORMAT = "dp_reshardable"
 LEGACY_SHARD = re.compile(r"model_tp(\d+)_pp(\d+)\.pt$")
 
@@ -313,6 +316,17 @@ def _rng_object(state: dict[str, Any] | None) -> Any:
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
+def _reason(exc: BaseException) -> str:
+    """One line of why a checkpoint read failed: for PyTorch's collective errors, the first
+    failing rank's own error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        failure = next(iter(failures.values()))
+        exc = failure[0] if isinstance(failure, tuple) else failure
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def _allocate_optimizer_state(optimizer: Any) -> None:
     """Give a distributed optimizer that has not stepped yet its state tensors, which the
     checkpoint's values are then read into: its sharded state dict for loading needs them
@@ -411,6 +425,7 @@ def load(
     import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
 
     saved = read_saved(directory)
     current = Layout.current(distributed_optimizer=distributed_optimizer)
@@ -430,11 +445,11 @@ def load(
     try:
         with _checkpoint_io(on_gpu):
             state = dist_checkpointing.load(request, str(directory))
-    except CheckpointingException as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except (CheckpointingException, CheckpointException, OSError, RuntimeError) as exc:
         raise UserInputError(
-            f"{directory}: cannot be read onto {current.describe()} (saved with "
-            f"{saved.layout.describe()}): {first}; load it with the saved layout"
+            f"{directory}: cannot be read into this model on {current.describe()} (saved "
+            f"with {saved.layout.describe()}): {_reason(exc)}; check that the recipe's model "
+            "is the one that wrote it and that its files are complete"
         ) from exc
     model.load_state_dict(state["model"], strict=True)
     if not full:

@@ -35,7 +35,10 @@ Patches (module: name -> replacement, and why):
    get_megatron_optimizer run unchanged on CPU workers, so data parallelism has one code path.
 
 :func:`cpu_schedule_allocations` is separate and scoped to one call: Megatron's pipeline
-schedules allocate their token counter with ``device="cuda"`` unconditionally.
+schedules allocate their token counter with ``device="cuda"`` unconditionally. So are
+:func:`cpu_checkpoint_io` (Megatron's distributed-checkpoint writer synchronises CUDA and puts
+its failure flag on the GPU) and :func:`params_typed_as_cuda` (the DistributedOptimizer accepts
+only parameters whose type name is a CUDA one; set on the parameters while it is built).
 
 Not covered (they do not run on the local spec at TP=1 on CPU): sequence-parallel gather
 buffers, inference KV caches, CUDA graphs, fine-grained activation offloading (GPU-only).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -222,3 +223,63 @@ def test_export_reads_both_formats_to_the_same_weights(megatron_cpu, tmp_path):
     new = _export(tmp_path / "current", tmp_path / "hf_current")  # its latest step
     assert first.keys() == new.keys() and len(new) > 10
     assert all(torch.equal(first[name], new[name]) for name in first)
+
+
+def test_a_checkpoint_of_another_model_or_with_damaged_files_is_one_line(
+    megatron_cpu, moe_globals_restored, tmp_path
+):
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    dense = _worker()
+    dense.save_checkpoint(str(tmp_path / "dense"))
+    moe = PolicyWorker(
+        section={**section(), "model_name": "tiny-moe"},
+        where="policy", rank=0, world_size=1, seed=7, on_gpu=False,
+    )  # fmt: skip
+    moe.setup(*moe.node_address())
+    with pytest.raises(UserInputError) as caught:
+        moe.load_checkpoint(str(tmp_path / "dense"), weights_only=True)
+    (line,) = caught.value.problems
+    assert line.startswith(f"{tmp_path / 'dense'}: cannot be read into this model")
+    assert "Global shape mismatch" in line
+
+    shutil.copytree(tmp_path / "dense", tmp_path / "damaged")
+    for part in (tmp_path / "damaged").glob("*.distcp"):
+        part.write_bytes(part.read_bytes()[:1000])
+    with pytest.raises(UserInputError, match="that its files are complete"):
+        dense.load_checkpoint(str(tmp_path / "damaged"))
+    for worker in (dense, moe):
+        worker.close()
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+def test_bfloat16_training_resumes_bitwise(megatron_cpu, tmp_path, distributed):
+    """Mixed precision: the optimizer steps float32 main weights beside the bfloat16 model,
+    both in the checkpoint; a resumed worker's next step is bitwise the saving worker's."""
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    policy = {
+        **section(optimizer={"use_distributed_optimizer": distributed}),
+        "precision": "bfloat16",
+    }
+
+    def worker():
+        made = PolicyWorker(
+            section=policy, where="policy", rank=0, world_size=1, seed=7, on_gpu=False
+        )
+        made.setup(*made.node_address())
+        return made
+
+    trained = worker()
+    for step in (1, 2):
+        trained.train(worker_ranks.step_batches(step), worker_ranks.LOSS)
+    trained.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = worker()
+    assert resumed.load_checkpoint(str(tmp_path / "ckpt")) == 2
+    for step in (3, 4):
+        want = trained.train(worker_ranks.step_batches(step), worker_ranks.LOSS)
+        got = resumed.train(worker_ranks.step_batches(step), worker_ranks.LOSS)
+        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"]), step
+    assert _state_equal(resumed._unwrapped().state_dict(), trained._unwrapped().state_dict())
+    for made in (trained, resumed):
+        made.close()
