@@ -259,7 +259,7 @@ class Run:
             policy_dir = self.resume_from / "policy"
             for note in policy.check_resumable(str(policy_dir)):
                 print(f"note: {note}", file=sys.stderr)
-            if init and getattr(policy, "holds_reference", False):
+            if init and policy.holds_reference:
                 path = resolve_checkpoint(init, "policy.init_checkpoint")
                 policy.load(str(path / "policy"), weights_only=True)
                 print(f"reference weights loaded from {path}", file=sys.stderr)

@@ -219,8 +219,9 @@ def check_resumable(directory: str | Path, current: Layout) -> list[str]:
             )
         return [
             f"{directory}: a checkpoint of the first format: resuming with its weights, step, "
-            "and the optimizer and scheduler state it holds (none if it was saved with the "
-            "distributed optimizer); it has no generator states"
+            "schedule and the plain optimizer's state it holds (none if it was saved with the "
+            "distributed optimizer, none loaded into the distributed optimizer); it has no "
+            "generator states, so the resumed run is not bitwise the uninterrupted one"
         ]
     saved = read_saved(directory)
     check_resume(directory, saved, current)

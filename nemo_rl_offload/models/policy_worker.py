@@ -556,19 +556,21 @@ class PolicyWorker:
         return step
 
     def _load_legacy(self, directory: str, *, weights_only: bool) -> int:
-        """A checkpoint of the first format: weights, and for a resume the optimizer and
-        scheduler state it holds (saved without the distributed optimizer) and the step."""
+        """A checkpoint of the first format: weights, and for a resume the step, the scheduler
+        and the plain optimizer's state it holds (it held none for the distributed one)."""
         from nemo_rl_offload.models import checkpoint
 
         state = checkpoint.read_legacy_shard(checkpoint.legacy_shard_path(directory))
         self._unwrapped().load_state_dict(state["model"])
         if self.optimizer is not None:
+            # The optimizer's float32 copies of the weights were made when it was built.
             self.optimizer.reload_model_params()
         if weights_only:
             self._load_reference(state["model"])
             return 0
         if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if not self._distributed_optimizer:  # that format held the plain optimizer's only
+                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state.get("step", 0))
         return self.step
