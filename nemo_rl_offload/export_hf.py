@@ -1,16 +1,26 @@
 """``nemo-rl-offload export-hf``: a training checkpoint as a Hugging Face model directory.
 
-The checkpoint holds one file per model-parallel shard (``policy/model_tp<t>_pp<p>.pt``) but
-not the architecture, so the recipe that trained it is read too. The shards of each
-tensor-parallel rank are joined across pipeline stages, converted to Hugging Face names and
-layouts (``models.hf_convert``), and written with config.json and the tokenizer files of the
-model's directory, if it came from one.
+The checkpoint holds the weights but not the architecture, so the recipe that trained it is
+read too. A checkpoint of the current format (megatron dist_checkpointing, ``policy/`` with
+``layout.json``) is read through a model built here, on one CPU rank with tensor and pipeline
+parallel size 1 and the local layer spec: dist_checkpointing reshards its whole-model tensors
+from whatever layout the run used, and its storage names are those of Transformer Engine's
+spec whichever spec trained it, so the model's own state dict comes out as one unsharded
+state dict. A checkpoint of the first format (one file per model-parallel shard,
+``policy/model_tp<t>_pp<p>.pt``) is read file by file, the stages of each tensor-parallel rank
+joined. Either way the weights are converted to Hugging Face names and layouts
+(``models.hf_convert``), and written with config.json and the tokenizer files of the model's
+directory, if it came from one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import re
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +28,7 @@ from nemo_rl_offload.algorithms.common import resolve_checkpoint
 from nemo_rl_offload.config.model_presets import HF_MODEL_TYPES as MODEL_TYPES
 from nemo_rl_offload.config.model_presets import Architecture, architecture_for
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.models.checkpoint import is_legacy, read_legacy_shard, read_saved
 from nemo_rl_offload.preflight import load_and_check
 
 _SHARD = re.compile(r"model_tp(\d+)_pp(\d+)\.pt$")
@@ -40,9 +51,8 @@ def default_model_type(architecture: Architecture) -> str:
 
 
 def _read_shards(policy_dir: Path) -> list[list[dict[str, Any]]]:
-    """The model state dicts as [tensor-parallel rank][pipeline stage]."""
-    import torch
-
+    """A first-format checkpoint's model state dicts as [tensor-parallel rank][pipeline
+    stage]."""
     found = {}
     for path in policy_dir.glob("model_tp*_pp*.pt"):
         match = _SHARD.search(path.name)
@@ -59,13 +69,80 @@ def _read_shards(policy_dir: Path) -> list[list[dict[str, Any]]]:
     for t in range(tp):
         stages = []
         for p in range(pp):
-            try:
-                state = torch.load(found[(t, p)], map_location="cpu", weights_only=False)
-            except Exception as exc:  # a truncated or foreign file
-                raise UserInputError(f"{found[(t, p)]}: not readable ({exc})") from exc
+            state = read_legacy_shard(found[(t, p)])
             stages.append({k: v for k, v in state["model"].items() if "_extra_state" not in k})
         shards.append(stages)
     return shards
+
+
+# The model that reads a checkpoint for export: one CPU rank, no parallelism, the local spec.
+_SINGLE_RANK = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": 1,
+    "num_layers_in_first_pipeline_stage": None,
+    "num_layers_in_last_pipeline_stage": None,
+    "sequence_parallel": False,
+    "transformer_impl": "local",
+    "fine_grained_activation_offloading": False,
+    "offload_modules": None,
+    "cuda_graph_impl": "none",
+}
+
+
+@contextlib.contextmanager
+def _one_cpu_rank() -> Iterator[None]:
+    """torch.distributed (gloo, one rank) and Megatron's parallel state, for this process
+    only while the model is read; everything is torn down after."""
+    import torch.distributed as dist
+
+    from nemo_rl_offload.models.cpu_compat import disable_cpu_execution
+    from nemo_rl_offload.models.parallel import (
+        destroy_megatron_parallel,
+        initialize_megatron_parallel,
+    )
+
+    if dist.is_initialized():
+        raise RuntimeError("export-hf reads a checkpoint in a process of its own")
+    with tempfile.TemporaryDirectory(prefix="export-hf-") as scratch:
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(f"{scratch}/store", 1), rank=0, world_size=1
+        )
+        try:
+            initialize_megatron_parallel({}, seed=0, on_gpu=False)
+            yield
+        finally:
+            destroy_megatron_parallel()
+            disable_cpu_execution()
+            dist.destroy_process_group()
+
+
+def _read_dist_checkpoint(
+    policy_dir: Path, policy: dict[str, Any], architecture: Architecture
+) -> dict[str, Any]:
+    """The whole model's weights (one unsharded state dict) of a current-format checkpoint."""
+    from nemo_rl_offload.models import checkpoint
+    from nemo_rl_offload.models.builder import build_gpt_model
+    from nemo_rl_offload.offload import apply
+
+    read_saved(policy_dir)  # one line if it is not a checkpoint
+    section = copy.deepcopy(policy)
+    section["megatron_cfg"] = {**(section.get("megatron_cfg") or {}), **_SINGLE_RANK}
+    with _one_cpu_rank():
+        effective = apply.effective_settings(section, architecture, te_installed=False)
+        model, _ = build_gpt_model(effective, architecture, on_gpu=False)
+        checkpoint.load(
+            policy_dir,
+            model=model,
+            optimizer=None,
+            scheduler=None,
+            distributed_optimizer=False,
+            on_gpu=False,
+            weights_only=True,
+        )
+        return {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
 
 
 def export(
@@ -89,7 +166,11 @@ def export(
     policy = report.recipe["policy"]
     architecture = architecture_for(policy["model_name"], base_dir=Path.cwd())
     step_dir = resolve_checkpoint(checkpoint, "--checkpoint")
-    shards = [merge_pipeline_stages(stages) for stages in _read_shards(step_dir / "policy")]
+    policy_dir = step_dir / "policy"
+    if is_legacy(policy_dir):
+        shards = [merge_pipeline_stages(stages) for stages in _read_shards(policy_dir)]
+    else:
+        shards = [_read_dist_checkpoint(policy_dir, policy, architecture)]
     keys = shards[0].keys()
     grouped = any(".experts.linear_fc1.weight" in key for key in keys)
     fused = any(key.endswith("linear_qkv.layer_norm_weight") for key in keys)

@@ -51,12 +51,17 @@ class MetricsLogger:
         total_steps: int,
         tensorboard: bool = False,
         stream: TextIO | None = None,
-        resume: bool = False,
+        resume_step: int | None = None,
     ) -> None:
+        """``resume_step``: a run resumed from the checkpoint of that step appends to the
+        existing file, without the records of later steps (the run that stopped logged them;
+        they run again)."""
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.log_dir / METRICS_FILE
-        self._file = self.path.open("a" if resume else "w", encoding="utf-8")
+        if resume_step is not None:
+            _drop_records_after(self.path, resume_step)
+        self._file = self.path.open("w" if resume_step is None else "a", encoding="utf-8")
         self._stream = stream or sys.stdout
         self._total = total_steps
         self._start = time.monotonic()
@@ -90,6 +95,19 @@ class MetricsLogger:
         self._file.close()
         if self._writer is not None:
             self._writer.close()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrite the metrics file without records of steps after ``step`` (atomically)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if not line.strip() or json.loads(line)["step"] <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
 
 
 def read_metrics(log_dir: str | Path, phase: str | None = None) -> list[dict[str, Any]]:

@@ -3,11 +3,21 @@ encoding, checkpoints with resume, and the metrics logger.
 
 A run directory layout (``checkpointing.checkpoint_dir``)::
 
-    step_000010/policy/model_tp0_pp0.pt   one file per model-parallel shard
-    step_000010/state.json                the driver's state: step, data position, metrics
+    step_000010/policy/          the workers' sharded checkpoint (megatron dist_checkpointing:
+                                 weights, optimizer, scheduler, generators, worker step) and
+                                 layout.json, the layout it was saved with (models.checkpoint)
+    step_000010/state.json       the driver's state: step, data position
 
-A checkpoint directory is written under a temporary name and renamed when complete, so a crash
-never leaves a half-written checkpoint that resume would pick up.
+A checkpoint directory is written as ``.tmp_step_N`` and renamed to ``step_N`` only when the
+workers' parts and state.json are all written, so a stop mid-save leaves the previous
+checkpoint as the latest complete one; resume looks only at ``step_N`` directories with a
+state.json, and removes ``.tmp_*`` leftovers. Old checkpoints are renamed away before they are
+deleted, for the same reason.
+
+Resume is exact: everything a step's outcome depends on is restored (the workers' full state,
+the data order position; GRPO's and distillation's sampling seeds are derived from the step
+number, the data order from the seed and the epoch). Records of steps after the checkpoint,
+left in the metrics file by the run that stopped, are dropped, since those steps run again.
 """
 
 from __future__ import annotations
@@ -37,6 +47,26 @@ from nemo_rl_offload.preflight import Report, load_and_check
 
 _LOG = logging.getLogger("nemo_rl_offload.run")
 STATE_FILE = "state.json"
+# Directories being written or deleted: never read as checkpoints, removed at the next start.
+TMP_PREFIX = ".tmp_"
+
+
+def _remove(directory: Path) -> None:
+    """Delete a checkpoint directory: renamed out of the ``step_*`` names first, so that a
+    stop halfway through never leaves a partly deleted one that looks complete."""
+    doomed = directory.with_name(f"{TMP_PREFIX}delete_{directory.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(directory, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_incomplete(root: str | Path) -> list[Path]:
+    """Remove what a stopped run left half-written or half-deleted under ``root``."""
+    root = Path(root)
+    leftovers = sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
+    for leftover in leftovers:
+        shutil.rmtree(leftover, ignore_errors=True)
+    return leftovers
 
 
 def checkpoint_dirs(root: str | Path) -> list[Path]:
@@ -142,19 +172,22 @@ class Run:
 
     # ------------------------------------------------------------------- checkpoints
     def save(self, policy: Any, step: int, state: dict[str, Any]) -> Path | None:
+        """Write ``step_N`` (the workers' state, then the driver's ``state``) atomically."""
         ckpt = self.recipe["checkpointing"]
         if not ckpt.get("enabled", True):
             return None
         root = Path(ckpt["checkpoint_dir"])
         final = root / f"step_{step:06d}"
-        tmp = root / f".tmp_step_{step:06d}"
+        tmp = root / f"{TMP_PREFIX}step_{step:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         policy.save(str(tmp / "policy"))
         recorded = checkpointing.record(self.metric, self._step_metrics)
         (tmp / STATE_FILE).write_text(
             json.dumps({"step": step, **state, "metrics": recorded}, indent=1)
         )
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():  # the same step again (e.g. the last one): replace it
+            _remove(final)
         os.replace(tmp, final)
         self._saved_step = step
         self._retain(root)
@@ -175,7 +208,7 @@ class Run:
             metric=self.metric,
             higher_is_better=bool(ckpt.get("higher_is_better", True)),
         ):
-            shutil.rmtree(directories[step], ignore_errors=True)
+            _remove(directories[step])
 
     def sampler(self, size: int, seed: int) -> EpochSampler:
         """The training-data order, continuing where a resumed run stopped."""
@@ -240,12 +273,23 @@ class Run:
             self.save(policy, self.last_step, {"position": self.last_position})
 
     def restore(self, policy: Any) -> None:
-        """Load the resume checkpoint (full state) or ``policy.init_checkpoint`` (weights)."""
+        """Load the resume checkpoint (full state) or ``policy.init_checkpoint`` (weights).
+
+        On resume, a policy group that holds a reference model first loads the
+        init_checkpoint's weights, which the reference keeps (the resume checkpoint holds the
+        trained policy, not the reference it is compared with)."""
+        init = self.policy_cfg.get("init_checkpoint")
         if self.resume_from is not None:
-            policy.load(str(self.resume_from / "policy"))
+            policy_dir = self.resume_from / "policy"
+            for note in policy.check_resumable(str(policy_dir)):
+                print(f"note: {note}", file=sys.stderr)
+            if init and policy.holds_reference:
+                path = resolve_checkpoint(init, "policy.init_checkpoint")
+                policy.load(str(path / "policy"), weights_only=True)
+                print(f"reference weights loaded from {path}", file=sys.stderr)
+            policy.load(str(policy_dir))
             print(f"resumed from {self.resume_from} (step {self.start_step})", file=sys.stderr)
             return
-        init = self.policy_cfg.get("init_checkpoint")
         if init:
             path = resolve_checkpoint(init, "policy.init_checkpoint")
             policy.load(str(path / "policy"), weights_only=True)
@@ -346,7 +390,11 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
         check_hf_directory(architecture)  # a bad directory fails here, not in the workers
     ckpt = recipe["checkpointing"]
     resume_from, start_step, driver_state = None, 0, {}
-    existing = checkpoint_dirs(ckpt["checkpoint_dir"]) if ckpt.get("enabled", True) else []
+    existing = []
+    if ckpt.get("enabled", True):
+        for leftover in remove_incomplete(ckpt["checkpoint_dir"]):
+            print(f"removed an incomplete checkpoint: {leftover}", file=sys.stderr)
+        existing = checkpoint_dirs(ckpt["checkpoint_dir"])
     if existing:
         resume_from = existing[-1]
         driver_state = json.loads((resume_from / STATE_FILE).read_text())
@@ -356,7 +404,7 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
         logger_cfg["log_dir"],
         total_steps=int(recipe[algorithm][total_steps_key]),
         tensorboard=bool(logger_cfg.get("tensorboard_enabled", False)),
-        resume=resume_from is not None,
+        resume_step=start_step if resume_from is not None else None,
     )
     print(
         f"{algorithm}: metrics -> {logger.path}; checkpoints -> {ckpt['checkpoint_dir']}",

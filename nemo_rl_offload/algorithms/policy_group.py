@@ -13,6 +13,7 @@ import numpy as np
 
 from nemo_rl_offload.algorithms.batching import split
 from nemo_rl_offload.distributed.worker_group import WorkerGroup
+from nemo_rl_offload.models import checkpoint
 from nemo_rl_offload.models.policy_worker import PolicyWorker
 
 # Metrics that describe one rank (its memory, time, learning rate): the step's value is the
@@ -64,7 +65,7 @@ class PolicyGroup:
         gpu_fraction: float = 1.0,
     ) -> None:
         num_workers, self.on_gpu = worker_count(cluster_cfg)
-        self.where = where
+        self.where, self.holds_reference = where, with_reference
         self.group = WorkerGroup(
             PolicyWorker,
             num_workers,
@@ -91,6 +92,15 @@ class PolicyGroup:
         self.reporters = {
             int(layout["dp_rank"]): rank for rank, layout in enumerate(layouts) if layout["reports"]
         }
+        first = layouts[0]
+        self.layout = checkpoint.Layout(
+            tensor_parallel=int(first["tensor_parallel"]),
+            pipeline_parallel=int(first["pipeline_parallel"]),
+            data_parallel=self.dp_size,
+            context_parallel=int(first["context_parallel"]),
+            expert_parallel=int(first["expert_parallel"]),
+            distributed_optimizer=bool(first["distributed_optimizer"]),
+        )
 
     @property
     def warnings(self) -> list[str]:
@@ -149,9 +159,16 @@ class PolicyGroup:
         return ordered
 
     def save(self, directory: str) -> None:
+        """Every worker writes its part of one checkpoint in ``directory``."""
         self.group.run("save_checkpoint", directory)
 
+    def check_resumable(self, directory: str) -> list[str]:
+        """Before a resume: refuse (one line) a checkpoint these workers cannot take their full
+        state from; returns notes to show (e.g. what the checkpoint does not restore)."""
+        return checkpoint.check_resumable(directory, self.layout)
+
     def load(self, directory: str, *, weights_only: bool = False) -> int:
+        """Load a checkpoint on every worker; the step it was saved at (0 for weights only)."""
         return max(self.group.run("load_checkpoint", directory, weights_only=weights_only))
 
     def shutdown(self) -> None:

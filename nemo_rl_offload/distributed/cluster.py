@@ -100,8 +100,8 @@ def start_or_join(
         started = False
     else:
         # "local": a cluster of this job's own. Without an address Ray joins the newest
-        # cluster on the machine (another job's embedded one included), where this job's
-        # num_cpus cannot apply and the two jobs would share workers' resources.
+        # cluster started on the machine (`ray start`; its /tmp/ray/ray_current_cluster, dead
+        # or not), where this job's num_cpus cannot apply.
         ray.init(
             address="local",
             num_cpus=num_cpus,

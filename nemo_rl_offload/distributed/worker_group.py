@@ -49,6 +49,15 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _user_input_problems(exc: BaseException) -> list[str]:
+    """The lines of a UserInputError that a worker raised (empty for any other error): they
+    reach the user as they are, like one raised in the driver."""
+    import ray.exceptions
+
+    inner = getattr(exc, "cause", None) if isinstance(exc, ray.exceptions.RayTaskError) else exc
+    return list(inner.problems) if isinstance(inner, UserInputError) else []
+
+
 class WorkerGroup:
     """``num_workers`` Ray actors of ``worker_cls``, one per placement-group bundle."""
 
@@ -107,7 +116,8 @@ class WorkerGroup:
         **kwargs: Any,
     ) -> list[Any]:
         """Call ``method`` on every worker (the same arguments, or ``per_worker[rank]``) and
-        return the results in rank order. Raises WorkerError as soon as any worker fails."""
+        return the results in rank order. Raises WorkerError as soon as any worker fails
+        (UserInputError when that failure is one: a problem in the user's input)."""
         futures = []
         for rank, worker in enumerate(self.workers):
             call_args, call_kwargs = per_worker[rank] if per_worker is not None else (args, kwargs)
@@ -141,6 +151,10 @@ class WorkerGroup:
                 try:
                     results[rank] = ray.get(future)
                 except Exception as exc:  # the worker's error or its death
+                    problems = _user_input_problems(exc)
+                    if problems:  # the worker found a mistake in what the user gave
+                        self.shutdown()
+                        raise UserInputError(problems) from None
                     error = WorkerError(self.name, rank, _error_text(exc))
                     _LOG.error("%s (in %s)", error, method)
                     self.shutdown()

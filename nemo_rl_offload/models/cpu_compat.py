@@ -35,7 +35,10 @@ Patches (module: name -> replacement, and why):
    get_megatron_optimizer run unchanged on CPU workers, so data parallelism has one code path.
 
 :func:`cpu_schedule_allocations` is separate and scoped to one call: Megatron's pipeline
-schedules allocate their token counter with ``device="cuda"`` unconditionally.
+schedules allocate their token counter with ``device="cuda"`` unconditionally. So are
+:func:`cpu_checkpoint_io` (Megatron's distributed-checkpoint writer synchronises CUDA and puts
+its failure flag on the GPU) and :func:`params_typed_as_cuda` (the DistributedOptimizer accepts
+only parameters whose type name is a CUDA one; set on the parameters while it is built).
 
 Not covered (they do not run on the local spec at TP=1 on CPU): sequence-parallel gather
 buffers, inference KV caches, CUDA graphs, fine-grained activation offloading (GPU-only).
@@ -136,6 +139,10 @@ class _CpuCuda:
     @staticmethod
     def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
 
 
 class _CpuTorch(types.ModuleType):
@@ -295,3 +302,62 @@ def cpu_schedule_allocations() -> Iterator[None]:
         yield
     finally:
         schedules.torch = previous
+
+
+_CHECKPOINT_IO_MODULES: tuple[str, ...] = (
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize after D2H
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # failure flag on "cuda"
+)
+
+
+@contextlib.contextmanager
+def cpu_checkpoint_io() -> Iterator[None]:
+    """While active, Megatron's distributed-checkpoint writer sees the CPU stand-in ``torch``
+    (``torch.cuda.synchronize`` a no-op, ``device="cuda"`` allocations on the CPU).
+
+    Its torch_dist save waits for the device-to-host copies of the tensors it writes
+    (``torch.cuda.synchronize``) and broadcasts its failure flag as a tensor on the current
+    CUDA device: on CPU workers there is nothing to wait for and the CPU is the device. Scoped
+    to one save or load, so a GPU model in the same process never sees it.
+    """
+    modules = [importlib.import_module(name) for name in _CHECKPOINT_IO_MODULES]
+    previous = [module.torch for module in modules]
+    stand_in = _CpuAllocTorch()
+    for module in modules:
+        module.torch = stand_in
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, previous, strict=True):
+            module.torch = original
+
+
+@contextlib.contextmanager
+def params_typed_as_cuda(params: Any) -> Iterator[None]:
+    """While active, each of ``params`` answers ``.type()`` with the CUDA tensor type name of
+    its dtype (``torch.cuda.FloatTensor`` for a CPU float32 tensor); ``.type(dtype)`` casts
+    as usual.
+
+    Megatron's DistributedOptimizer sorts the parameters it shards into float16 and float32
+    groups by their type names and refuses any that are not CUDA tensors; nothing else in it
+    needs a GPU (its gradient reduce-scatter and parameter all-gather run on gloo). The
+    answer is set on the parameter objects themselves, for the optimizer's construction only:
+    no Megatron or torch name is replaced.
+    """
+    params = list(params)
+
+    def cuda_type(param: torch.Tensor) -> Any:
+        def type_(*args: Any, **kwargs: Any) -> Any:
+            if args or kwargs:
+                return torch.Tensor.type(param, *args, **kwargs)
+            return torch.Tensor.type(param).replace("torch.", "torch.cuda.", 1)
+
+        return type_
+
+    for param in params:
+        param.type = cuda_type(param)
+    try:
+        yield
+    finally:
+        for param in params:
+            del param.type

@@ -13,6 +13,7 @@ values come back as sums with their counts, so the driver can combine ranks exac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -220,15 +221,20 @@ class PolicyWorker:
         return {"warnings": warnings, "parameters": params, "device": str(self.device), **numa}
 
     def parallel_layout(self) -> dict[str, int | bool]:
-        """This rank's data-parallel coordinates, and whether it returns outputs (the first
-        tensor-parallel rank of the last pipeline stage: every such rank has identical ones)."""
-        from megatron.core import parallel_state
+        """This rank's data-parallel coordinates, whether it returns outputs (the first
+        tensor-parallel rank of the last pipeline stage: every such rank has identical ones),
+        and the group's parallel sizes and optimizer kind (what a checkpoint records)."""
+        from megatron.core import parallel_state as ps
 
         return {
-            "dp_rank": parallel_state.get_data_parallel_rank(),
-            "dp_size": parallel_state.get_data_parallel_world_size(),
-            "reports": parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.is_pipeline_last_stage(),
+            "dp_rank": ps.get_data_parallel_rank(),
+            "dp_size": ps.get_data_parallel_world_size(),
+            "reports": ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(),
+            "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
+            "context_parallel": ps.get_context_parallel_world_size(),
+            "expert_parallel": ps.get_expert_model_parallel_world_size(),
+            "distributed_optimizer": self._distributed_optimizer,
         }
 
     def _precision_wrap(self, model: Any) -> Any:
@@ -251,7 +257,8 @@ class PolicyWorker:
 
         opt_cfg = dict(megatron_cfg.get("optimizer") or {})
         ddp_cfg = dict(megatron_cfg.get("distributed_data_parallel_config") or {})
-        use_distributed = bool(opt_cfg.get("use_distributed_optimizer", False)) and self.on_gpu
+        # On CPU workers too: its reduce-scatter and all-gather run on gloo.
+        use_distributed = bool(opt_cfg.get("use_distributed_optimizer", False))
         ddp_cfg.pop("use_custom_fsdp", None)
         # Parameter all-gathers exist only with the distributed optimizer (sharded parameters).
         ddp_cfg["overlap_param_gather"] = (
@@ -286,15 +293,16 @@ class PolicyWorker:
             kwargs.get("use_precision_aware_optimizer", False) and self.on_gpu
         )
         kwargs["clip_grad"] = float(kwargs.get("clip_grad") or 0.0)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                **kwargs,
-                bf16=precision == "bfloat16",
-                fp16=precision == "float16",
-                params_dtype=getattr(torch, str(opt_cfg.get("params_dtype", "float32"))),
-            ),
-            [self.model],
-        )
+        with self._optimizer_construction():
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    **kwargs,
+                    bf16=precision == "bfloat16",
+                    fp16=precision == "float16",
+                    params_dtype=getattr(torch, str(opt_cfg.get("params_dtype", "float32"))),
+                ),
+                [self.model],
+            )
         sched = dict(megatron_cfg.get("scheduler") or {})
         lr = float(opt_cfg["lr"])
         weight_decay = float(opt_cfg.get("weight_decay", 0.01))
@@ -312,6 +320,15 @@ class PolicyWorker:
             wd_incr_steps=decay_steps,
             wd_incr_style=str(sched.get("weight_decay_incr_style", "constant")),
         )
+
+    def _optimizer_construction(self) -> contextlib.AbstractContextManager[None]:
+        """On CPU workers, the distributed optimizer is built with its parameters answering
+        CUDA type names (``cpu_compat.params_typed_as_cuda``): it checks them by name."""
+        if self.on_gpu:
+            return contextlib.nullcontext()
+        from nemo_rl_offload.models.cpu_compat import params_typed_as_cuda
+
+        return params_typed_as_cuda(self.model.parameters())
 
     # ------------------------------------------------------------------------- passes
     def _tensors(self, microbatches: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
@@ -500,52 +517,74 @@ class PolicyWorker:
             "gpu_memory_gib": torch.cuda.memory_allocated() / 2**30,
         }
 
-    def _shard_name(self) -> str:
-        from megatron.core import parallel_state
+    def save_checkpoint(self, directory: str) -> None:
+        """Write this rank's part of the checkpoint in ``directory`` (every rank together):
+        weights, optimizer, scheduler, generators and step (``models.checkpoint``)."""
+        from nemo_rl_offload.models import checkpoint
 
-        tp = parallel_state.get_tensor_model_parallel_rank()
-        pp = parallel_state.get_pipeline_model_parallel_rank()
-        return f"model_tp{tp}_pp{pp}.pt"
-
-    def save_checkpoint(self, directory: str) -> str | None:
-        """Each model-parallel shard is written once (by data-parallel rank 0)."""
-        import torch
-        from megatron.core import parallel_state
-
-        if parallel_state.get_data_parallel_rank() != 0:
-            return None
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {"model": self._unwrapped().state_dict(), "step": self.step}
-        if self.optimizer is not None and not self.optimizer.config.use_distributed_optimizer:
-            state["optimizer"] = self.optimizer.state_dict()
-            state["scheduler"] = self.scheduler.state_dict()
-        tmp = path / (self._shard_name() + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path / self._shard_name())
-        return str(path / self._shard_name())
+        checkpoint.save(
+            directory,
+            model=self._unwrapped(),
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            step=self.step,
+            distributed_optimizer=self._distributed_optimizer,
+            on_gpu=self.on_gpu,
+        )
 
     def load_checkpoint(self, directory: str, *, weights_only: bool = False) -> int:
-        import torch
+        """Load a checkpoint (either format). ``weights_only`` (``init_checkpoint``): the
+        weights, into the reference model too; otherwise (resume) the full training state
+        into the policy, while the reference keeps the weights it started with."""
+        from nemo_rl_offload.models import checkpoint
 
-        state = torch.load(Path(directory) / self._shard_name(), map_location=self.device)
+        if checkpoint.is_legacy(directory):
+            return self._load_legacy(directory, weights_only=weights_only)
+        weights, step = checkpoint.load(
+            directory,
+            model=self._unwrapped(),
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            distributed_optimizer=self._distributed_optimizer,
+            on_gpu=self.on_gpu,
+            weights_only=weights_only,
+        )
+        if weights_only:
+            self._load_reference(weights)
+            return 0
+        self.step = step
+        return step
+
+    def _load_legacy(self, directory: str, *, weights_only: bool) -> int:
+        """A checkpoint of the first format: weights, and for a resume the step, the scheduler
+        and the plain optimizer's state it holds (it held none for the distributed one)."""
+        from nemo_rl_offload.models import checkpoint
+
+        state = checkpoint.read_legacy_shard(checkpoint.legacy_shard_path(directory))
         self._unwrapped().load_state_dict(state["model"])
+        if self.optimizer is not None:
+            # The optimizer's float32 copies of the weights were made when it was built.
+            self.optimizer.reload_model_params()
+        if weights_only:
+            self._load_reference(state["model"])
+            return 0
+        if self.optimizer is not None and "optimizer" in state:
+            if not self._distributed_optimizer:  # that format held the plain optimizer's only
+                self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state.get("step", 0))
+        return self.step
+
+    def _load_reference(self, weights: dict[str, Any]) -> None:
         if self.reference is not None:
             reference = self.reference
             while hasattr(reference, "module"):
                 reference = reference.module
-            reference.load_state_dict(state["model"])
-        if self.optimizer is not None:
-            # Mixed precision: the optimizer steps float32 copies of the weights, made when it
-            # was built; refresh them, or its first step would bring the old weights back.
-            self.optimizer.reload_model_params()
-        if weights_only:
-            return 0
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state.get("step", 0))
-        return self.step
+            reference.load_state_dict(weights)
+
+    @property
+    def _distributed_optimizer(self) -> bool:
+        return self.optimizer is not None and bool(self.optimizer.config.use_distributed_optimizer)
 
     def close(self) -> None:
         """Drop the model, its reference copy, optimizer and offload plans so that their

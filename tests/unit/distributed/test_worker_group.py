@@ -31,6 +31,12 @@ class EchoWorker:
         time.sleep(0.2)
         return self.rank
 
+    def refuse_on(self, rank: int) -> int:
+        if self.rank == rank:
+            raise UserInputError(f"data.path: rank {self.rank} cannot read it; fix the path")
+        time.sleep(0.2)
+        return self.rank
+
     def die_on(self, rank: int) -> int:
         if self.rank == rank:
             os._exit(3)
@@ -76,6 +82,14 @@ def test_worker_error_names_rank_and_cause(ray_cluster):
     assert caught.value.rank == 1
     assert "ValueError: bad batch on rank 1" in str(caught.value)
     assert group.workers == []  # the rest were stopped
+
+
+def test_a_workers_user_input_error_reaches_the_driver_as_it_is(ray_cluster):
+    group = _group()
+    with pytest.raises(UserInputError) as caught:
+        group.run("refuse_on", 0)
+    assert caught.value.problems == ["data.path: rank 0 cannot read it; fix the path"]
+    assert group.workers == []
 
 
 def test_dead_worker_fails_the_call_quickly(ray_cluster):

@@ -97,3 +97,22 @@ def test_schedule_allocation_patch_is_scoped_to_the_call():
     with pytest.raises(RuntimeError), cpu_compat.cpu_schedule_allocations():
         raise RuntimeError("boom")
     assert schedules.torch is original
+
+
+def test_checkpoint_io_stand_in_lasts_one_call():
+    writer = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    real = writer.torch
+    with cpu_compat.cpu_checkpoint_io():
+        assert writer.torch is not real
+        writer.torch.cuda.synchronize()  # nothing to wait for on CPU
+        assert writer.torch.tensor([1], device="cuda").device.type == "cpu"
+    assert writer.torch is real
+
+
+def test_parameters_answer_cuda_type_names_only_while_the_optimizer_is_built():
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2).bfloat16())]
+    with cpu_compat.params_typed_as_cuda(params):
+        assert [p.type() for p in params] == ["torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor"]
+        assert params[0].type(torch.float64).dtype == torch.float64  # a cast is still a cast
+    assert [p.type() for p in params] == ["torch.FloatTensor", "torch.BFloat16Tensor"]
+    assert "type" not in vars(params[0])

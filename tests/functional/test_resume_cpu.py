@@ -1,0 +1,132 @@
+"""A run that stops resumes exactly, through the CLI on 2 CPU workers (real Ray, gloo and
+megatron dist_checkpointing).
+
+One uninterrupted run of 6 steps (checkpoints at steps 3 and 6) is the reference. The stopped
+run is what a crash in the middle of saving step 6 leaves: the checkpoint of step 3, a
+half-written ``.tmp_step_000006`` directory, and metrics records for steps 4 to 6 that the
+crashed run logged. Run again, it must resume from step 3, remove the half-written directory,
+replace the records after step 3, and log per-step losses and gradient norms bitwise equal to
+the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "configs" / "tiny"
+EXACT_KEYS = ("loss", "grad_norm", "lr")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_rl_offload.cli", *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def train_records(root: Path) -> list[dict]:
+    lines = (root / "logs" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["phase"] == "train"]
+
+
+def paths(root: Path) -> list[str]:
+    return [f"checkpointing.checkpoint_dir={root / 'ckpt'}", f"logger.log_dir={root / 'logs'}"]
+
+
+def run(algorithm: str, overrides: list[str], root: Path) -> subprocess.CompletedProcess:
+    config = TINY / f"{algorithm}.yaml"
+    done = cli(algorithm, "--config", str(config), *overrides, *paths(root))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def stopped_while_saving(done: Path, stopped: Path, saved: int, saving: int) -> None:
+    """``stopped``: what a run leaves that crashed halfway through writing the checkpoint of
+    step ``saving``, its checkpoint of step ``saved`` complete; made from the uninterrupted run
+    ``done``."""
+    (stopped / "ckpt").mkdir(parents=True)
+    shutil.copytree(done / "ckpt" / f"step_{saved:06d}", stopped / "ckpt" / f"step_{saved:06d}")
+    partial = stopped / "ckpt" / f".tmp_step_{saving:06d}" / "policy"
+    partial.mkdir(parents=True)
+    for part in sorted((done / "ckpt" / f"step_{saving:06d}" / "policy").glob("*.distcp"))[:1]:
+        shutil.copy(part, partial / part.name)  # one rank's data; no metadata, no state.json
+    (stopped / "logs").mkdir()
+    with (stopped / "logs" / "metrics.jsonl").open("w") as out:
+        for record in train_records(done):
+            if record["step"] > saved:  # logged by the crashed run before it saved
+                record = {**record, **dict.fromkeys(EXACT_KEYS, -1.0)}
+            out.write(json.dumps(record) + "\n")
+
+
+def assert_resumes_exactly(
+    algorithm: str, overrides: list[str], done: Path, stopped: Path, saved: int, steps: int
+) -> None:
+    """Run ``stopped`` (the run ``done`` crashed while saving its last step) again: it resumes
+    from step ``saved`` and logs bitwise what ``done`` logged."""
+    stopped_while_saving(done, stopped, saved, steps)
+    again = run(algorithm, overrides, stopped)
+    assert f"resumed from {stopped / 'ckpt' / f'step_{saved:06d}'} (step {saved})" in again.stderr
+    assert "removed an incomplete checkpoint" in again.stderr
+    names = sorted(p.name for p in (stopped / "ckpt").iterdir())
+    assert names == [f"step_{saved:06d}", f"step_{steps:06d}"]
+    expected, resumed = train_records(done), train_records(stopped)
+    assert [r["step"] for r in resumed] == list(range(1, steps + 1))
+    for want, got in zip(expected, resumed, strict=True):
+        for key in EXACT_KEYS:
+            assert got[key] == want[key], (got["step"], key, got[key], want[key])
+
+
+SFT = [
+    "sft.max_num_steps=6",
+    "sft.val_period=0",
+    "sft.val_at_start=false",
+    "checkpointing.save_period=3",
+    "checkpointing.keep_top_k=2",
+]
+
+
+@pytest.fixture(scope="module")
+def sft_done(tmp_path_factory) -> Path:
+    """The uninterrupted SFT run (plain optimizer): 6 steps, checkpoints at 3 and 6."""
+    root = tmp_path_factory.mktemp("sft") / "uninterrupted"
+    run("sft", SFT, root)
+    assert sorted(p.name for p in (root / "ckpt").iterdir()) == ["step_000003", "step_000006"]
+    return root
+
+
+def test_sft_stopped_mid_save_resumes_bitwise(sft_done, tmp_path):
+    assert_resumes_exactly("sft", SFT, sft_done, tmp_path / "stopped", saved=3, steps=6)
+
+
+def test_grpo_with_distributed_optimizer_resumes_bitwise(sft_done, tmp_path):
+    """GRPO samples (its seeds derive from the step number) and holds a reference model for
+    its KL penalty, which a resume gives back the init_checkpoint's weights; its workers use
+    the distributed optimizer (its reduce-scatter and all-gather on gloo)."""
+    grpo = [
+        f"policy.init_checkpoint={sft_done / 'ckpt' / 'step_000003'}",
+        "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
+        "grpo.max_num_steps=4",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "policy.train_global_batch_size=16",
+        "policy.train_micro_batch_size=8",
+        "checkpointing.save_period=2",
+        "checkpointing.keep_top_k=2",
+    ]
+    done = tmp_path / "uninterrupted"
+    run("grpo", grpo, done)
+    assert_resumes_exactly("grpo", grpo, done, tmp_path / "stopped", saved=2, steps=4)

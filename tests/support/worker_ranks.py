@@ -1,0 +1,126 @@
+"""Policy workers on several gloo ranks, in processes of their own (torch.multiprocessing's
+spawn), for tests of what needs more than one rank: checkpoints saved with one parallel layout
+and loaded with another.
+
+A test calls :func:`run_ranks` with a function of this module; each rank's result is written
+as JSON into ``out`` and returned in rank order. Spawned processes import this module by name,
+so the functions live here, not in the test files.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LOSS = {"name": "nll"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(function: Any, world: int, out: Path, **kwargs: Any) -> list[dict[str, Any]]:
+    """Run ``function(rank, world, port, out, **kwargs)`` on ``world`` spawned ranks."""
+    import torch.multiprocessing as mp
+
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(
+        _rank_main,
+        args=(function, world, _free_port(), str(out), kwargs),
+        nprocs=world,
+        start_method="spawn",
+    )
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def _rank_main(rank: int, function: Any, world: int, port: int, out: str, kwargs: dict) -> None:
+    try:
+        result = function(rank, world, port, Path(out), **kwargs)
+    except Exception:
+        traceback.print_exc()
+        raise
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def section(**megatron_cfg: Any) -> dict[str, Any]:
+    """A float32 tiny-dense policy section with Adam and the given megatron_cfg keys."""
+    optimizer = {"optimizer": "adam", "lr": 1e-3, "use_distributed_optimizer": False}
+    optimizer.update(megatron_cfg.pop("optimizer", {}))
+    return {
+        "model_name": "tiny-dense",
+        "precision": "float32",
+        "max_total_sequence_length": 64,
+        "megatron_cfg": {"enabled": True, "optimizer": optimizer, **megatron_cfg},
+    }
+
+
+def make_worker(rank: int, world: int, port: int, policy: dict[str, Any]) -> Any:
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    worker = PolicyWorker(
+        section=policy, where="policy", rank=rank, world_size=world, seed=7, on_gpu=False
+    )
+    worker.setup("127.0.0.1", port)
+    return worker
+
+
+def step_batches(step: int, count: int = 2) -> list[dict[str, np.ndarray]]:
+    """The micro-batches of one training step (the same on every layout)."""
+    rng = np.random.default_rng(1000 + step)
+    batches = []
+    for _ in range(count):
+        ids = rng.integers(1, 300, (2, 24))
+        batches.append({"input_ids": ids, "labels": ids, "loss_mask": np.ones((2, 24), np.float32)})
+    return batches
+
+
+def train_step(worker: Any, step: int) -> dict[str, float]:
+    """One step, each data-parallel rank on its share of the step's micro-batches."""
+    layout = worker.parallel_layout()
+    batches = step_batches(step)
+    share = len(batches) // int(layout["dp_size"])
+    mine = batches[int(layout["dp_rank"]) * share : (int(layout["dp_rank"]) + 1) * share]
+    return worker.train(mine, LOSS)
+
+
+def probe(worker: Any) -> list[float]:
+    """Log-probabilities of a fixed batch: what the weights compute."""
+    return [float(x) for x in worker.token_logprobs(step_batches(99, 1))[0].ravel()]
+
+
+def _result(worker: Any, metrics: dict[str, float]) -> dict[str, Any]:
+    layout = worker.parallel_layout()
+    return {
+        "reports": bool(layout["reports"]),
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "probe": probe(worker),
+    }
+
+
+def train_save_and_step(
+    rank: int, world: int, port: int, out: Path, policy: dict[str, Any]
+) -> dict[str, Any]:
+    """Two steps, a checkpoint in ``out/ckpt``, then the third step."""
+    worker = make_worker(rank, world, port, policy)
+    for step in (1, 2):
+        train_step(worker, step)
+    worker.save_checkpoint(str(out / "ckpt"))
+    before = probe(worker)
+    return {**_result(worker, train_step(worker, 3)), "probe_before": before}
+
+
+def load_and_step(
+    rank: int, world: int, port: int, out: Path, policy: dict[str, Any], ckpt: str
+) -> dict[str, Any]:
+    """Resume from ``ckpt``, then the third step."""
+    worker = make_worker(rank, world, port, policy)
+    step = worker.load_checkpoint(ckpt)
+    return {**_result(worker, train_step(worker, 3)), "step": step}
