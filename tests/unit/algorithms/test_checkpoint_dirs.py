@@ -56,7 +56,11 @@ def test_a_stop_mid_save_leaves_the_previous_checkpoint_the_latest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp_step_000006", "step_000003"]
     assert checkpoint_dirs(tmp_path) == [tmp_path / "step_000003"]
     latest = resolve_checkpoint(str(tmp_path), "policy.init_checkpoint")
-    assert json.loads((latest / STATE_FILE).read_text()) == {"step": 3, "position": 96}
+    assert json.loads((latest / STATE_FILE).read_text()) == {
+        "step": 3,
+        "position": 96,
+        "metrics": {},
+    }
 
     assert remove_incomplete(tmp_path) == [tmp_path / ".tmp_step_000006"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003"]
