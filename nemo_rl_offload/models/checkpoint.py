@@ -159,6 +159,15 @@ def read_saved(directory: str | Path) -> SavedCheckpoint:
     return saved
 
 
+def _fresh_start(directory: str | Path) -> str:
+    """What to do instead of resuming: a new run from the checkpoint's weights."""
+    step_dir = Path(directory).parent
+    return (
+        f"start a new run (another checkpointing.checkpoint_dir) from its weights with "
+        f"policy.init_checkpoint={step_dir}"
+    )
+
+
 def check_resume(directory: str | Path, saved: SavedCheckpoint, current: Layout) -> None:
     """Refuse, in one line, a full-state load that the checkpoint cannot give this layout.
 
@@ -168,10 +177,10 @@ def check_resume(directory: str | Path, saved: SavedCheckpoint, current: Layout)
     buckets, whose contents depend on every model-parallel size: it reloads onto another
     data-parallel size only.
     """
+    fresh = _fresh_start(directory)
     if not saved.has_optimizer:
         raise UserInputError(
-            f"{directory}: holds weights only (saved by workers without an optimizer); start "
-            "a new run from it with policy.init_checkpoint"
+            f"{directory}: holds weights only (saved by workers without an optimizer); {fresh}"
         )
     was, now = saved.layout, current
     if was.distributed_optimizer != now.distributed_optimizer:
@@ -179,8 +188,7 @@ def check_resume(directory: str | Path, saved: SavedCheckpoint, current: Layout)
         raise UserInputError(
             f"{directory}: saved with {was.describe()}, this run has {now.describe()}; the two "
             "optimizers store their state differently. Set policy.megatron_cfg.optimizer."
-            f"use_distributed_optimizer={setting} to resume, or start a new run from its "
-            "weights with policy.init_checkpoint"
+            f"use_distributed_optimizer={setting} to resume, or {fresh}"
         )
     model_parallel = ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel")
     changed = [name for name in model_parallel if getattr(was, name) != getattr(now, name)]
@@ -196,7 +204,7 @@ def check_resume(directory: str | Path, saved: SavedCheckpoint, current: Layout)
             f"{directory}: saved with {was.describe()}, this run has {now.describe()}; the "
             f"distributed optimizer's state ({saved.optimizer_format} format) reloads onto "
             f"another data-parallel size only. Resume with policy.megatron_cfg {wanted}, or "
-            "start a new run from its weights with policy.init_checkpoint"
+            f"{fresh}"
         )
 
 

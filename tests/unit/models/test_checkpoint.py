@@ -109,8 +109,9 @@ def test_layouts_a_checkpoint_can_give(saved, current):
             "optimizer, this run has tp=2 pp=1 dp=1 cp=1 ep=1, distributed optimizer; the "
             "distributed optimizer's state (dp_reshardable format) reloads onto another "
             "data-parallel size only. Resume with policy.megatron_cfg "
-            "tensor_model_parallel_size=1, or start a new run from its weights with "
-            "policy.init_checkpoint",
+            "tensor_model_parallel_size=1, or start a new run (another "
+            "checkpointing.checkpoint_dir) from its weights with "
+            "policy.init_checkpoint=ckpt/step_000004",
         ),
         (
             _saved(_layout(distributed=True)),
