@@ -17,6 +17,7 @@ from nemo_rl_offload.config import checkpointing
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import Architecture, architecture_for
 from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
+from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.offload import apply, capabilities, rules
 from nemo_rl_offload.offload.capabilities import Capabilities
@@ -197,6 +198,17 @@ def _check_checkpointing(recipe: dict[str, Any], algorithm: str, report: Report)
         )
 
 
+def _workers(cluster: Any) -> int | None:
+    """How many workers each policy group gets; None when the cluster section is not
+    well-typed (the schema reports that)."""
+    if not isinstance(cluster, dict):
+        return None
+    try:
+        return worker_count(cluster)[0]
+    except (TypeError, ValueError):
+        return None
+
+
 def check_recipe(
     recipe: dict[str, Any],
     *,
@@ -222,6 +234,7 @@ def check_recipe(
     _check_checkpointing(recipe, algorithm, report)
     cluster = recipe.get("cluster")
     gpus_per_node = cluster.get("gpus_per_node") if isinstance(cluster, dict) else None
+    workers = _workers(cluster)
     effective_by_section: dict[str, apply.EffectiveSettings] = {}
     for where in POLICY_SECTIONS:
         section = recipe.get(where)
@@ -229,7 +242,12 @@ def check_recipe(
             continue
         architecture = _architecture(section, where, base_dir, report)
         findings = rules.check_policy(
-            section, where=where, architecture=architecture, caps=caps, gpus_per_node=gpus_per_node
+            section,
+            where=where,
+            architecture=architecture,
+            caps=caps,
+            gpus_per_node=gpus_per_node,
+            workers=workers,
         )
         report.errors += findings.errors
         report.warnings += findings.warnings

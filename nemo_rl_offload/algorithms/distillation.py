@@ -24,9 +24,9 @@ from nemo_rl_offload.algorithms.common import (
     resolve_checkpoint,
 )
 from nemo_rl_offload.algorithms.grpo import attach, rollout, validate
-from nemo_rl_offload.algorithms.policy_group import worker_count
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.data.datasets import load_split
+from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
 

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from nemo_rl_offload.algorithms.batching import split
+from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.distributed.worker_group import WorkerGroup
 from nemo_rl_offload.models import checkpoint
 from nemo_rl_offload.models.policy_worker import PolicyWorker
@@ -41,14 +42,6 @@ def holds_reference(recipe: dict[str, Any], algorithm: str) -> bool:
     if algorithm == "grpo":
         return float((recipe.get("loss_fn") or {}).get("reference_policy_kl_penalty", 0.0)) > 0
     return False
-
-
-def worker_count(cluster_cfg: dict[str, Any]) -> tuple[int, bool]:
-    """(number of workers, on GPU) for a recipe's cluster section."""
-    gpus = int(cluster_cfg.get("gpus_per_node", 0))
-    if gpus > 0:
-        return gpus * int(cluster_cfg.get("num_nodes", 1)), True
-    return int(cluster_cfg.get("num_cpu_workers", 1)), False
 
 
 class PolicyGroup:

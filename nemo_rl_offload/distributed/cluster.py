@@ -22,6 +22,15 @@ DEFAULT_RAY_PORT = 6379
 CONNECT_TIMEOUT_S = 5.0
 
 
+def worker_count(cluster_cfg: dict[str, Any]) -> tuple[int, bool]:
+    """(number of workers of each policy group, on GPU) for a recipe's cluster section: one
+    per GPU when it names GPUs, else ``num_cpu_workers`` CPU workers."""
+    gpus = int(cluster_cfg.get("gpus_per_node", 0))
+    if gpus > 0:
+        return gpus * int(cluster_cfg.get("num_nodes", 1)), True
+    return int(cluster_cfg.get("num_cpu_workers", 1)), False
+
+
 @dataclass(frozen=True)
 class ClusterInfo:
     address: str | None  # None: embedded local cluster

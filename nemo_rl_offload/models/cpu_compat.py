@@ -12,8 +12,9 @@ Patches (module: name -> replacement, and why):
    everything to torch except ``torch.cuda.current_device`` (returns the CPU device) and the
    stream API (``Stream``/``current_stream``/``stream``: one CPU stand-in stream, no-op events).
    These modules allocate buffers on ``torch.cuda.current_device()`` (rotary ``inv_freq``, the
-   global memory buffer that the unfused attention uses, the MoE router's weights) or hand copies
-   to a side CUDA stream (the all-to-all MoE token dispatcher, which caches that stream on its
+   global memory buffer that the unfused attention uses, the MoE router's weights, the pipeline
+   stages' receive buffers, tensor-parallel all-gather outputs) or hand copies to a side CUDA
+   stream (the all-to-all MoE token dispatcher, which caches that stream on its
    class: the cache is emptied while the patches are on and restored after). On CPU there is
    one device and one stream, so the stand-ins are exact, not approximations.
 2. ``megatron.core.fusions.fused_softmax.get_default_causal_mask`` -> the same upper-triangular
@@ -26,6 +27,9 @@ Patches (module: name -> replacement, and why):
 4. ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> CPU-safe no-ops:
    activation recompute saves and restores "the CUDA RNG state" next to the CPU one; with no
    CUDA generator in use, the CPU state it already restores is the whole state.
+6. The all-to-all token dispatcher's ``maybe_move_tensor_to_cpu`` -> the same for CPU tensors:
+   with expert parallelism its split sizes become numpy arrays, as its device-to-host copy
+   makes them on GPU (the collective takes a sequence of ints).
 
 5. ``torch`` as seen by the modules in :data:`CUDA_ALLOCATION_MODULES` (Megatron's DDP
    helpers, optimizer, gradient clipping, multi-tensor utilities) -> the stand-in of 1 that also
@@ -63,6 +67,8 @@ CUDA_DEVICE_MODULES: tuple[str, ...] = (
     _TOKEN_DISPATCHER,  # all-to-all D2H side stream (cached on the class)
     "megatron.core.distributed.param_and_grad_buffer",  # DDP's gradient buffers
     "megatron.core.distributed.distributed_data_parallel",  # DDP's communication stream
+    "megatron.core.pipeline_parallel.p2p_communication",  # pipeline stages' receive buffers
+    "megatron.core.tensor_parallel.mappings",  # all-gather outputs (vocabulary, experts)
 )
 # Modules whose module-global ``torch`` also moves ``device="cuda"`` allocations to the CPU
 # (patch 5).
@@ -241,6 +247,15 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _cpu_split_sizes(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """The all-to-all dispatcher's ``maybe_move_tensor_to_cpu`` for CPU tensors: its split
+    sizes become numpy arrays as they do after the device-to-host copy on GPU (the collective
+    takes a sequence of ints, not a tensor); there is nothing to copy."""
+    if as_numpy and isinstance(tensor, torch.Tensor):
+        return tensor.numpy()
+    return tensor
+
+
 def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -272,6 +287,7 @@ def enable_cpu_execution() -> None:
     # models get the stand-in, and give a GPU model in the same process its CUDA stream back.
     dispatcher = importlib.import_module(_TOKEN_DISPATCHER).MoEAlltoAllTokenDispatcher
     _patch(dispatcher, "cuda_dtoh_stream", None)
+    _patch(_TOKEN_DISPATCHER, "maybe_move_tensor_to_cpu", _cpu_split_sizes)
     _patch(_FUSED_SOFTMAX, "get_default_causal_mask", _cpu_causal_mask)
     _patch(_RANDOM, "_CUDA_RNG_STATE_TRACKER", CpuRngTracker())
     _patch(_RANDOM, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)

@@ -4,8 +4,10 @@ Prompts are right-padded into one batch; with causal attention the padding after
 token cannot influence that token's logits, so each step runs the model over the batch and
 samples, for every unfinished row, the token after its current end. There is no KV cache: each
 step recomputes the prefix, which is cheap for the short answers of the built-in tasks and keeps
-one model code path (training and sampling share the forward). Every tensor-parallel rank draws
-with the same generator state, so they agree on each token.
+one model code path (training and sampling share the forward, through Megatron's schedule, so
+pipeline stages exchange activations as in training). The last pipeline stage's next-token
+logits are broadcast to the other stages, and every rank draws with the same generator state,
+so all tensor- and pipeline-parallel ranks agree on each token.
 """
 
 from __future__ import annotations
@@ -73,6 +75,34 @@ def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _next_token_logits(
+    model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor, limit: int
+) -> torch.Tensor:
+    """Float32 logits [rows, limit] of the token after each row's end, on every rank."""
+    from megatron.core import parallel_state
+
+    from nemo_rl_offload.models.train_step import forward_outputs
+
+    rows = torch.arange(ids.shape[0], device=ids.device)
+
+    def at_row_ends(batch: dict[str, torch.Tensor], logits: torch.Tensor) -> dict:
+        ends = logits[rows, lengths - 1]  # padded rows (pipeline parallel) are cut off after
+        return {"logits": _full_vocab(ends)[:, :limit].float()}
+
+    outputs = forward_outputs(model, [{"input_ids": ids}], at_row_ends, per_position=False)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return outputs[0]["logits"]
+    logits = (
+        outputs[0]["logits"] if outputs else ids.new_empty((ids.shape[0], limit), dtype=torch.float)
+    )
+    torch.distributed.broadcast(
+        logits,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return logits
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -85,13 +115,6 @@ def sample(
     device: torch.device,
 ) -> list[list[int]]:
     """Generated token ids per prompt (without the prompt; stop token included when hit)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError(
-            "generation with pipeline parallelism is not supported yet; use "
-            "pipeline_model_parallel_size 1 for algorithms that sample (GRPO, distillation)"
-        )
     if not prompts:
         return []
     lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -104,13 +127,11 @@ def sample(
     generator = torch.Generator(device=device).manual_seed(seed)
     stops = torch.tensor(settings.stop_token_ids, device=device)
     rows = torch.arange(len(prompts), device=device)
+    limit = min(vocab_size, settings.vocab_limit or vocab_size)
     model.eval()
     for _ in range(settings.max_new_tokens):
         width = int(lengths.max())
-        positions = torch.arange(width, device=device).unsqueeze(0).expand(len(prompts), width)
-        logits = model(ids[:, :width], positions, None)
-        limit = min(vocab_size, settings.vocab_limit or vocab_size)
-        logits = _full_vocab(logits)[rows, lengths - 1, :limit].float()
+        logits = _next_token_logits(model, ids[:, :width], lengths, limit)
         if settings.greedy:
             token = logits.argmax(dim=-1)
         else:

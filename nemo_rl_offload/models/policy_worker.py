@@ -345,6 +345,7 @@ class PolicyWorker:
 
         from nemo_rl_offload import losses
         from nemo_rl_offload.models.train_step import run_microbatches
+        from nemo_rl_offload.offload.runtime import pad_microbatches
 
         start = time.perf_counter()
         self.model.zero_grad_buffer()
@@ -355,6 +356,9 @@ class PolicyWorker:
         if self.on_gpu:
             torch.cuda.reset_peak_memory_stats()
             at_start = torch.cuda.memory_allocated() / 2**30
+        if self._pipeline_stages > 1:  # the stages exchange activations of one shape
+            longest = max(batch["input_ids"].shape[1] for batch in microbatches)
+            microbatches = pad_microbatches(microbatches, longest)
         microbatches = self.runtime.prepare_step(microbatches, sync_length=self._dp_max)
         loss_fn = losses.make_loss_fn(loss)
 
@@ -443,51 +447,60 @@ class PolicyWorker:
     def token_logprobs(
         self, microbatches: list[dict[str, np.ndarray]], *, reference: bool = False
     ) -> list[np.ndarray]:
-        """log p(label) per position [b, s] for each micro-batch (forward only)."""
+        """log p(label) per position [b, s] for each micro-batch (forward only; on the ranks
+        that report, see :meth:`parallel_layout`, [] on the other pipeline stages)."""
+
+        def label_logprobs(batch: dict[str, Any], per_token_loss: Any) -> dict[str, Any]:
+            return {"logprobs": -per_token_loss.float()}
+
         model = self.reference if reference else self.model
-        outputs = self._forward(model, microbatches, with_labels=True)
-        return [(-output).float().cpu().numpy() for output in outputs]
+        outputs = self._forward(model, microbatches, label_logprobs, with_labels=True)
+        return [output["logprobs"].cpu().numpy() for output in outputs]
 
     def topk_logprobs(
         self, microbatches: list[dict[str, np.ndarray]], k: int | None
     ) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """The top-k next-token log-probabilities and their token ids per position (all of the
-        vocabulary when k is None), for distillation teachers."""
+        vocabulary when k is None), for distillation teachers; computed on the last pipeline
+        stage, where the logits are."""
         import torch
 
         from nemo_rl_offload.models.generation import _full_vocab
 
         vocab = self.architecture.vocab_size
-        results = []
-        for output in self._forward(self.model, microbatches, with_labels=False):
-            logprobs = torch.log_softmax(_full_vocab(output)[..., :vocab].float(), dim=-1)
+
+        def top_k(batch: dict[str, Any], logits: Any) -> dict[str, Any]:
+            logprobs = torch.log_softmax(_full_vocab(logits)[..., :vocab].float(), dim=-1)
             if k is None:
-                results.append((logprobs.cpu().numpy(), None))
-            else:
-                values, indices = logprobs.topk(k, dim=-1)
-                results.append((values.cpu().numpy(), indices.cpu().numpy()))
-        return results
+                return {"values": logprobs}
+            values, indices = logprobs.topk(k, dim=-1)
+            return {"values": values, "indices": indices}
 
-    def _forward(self, model: Any, microbatches: list[dict], *, with_labels: bool) -> list[Any]:
-        """Forward-only pass, outside the offload plan: per-token losses (minus the labels'
+        outputs = self._forward(self.model, microbatches, top_k, with_labels=False)
+        return [
+            (
+                output["values"].cpu().numpy(),
+                output["indices"].cpu().numpy() if "indices" in output else None,
+            )
+            for output in outputs
+        ]
+
+    def _forward(
+        self, model: Any, microbatches: list[dict], output_fn: Any, *, with_labels: bool
+    ) -> list[dict[str, Any]]:
+        """Forward-only pass through Megatron's schedule (``train_step.forward_outputs``),
+        outside the offload plan: ``output_fn`` gets per-token losses (minus the labels'
         log-probabilities) with labels, else logits."""
-        import torch
+        from nemo_rl_offload.models.train_step import forward_outputs
 
-        results = []
-        with self.runtime.forward_only(), torch.no_grad():
+        keys = ("input_ids", "labels") if with_labels else ("input_ids",)
+        inputs = [{key: mb[key] for key in keys} for mb in microbatches]
+        with self.runtime.forward_only():
             model.eval()
-            for batch in self._tensors(microbatches):
-                positions = torch.arange(batch["input_ids"].shape[1], device=self.device)
-                positions = positions.unsqueeze(0).expand_as(batch["input_ids"])
-                output = model(
-                    batch["input_ids"],
-                    positions,
-                    None,
-                    labels=batch.get("labels") if with_labels else None,
-                )
-                results.append(output)
-            model.train()
-        return results
+            try:
+                return forward_outputs(model, self._tensors(inputs), output_fn)
+            finally:
+                model.train()
 
     def generate(
         self, prompts: list[list[int]], settings: dict[str, Any], *, seed: int, pad_id: int
@@ -581,6 +594,12 @@ class PolicyWorker:
             while hasattr(reference, "module"):
                 reference = reference.module
             reference.load_state_dict(weights)
+
+    @property
+    def _pipeline_stages(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_pipeline_model_parallel_world_size()
 
     @property
     def _distributed_optimizer(self) -> bool:

@@ -25,6 +25,13 @@ token count. That is Megatron's per-token mode (``config.calculate_per_token_los
 DDP-wrapped model brings Megatron's ``finalize_model_grads`` (all-reduce across data-parallel
 ranks, then the division); for a bare model (single rank, tests) this module supplies a
 function that only divides, for the duration of the call.
+
+Forward-only passes (log-probabilities, the reference, a teacher's top-k, sampling) go through
+the same schedule with :func:`forward_outputs`: pipeline stages exchange activations as in
+training, and the last stage's outputs come back. With pipeline parallelism every micro-batch
+of a step has one shape (the stages exchange fixed-size activations), so that function pads
+the micro-batches to one shape and crops the outputs back (causal attention: padding on the
+right of a row, or extra rows, cannot change a real position's output).
 """
 
 from __future__ import annotations
@@ -166,3 +173,67 @@ def run_microbatches(
             micro_batch_size=shape[0],
             forward_only=forward_only,
         )
+
+
+OutputFn = Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]]
+# The model's inputs: what a forward-only pass pads under pipeline parallelism.
+_MODEL_INPUTS = ("input_ids", "labels", "position_ids")
+
+
+def _pad_to(batch: dict[str, Tensor], rows: int, length: int) -> dict[str, Tensor]:
+    """``batch``'s model inputs padded with zeros to [rows, length] (on the right and below)."""
+    padded = {}
+    for key in _MODEL_INPUTS:
+        if key not in batch:
+            continue
+        value = batch[key]
+        grown = value.new_zeros((rows, length))
+        grown[: value.shape[0], : value.shape[1]] = value
+        padded[key] = grown
+    return padded
+
+
+def forward_outputs(
+    model: torch.nn.Module,
+    microbatches: list[dict[str, Tensor]],
+    output_fn: OutputFn,
+    *,
+    per_position: bool = True,
+) -> list[dict[str, Tensor]]:
+    """A forward-only pass over ``microbatches`` through Megatron's schedule: for each, what
+    ``output_fn(batch, model_output)`` returns (a dict of tensors whose first dimension is the
+    batch's rows, and, when ``per_position``, whose second is its positions). The model output
+    is as in the loss contract: per-token losses when ``batch`` has ``labels``, else logits.
+
+    Returns the outputs on the last pipeline stage ([] on the others); under pipeline
+    parallelism they are computed on micro-batches padded to one shape and cropped back to
+    each micro-batch's own. ``output_fn`` runs on every tensor-parallel rank of the last
+    stage, so it may use tensor-parallel collectives (e.g. gathering the vocabulary).
+    """
+    from megatron.core import parallel_state
+
+    shapes = [tuple(mb["input_ids"].shape) for mb in microbatches]
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        rows = max(shape[0] for shape in shapes)
+        length = max(shape[1] for shape in shapes)
+        inputs = [_pad_to(mb, rows, length) for mb in microbatches]
+    else:
+        inputs = [{k: mb[k] for k in _MODEL_INPUTS if k in mb} for mb in microbatches]
+
+    def loss_fn(batch: dict[str, Tensor], output: Tensor):
+        results = output_fn(batch, output)
+        return output.new_zeros(()), 0, results
+
+    reports = run_microbatches(model, inputs, loss_fn, forward_only=True)
+    if not reports:  # not the last pipeline stage
+        return []
+    outputs = []
+    for (rows, length), report in zip(shapes, reports, strict=True):
+        outputs.append(
+            {
+                name: value[:rows, :length] if per_position else value[:rows]
+                for name, value in report.items()
+                if name not in ("loss", "num_tokens")
+            }
+        )
+    return outputs

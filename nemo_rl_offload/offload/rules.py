@@ -81,6 +81,9 @@ class _Context:
     caps: Capabilities
     policy_cfg: dict[str, Any]
     gpus_per_node: Any
+    # How many workers the section runs on (None: the cluster section is malformed; the
+    # schema reports it).
+    workers: int | None = None
     findings: Findings = field(default_factory=Findings)
 
     @property
@@ -119,15 +122,19 @@ def check_policy(
     architecture: Architecture | None,
     caps: Capabilities,
     gpus_per_node: Any = None,
+    workers: int | None = None,
 ) -> Findings:
-    """Run every rule on one policy section (``policy`` or ``teacher``)."""
+    """Run every rule on one policy section (``policy`` or ``teacher``) that runs on
+    ``workers`` workers."""
     megatron_cfg = policy_cfg.get("megatron_cfg")
     if not isinstance(megatron_cfg, dict):
         return Findings()  # the schema reports the missing or malformed section
     effective = apply.effective_settings(
         policy_cfg, architecture, where=where, te_installed=caps.has_transformer_engine
     )
-    ctx = _Context(where, megatron_cfg, effective, architecture, caps, policy_cfg, gpus_per_node)
+    ctx = _Context(
+        where, megatron_cfg, effective, architecture, caps, policy_cfg, gpus_per_node, workers
+    )
     for rule in _RULES:
         rule(ctx)
     return ctx.findings
@@ -521,6 +528,104 @@ def _pipeline(ctx: _Context) -> None:
         )
 
 
+def _parallel_layout(ctx: _Context) -> None:
+    """Parallel sizes every pass of this backend runs with (training, forward-only passes and
+    sampling go through Megatron's schedules), or a one-line refusal: what Megatron would only
+    find when the workers build the model, and what this backend does not do yet."""
+    sizes = {
+        name: ctx.value(name, 1)
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        )
+    }
+    if not all(_is_int(size) and size >= 1 for size in sizes.values()):
+        return  # the schema or Megatron's own checks report it
+    tp = sizes["tensor_model_parallel_size"]
+    pp = sizes["pipeline_model_parallel_size"]
+    cp = sizes["context_parallel_size"]
+    if cp > 1:
+        ctx.error(
+            f"{ctx.path('context_parallel_size')}: context parallelism is not implemented by "
+            "this backend yet (its passes do not split sequences over context-parallel ranks); "
+            "set it to 1 and use tensor or pipeline parallelism, or activation offloading, for "
+            "long sequences"
+        )
+    virtual = ctx.value("virtual_pipeline_model_parallel_size")
+    if virtual not in (None, 1):
+        ctx.error(
+            f"{ctx.path('virtual_pipeline_model_parallel_size')}: interleaved (virtual) "
+            "pipeline stages are not supported by this backend (it builds one model chunk per "
+            "stage); remove it"
+        )
+    _pipeline_layers(ctx, pp)
+    _tensor_split(ctx, tp)
+    if ctx.value("sequence_parallel") is True and ctx.value("transformer_impl") == "local":
+        ctx.error(
+            f"{ctx.path('sequence_parallel')}: sequence parallelism needs Transformer Engine's "
+            "norms; megatron-core's local layer spec (torch norms) refuses it; set it to false, "
+            "or install Transformer Engine"
+        )
+    if ctx.workers is None or ctx.workers < 1:
+        return
+    model_parallel = tp * pp * cp
+    workers_key = "cluster.gpus_per_node" if ctx.gpus_per_node else "cluster.num_cpu_workers"
+    if ctx.workers % model_parallel:
+        ctx.error(
+            f"{ctx.prefix}: tensor x pipeline x context parallel sizes ({tp} x {pp} x {cp} = "
+            f"{model_parallel}) do not divide the {ctx.workers} worker(s) of {workers_key}; "
+            f"use a multiple of {model_parallel} workers or smaller sizes"
+        )
+        return
+    ep = sizes["expert_model_parallel_size"]
+    etp = ctx.value("expert_tensor_parallel_size") or tp
+    if ctx.is_moe and _is_int(etp) and ctx.workers % (ep * etp * pp):
+        ctx.error(
+            f"{ctx.path('expert_model_parallel_size')}: expert x expert-tensor x pipeline "
+            f"parallel sizes ({ep} x {etp} x {pp}) do not divide the {ctx.workers} worker(s) of "
+            f"{workers_key}; use sizes whose product divides it"
+        )
+
+
+def _pipeline_layers(ctx: _Context, pp: int) -> None:
+    """Megatron builds num_layers / pp layers per stage (after the first and last stages'
+    own counts when given): a remainder fails only when the workers build the model."""
+    layers = ctx.value("num_layers")
+    if pp == 1 or not _is_int(layers):
+        return
+    given = {
+        name: ctx.value(name)
+        for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+        if _is_int(ctx.value(name))
+    }
+    middle_stages = pp - len(given)
+    middle_layers = layers - sum(given.values())
+    if middle_stages > 0 and (middle_layers < 0 or middle_layers % middle_stages):
+        ctx.error(
+            f"{ctx.path('pipeline_model_parallel_size')}: {layers} layers do not split evenly "
+            f"over {pp} pipeline stages"
+            + (f" after {sum(given.values())} in the first/last stage" if given else "")
+            + "; use a pipeline size that divides the layer count, or set "
+            "num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage"
+        )
+
+
+def _tensor_split(ctx: _Context, tp: int) -> None:
+    """Tensor parallelism splits heads, query groups and the MLP's hidden size over the ranks:
+    each must divide (Megatron asserts it while building the layers)."""
+    if tp == 1:
+        return
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        value = ctx.value(name)
+        if _is_int(value) and value % tp:
+            ctx.error(
+                f"{ctx.path('tensor_model_parallel_size')}: {tp} does not divide the model's "
+                f"{name} ({value}); use a tensor parallel size that divides it"
+            )
+
+
 def _environment(ctx: _Context) -> None:
     if not ctx.fgo_on:
         return
@@ -609,6 +714,7 @@ _RULES = (
     _cuda_graphs,
     _recompute,
     _pipeline,
+    _parallel_layout,
     _gradient_reduction,
     _environment,
     _tensor_sizes,

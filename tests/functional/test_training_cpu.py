@@ -128,6 +128,48 @@ def test_distillation_kl_falls(sft_run, tmp_path):
     assert window_mean(train, "kl", first=False) < 0.6 * window_mean(train, "kl", first=True)
 
 
+PIPELINE_2 = ["pipeline_model_parallel_size=2", "pipeline_dtype=float32"]
+
+
+@pytest.mark.parametrize(
+    "algorithm,extra",
+    [
+        ("sft", []),
+        ("dpo", []),
+        ("grpo", []),
+        # The teacher at tensor parallel 2: its top-k gathers the vocabulary over its ranks.
+        ("distillation", ["teacher.megatron_cfg.tensor_model_parallel_size=2"]),
+    ],
+)
+def test_every_algorithm_trains_at_pipeline_parallel_2(sft_run, tmp_path, algorithm, extra):
+    """Each pass (training, log-probabilities, the reference, a teacher, validation, sampling)
+    at pipeline size 2, from the SFT checkpoint saved at pipeline size 1 (resharded on load)."""
+    steps = 4 if algorithm == "sft" else 3
+    # The SFT recipe has no init_checkpoint key: "+" adds it.
+    start = {"distillation": "teacher", "sft": "+policy"}.get(algorithm, "policy")
+    result = cli(
+        "distill" if algorithm == "distillation" else algorithm,
+        "--config",
+        str(TINY / f"{algorithm}.yaml"),
+        *outputs(tmp_path),
+        *(f"policy.megatron_cfg.{key}" for key in PIPELINE_2),
+        f"{start}.init_checkpoint={sft_run / 'ckpt'}",
+        f"{algorithm}.max_num_steps={steps}",
+        f"{algorithm}.val_period={steps}",
+        f"checkpointing.save_period={steps}",
+        *extra,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    train = metrics(tmp_path, "train")
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train)
+    assert [r["step"] for r in metrics(tmp_path, "val")][-1] == steps
+    layout = json.loads(
+        (tmp_path / "ckpt" / f"step_{steps:06d}" / "policy" / "layout.json").read_text()
+    )
+    assert layout["layout"]["pipeline_parallel"] == 2
+
+
 def test_resume_continues_from_the_latest_checkpoint(tmp_path):
     short = [
         *outputs(tmp_path),

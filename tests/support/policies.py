@@ -31,8 +31,15 @@ def make_policy(model: str = "tiny-dense", **megatron_cfg: Any) -> dict[str, Any
     }
 
 
-def check(model: str = "tiny-dense", caps: Capabilities = NO_TE, gpus: int = 1, **cfg: Any):
-    """Run the offload rules on a policy built from keyword settings; returns the Findings."""
+def check(
+    model: str = "tiny-dense",
+    caps: Capabilities = NO_TE,
+    gpus: int = 1,
+    workers: int | None = None,
+    **cfg: Any,
+):
+    """Run the offload rules on a policy built from keyword settings, on ``workers`` workers
+    (None: unknown); returns the Findings."""
     from nemo_rl_offload.offload.rules import check_policy
 
     return check_policy(
@@ -41,4 +48,5 @@ def check(model: str = "tiny-dense", caps: Capabilities = NO_TE, gpus: int = 1, 
         architecture=architecture_for(model),
         caps=caps,
         gpus_per_node=gpus,
+        workers=workers,
     )

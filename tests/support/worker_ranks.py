@@ -91,8 +91,10 @@ def train_step(worker: Any, step: int) -> dict[str, float]:
 
 
 def probe(worker: Any) -> list[float]:
-    """Log-probabilities of a fixed batch: what the weights compute."""
-    return [float(x) for x in worker.token_logprobs(step_batches(99, 1))[0].ravel()]
+    """Log-probabilities of a fixed batch: what the weights compute (on the ranks that report
+    outputs; [] on the other pipeline stages)."""
+    outputs = worker.token_logprobs(step_batches(99, 1))
+    return [float(x) for x in outputs[0].ravel()] if outputs else []
 
 
 def _result(worker: Any, metrics: dict[str, float]) -> dict[str, Any]:
@@ -124,3 +126,51 @@ def load_and_step(
     worker = make_worker(rank, world, port, policy)
     step = worker.load_checkpoint(ckpt)
     return {**_result(worker, train_step(worker, 3)), "step": step}
+
+
+PROMPTS = [[5, 17, 3, 9], [8, 2], [30, 31, 32]]
+
+
+def every_pass(worker: Any) -> dict[str, Any]:
+    """What each pass computes on fixed inputs (on the ranks that report outputs): label
+    log-probabilities, a teacher's top-k, greedy and sampled continuations, and one training
+    step's loss and gradient norm (last, since it changes the weights)."""
+    batches = step_batches(99, 2)
+    batches[1] = {key: value[:1, :17] for key, value in batches[1].items()}  # another shape
+    logprobs = worker.token_logprobs(batches)
+    topk = worker.topk_logprobs(batches[:1], 4)
+    greedy = worker.generate(PROMPTS, {"max_new_tokens": 6, "greedy": True}, seed=3, pad_id=0)
+    sampled = worker.generate(PROMPTS, {"max_new_tokens": 6}, seed=3, pad_id=0)
+    step = train_step(worker, 7)
+    reports = bool(worker.parallel_layout()["reports"])
+    return {
+        "reports": reports,
+        "logprobs": [output.ravel().tolist() for output in logprobs],
+        "shapes": [list(output.shape) for output in logprobs],
+        "topk_values": topk[0][0].ravel().tolist() if topk else [],
+        "topk_indices": topk[0][1].ravel().tolist() if topk else [],
+        "greedy": greedy,
+        "sampled": sampled,
+        "loss": step["loss"] if reports else None,
+        "grad_norm": step["grad_norm"],
+    }
+
+
+def save_then_every_pass(
+    rank: int, world: int, port: int, out: Path, policy: dict[str, Any]
+) -> dict[str, Any]:
+    """One training step (weights away from their initialisation), a checkpoint in
+    ``out/ckpt``, then :func:`every_pass`."""
+    worker = make_worker(rank, world, port, policy)
+    train_step(worker, 1)
+    worker.save_checkpoint(str(out / "ckpt"))
+    return every_pass(worker)
+
+
+def load_then_every_pass(
+    rank: int, world: int, port: int, out: Path, policy: dict[str, Any], ckpt: str
+) -> dict[str, Any]:
+    """The weights of ``ckpt`` (on this layout), then :func:`every_pass`."""
+    worker = make_worker(rank, world, port, policy)
+    worker.load_checkpoint(ckpt, weights_only=True)
+    return every_pass(worker)

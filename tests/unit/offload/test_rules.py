@@ -287,3 +287,108 @@ def test_plan_budget_warns_that_it_replaces_the_recipes_own_settings():
     )
     assert findings.errors == []
     assert any("replaces this recipe's offload" in w for w in findings.warnings), findings.warnings
+
+
+PIPELINE_2 = {"pipeline_model_parallel_size": 2, "pipeline_dtype": "float32"}
+
+
+@pytest.mark.parametrize(
+    "model,workers,settings,path,fragment",
+    [
+        ("tiny-dense", 2, {"context_parallel_size": 2}, "context_parallel_size", "not implemented"),
+        (
+            "tiny-dense",
+            2,
+            {**PIPELINE_2, "model_overrides": {"virtual_pipeline_model_parallel_size": 2}},
+            "model_overrides.virtual_pipeline_model_parallel_size",
+            "one model chunk per stage",
+        ),
+        (
+            "tiny-dense",
+            3,
+            {"pipeline_model_parallel_size": 3, "pipeline_dtype": "float32"},
+            "pipeline_model_parallel_size",
+            "4 layers do not split evenly over 3 pipeline stages",
+        ),
+        (
+            "tiny-dense",
+            3,
+            {
+                "pipeline_model_parallel_size": 3,
+                "pipeline_dtype": "float32",
+                "num_layers_in_first_pipeline_stage": 1,
+            },
+            "pipeline_model_parallel_size",
+            "after 1 in the first/last stage",
+        ),
+        (
+            "tiny-dense",
+            4,
+            {"tensor_model_parallel_size": 4},
+            "tensor_model_parallel_size",
+            "does not divide the model's num_query_groups (2)",
+        ),
+        (
+            "tiny-dense",
+            3,
+            {"tensor_model_parallel_size": 2},
+            "",
+            "(2 x 1 x 1 = 2) do not divide the 3 worker(s) of cluster.gpus_per_node",
+        ),
+        (
+            "tiny-moe",
+            2,
+            {"expert_model_parallel_size": 4},
+            "expert_model_parallel_size",
+            "(4 x 1 x 1) do not divide the 2 worker(s)",
+        ),
+        (
+            "tiny-dense",
+            2,
+            {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+            "sequence_parallel",
+            "needs Transformer Engine's norms",
+        ),
+    ],
+    ids=[
+        "cp2",
+        "virtual_pp",
+        "pp3_uneven",
+        "pp3_uneven_after_first",
+        "tp4_groups",
+        "workers",
+        "ep4",
+        "sequence_parallel_local",
+    ],  # fmt: skip
+)
+def test_parallel_layouts_the_passes_cannot_run_are_refused(
+    model, workers, settings, path, fragment
+):
+    findings = check(model, NO_TE, workers=workers, **settings)
+    where = f"{P}.{path}" if path else P
+    matching = [line for line in findings.errors if line.startswith(f"{where}: ")]
+    assert any(fragment in line for line in matching), findings.errors
+
+
+@pytest.mark.parametrize(
+    "model,workers,settings",
+    [
+        ("tiny-dense", 2, PIPELINE_2),
+        ("tiny-dense", 4, {**PIPELINE_2, "tensor_model_parallel_size": 2}),
+        ("tiny-dense", 2, {"tensor_model_parallel_size": 2}),
+        (
+            "tiny-dense",
+            3,
+            {
+                "pipeline_model_parallel_size": 3,
+                "pipeline_dtype": "float32",
+                "num_layers_in_first_pipeline_stage": 2,
+            },
+        ),
+        ("tiny-moe", 2, {"expert_model_parallel_size": 2}),
+        ("tiny-dense", None, {"tensor_model_parallel_size": 2}),
+    ],
+    ids=["pp2", "pp2_tp2", "tp2", "pp3_uneven_given", "ep2", "workers_unknown"],
+)
+def test_parallel_layouts_every_pass_runs_are_accepted(model, workers, settings):
+    assert check(model, NO_TE, workers=workers, **settings).errors == []
