@@ -37,18 +37,23 @@ def dpo_loss(
     reference_rejected: torch.Tensor,
     *,
     beta: float,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPO's sigmoid loss on per-sequence log-probabilities; returns (sum over pairs, metrics).
 
-    Preference accuracy counts pairs whose implicit reward margin is positive."""
+    Preference accuracy counts pairs whose implicit reward margin is positive. ``weights`` (one
+    per pair, 0 or 1: NeMo-RL's sample mask) leaves masked pairs out of the loss, the metrics
+    and the pair count."""
     chosen_reward = beta * (chosen - reference_chosen)
     rejected_reward = beta * (rejected - reference_rejected)
     margin = chosen_reward - rejected_reward
-    loss = -F.logsigmoid(margin).sum()
+    if weights is None:
+        weights = torch.ones_like(margin)
+    loss = -(F.logsigmoid(margin) * weights).sum()
     metrics = {
-        "preference_accuracy_sum": (margin > 0).float().sum(),
-        "reward_margin_sum": margin.detach().sum(),
-        "num_pairs": torch.tensor(float(margin.numel())),
+        "preference_accuracy_sum": ((margin > 0).float() * weights).sum(),
+        "reward_margin_sum": (margin.detach() * weights).sum(),
+        "num_pairs": weights.sum().detach(),
     }
     return loss, metrics
 
@@ -173,12 +178,16 @@ def _dpo_fn(spec: dict, batch: dict, output: torch.Tensor):
     average = bool(spec.get("preference_average_log_probs", False))
     per_sequence = sequence_logprobs(-output.float(), mask, average=average)
     reference = batch["reference_sequence_logprobs"]
+    # A pair cut by data.max_input_seq_length has loss multiplier 0: no token of it counts,
+    # and it is no pair of the loss (every real response has at least its end token).
+    weights = (mask[0::2].sum(dim=-1) > 0).to(per_sequence.dtype)
     loss, metrics = dpo_loss(
         per_sequence[0::2],
         per_sequence[1::2],
         reference[0::2],
         reference[1::2],
         beta=float(spec["beta"]),
+        weights=weights,
     )
     loss = float(spec.get("preference_loss_weight", 1.0)) * loss
     sft_weight = float(spec.get("sft_loss_weight", 0.0))
@@ -187,8 +196,7 @@ def _dpo_fn(spec: dict, batch: dict, output: torch.Tensor):
             -output.float()[0::2], mask[0::2], average=bool(spec.get("sft_average_log_probs"))
         )
         loss = loss - sft_weight * chosen.sum()
-    pairs = per_sequence.shape[0] // 2
-    return loss, pairs, metrics
+    return loss, metrics["num_pairs"], metrics
 
 
 def _grpo_fn(spec: dict, batch: dict, output: torch.Tensor):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.config import checkpointing
+from nemo_rl_offload.config import checkpointing, ignored_keys
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import Architecture, architecture_for
 from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
@@ -209,6 +209,80 @@ def _workers(cluster: Any) -> int | None:
         return None
 
 
+def _check_deadline(recipe: dict[str, Any], report: Report) -> None:
+    """checkpointing.checkpoint_must_save_by is DD:HH:MM:SS; without checkpointing the run
+    stops at the deadline with nothing saved, which a user is told."""
+    ckpt = recipe.get("checkpointing")
+    deadline = ckpt.get("checkpoint_must_save_by") if isinstance(ckpt, dict) else None
+    if not isinstance(deadline, str):
+        return  # null, absent, or a wrong type the schema reports
+    try:
+        checkpointing.parse_deadline(deadline)
+    except ValueError as exc:
+        report.errors.append(f"checkpointing.checkpoint_must_save_by: {exc}")
+        return
+    if ckpt.get("enabled") is False:
+        report.warnings.append(
+            "warning: checkpointing.checkpoint_must_save_by: checkpointing.enabled is false, "
+            "so the run stops at the deadline without saving; enable checkpointing"
+        )
+
+
+def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Report) -> None:
+    """Keys that act only in some setups say so where they would not; logprob_batch_size is a
+    positive row count."""
+    logger = recipe.get("logger") if isinstance(recipe.get("logger"), dict) else {}
+    cluster = recipe.get("cluster") if isinstance(recipe.get("cluster"), dict) else {}
+    if logger.get("monitor_gpus") is True and cluster.get("gpus_per_node") == 0:
+        report.warnings.append(
+            "warning: logger.monitor_gpus: has no effect on CPU workers (cluster.gpus_per_node "
+            "is 0)"
+        )
+    shown = logger.get("num_val_samples_to_print")
+    if isinstance(shown, int) and shown > 0 and algorithm in ("sft", "dpo"):
+        report.warnings.append(
+            f"warning: logger.num_val_samples_to_print: has no effect for {algorithm}, whose "
+            "validation generates nothing (as in NeMo-RL)"
+        )
+    for where in POLICY_SECTIONS:
+        section = recipe.get(where)
+        if not isinstance(section, dict):
+            continue
+        rows = section.get("logprob_batch_size")
+        if isinstance(rows, int) and rows < 1:
+            report.errors.append(
+                f"{where}.logprob_batch_size: must be at least 1 (got: {rows}); it is the rows "
+                "per micro-batch of forward-only passes"
+            )
+            continue
+        megatron = (
+            section.get("megatron_cfg") if isinstance(section.get("megatron_cfg"), dict) else {}
+        )
+        tp = megatron.get("tensor_model_parallel_size", 1)
+        micro = section.get("train_micro_batch_size")
+        if isinstance(rows, int) and isinstance(tp, int) and tp >= 4 and rows != micro:
+            report.warnings.append(
+                f"warning: {where}.logprob_batch_size: {rows} differs from "
+                f"train_micro_batch_size {micro} at tensor parallel size {tp}: results of "
+                "different batch sizes differ at TP >= 4 (NeMo-RL refuses this), so GRPO's "
+                "first ratio is not exactly 1; set them equal"
+            )
+    max_input = (recipe.get("data") or {}).get("max_input_seq_length")
+    policy = recipe.get("policy") if isinstance(recipe.get("policy"), dict) else {}
+    max_total = policy.get("max_total_sequence_length")
+    if isinstance(max_input, int) and max_input < 1:
+        report.errors.append(
+            f"data.max_input_seq_length: must be at least 1 (got: {max_input}); examples at "
+            "least that long are cut and do not train"
+        )
+    elif isinstance(max_input, int) and isinstance(max_total, int) and max_input > max_total:
+        report.warnings.append(
+            f"warning: data.max_input_seq_length: {max_input} is more than "
+            f"policy.max_total_sequence_length {max_total}: an example longer than the latter "
+            "is refused at load, not cut"
+        )
+
+
 def check_recipe(
     recipe: dict[str, Any],
     *,
@@ -232,6 +306,11 @@ def check_recipe(
             "an optimizer section, e.g. {optimizer: adam, lr: 5.0e-6})"
         )
     _check_checkpointing(recipe, algorithm, report)
+    _check_deadline(recipe, report)
+    _check_logger_and_batches(recipe, algorithm, report)
+    unused_errors, unused_warnings = ignored_keys.check(recipe)
+    report.errors += unused_errors
+    report.warnings += unused_warnings
     cluster = recipe.get("cluster")
     gpus_per_node = cluster.get("gpus_per_node") if isinstance(cluster, dict) else None
     workers = _workers(cluster)

@@ -1,10 +1,11 @@
 """Turn token sequences into the padded micro-batches the policy workers train on.
 
-A sequence is its token ids plus how many of them are prompt. Position t of a micro-batch holds
-token t as input and token t+1 as label; the loss mask is 1 exactly where that label is a
-response token, so prompt and padding never count. Rows are right-padded to the longest row of
-their micro-batch, rounded up to ``round_to`` (fewer distinct shapes keep offload plans and
-kernels reusable).
+A sequence is its token ids, how many of them are prompt, and a loss multiplier (0 keeps a row
+that must not train, e.g. a cut over-long prompt, without any of its tokens counting). Position
+t of a micro-batch holds token t as input and token t+1 as label; the loss mask is 1 exactly
+where that label is a response token, so prompt and padding never count. Rows are right-padded
+to the longest row of their micro-batch, rounded up to ``round_to`` (fewer distinct shapes keep
+offload plans and kernels reusable).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class TokenSequence:
     ids: list[int]
     prompt_len: int
     extras: dict[str, Any] = field(default_factory=dict)  # per-sequence values (advantages...)
+    loss_multiplier: float = 1.0  # NeMo-RL's name; scales the row's loss mask
 
 
 def padded_length(lengths: Sequence[int], round_to: int) -> int:
@@ -43,7 +45,7 @@ def make_microbatch(
         n = len(seq.ids)
         input_ids[row, :n] = seq.ids
         labels[row, : n - 1] = seq.ids[1:]
-        loss_mask[row, max(seq.prompt_len - 1, 0) : n - 1] = 1.0
+        loss_mask[row, max(seq.prompt_len - 1, 0) : n - 1] = seq.loss_multiplier
     batch = {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask}
     for key in sequences[0].extras if sequences else ():
         values = [s.extras[key] for s in sequences]
@@ -76,3 +78,63 @@ def microbatches(
         make_microbatch(sequences[i : i + micro_batch_size], pad_id=pad_id, round_to=round_to)
         for i in range(0, len(sequences), micro_batch_size)
     ]
+
+
+def rows_of(outputs: Sequence[Any]) -> list[Any]:
+    """Per-row results of a pass over micro-batches: ``outputs`` holds one array per
+    micro-batch ([rows, ...]) or one tuple of them (None for an absent member); each row's
+    result keeps its micro-batch's padded length."""
+    rows: list[Any] = []
+    for output in outputs:
+        if isinstance(output, tuple):
+            count = len(next(part for part in output if part is not None))
+            rows += [
+                tuple(None if part is None else part[i] for part in output) for i in range(count)
+            ]
+        else:
+            rows += list(output)
+    return rows
+
+
+def forward_only(
+    sequences: Sequence[TokenSequence],
+    rows: int,
+    run_pass: Any,
+    *,
+    pad_id: int,
+    round_to: int = 1,
+    keep_labels: bool = True,
+) -> list[Any]:
+    """Per-sequence results of a forward-only pass (log-probabilities, a reference's, a
+    teacher's top-k) run over micro-batches of ``rows`` sequences, the recipe's
+    ``logprob_batch_size``: a forward pass keeps no activations for a backward pass, so it can
+    take more rows than a training micro-batch. ``run_pass`` takes the micro-batches and
+    returns one result per micro-batch (see :func:`rows_of`); :func:`attach_rows` puts the
+    results on the training micro-batches of the same sequences."""
+    mbs = microbatches(sequences, rows, pad_id=pad_id, round_to=round_to)
+    if not keep_labels:
+        for mb in mbs:
+            del mb["labels"]
+    return rows_of(run_pass(mbs))
+
+
+def attach_rows(mbs: Sequence[dict[str, np.ndarray]], key: str, rows: Sequence[Any]) -> None:
+    """Set ``mb[key]`` on micro-batches built from the sequences ``rows`` belong to, in the same
+    order: per-row scalars become [rows]; per-position arrays are cut or zero-padded to the
+    micro-batch's length (positions past a row's end are padding, which the loss mask
+    excludes)."""
+    start = 0
+    for mb in mbs:
+        count, length = mb["input_ids"].shape
+        chunk = [np.asarray(row) for row in rows[start : start + count]]
+        start += count
+        if chunk[0].ndim == 0:
+            mb[key] = np.stack(chunk)
+            continue
+        out = np.zeros((count, length, *chunk[0].shape[1:]), dtype=chunk[0].dtype)
+        for index, row in enumerate(chunk):
+            n = min(length, row.shape[0])
+            out[index, :n] = row[:n]
+        mb[key] = out
+    if start != len(rows):
+        raise ValueError(f"{len(rows)} rows for micro-batches of {start} rows")

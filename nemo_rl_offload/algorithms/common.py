@@ -27,18 +27,24 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup
 from nemo_rl_offload.config import checkpointing
 from nemo_rl_offload.config.model_presets import architecture_for
-from nemo_rl_offload.data.datasets import encode_and_check_lengths
+from nemo_rl_offload.data.datasets import (
+    CUT_PART_TOKENS,
+    EncodedExample,
+    encode_and_check_lengths,
+)
 from nemo_rl_offload.data.tokenizer import Tokenizer, load_tokenizer
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
@@ -132,6 +138,54 @@ class EpochSampler:
         return out
 
 
+class Deadline:
+    """``checkpointing.checkpoint_must_save_by``: when to save and stop so that a job with a
+    wall-time limit (a SLURM allocation, a preemptible node) ends with a checkpoint instead of
+    being killed mid-step.
+
+    NeMo-RL's rule: after each step, if the time elapsed plus the expected time of a step (the
+    mean of this run's steps so far, each counted from the end of the previous one, so their
+    validation and saving are in it) reaches the deadline, save and stop. Elapsed time counts
+    from the start of the command (NeMo-RL counts from its training loop's start): Ray's
+    start-up and the model's loading take the job's wall time too. ``clock`` is injectable so
+    the rule is testable without waiting."""
+
+    def __init__(
+        self,
+        seconds: float | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        started: float | None = None,
+    ) -> None:
+        self.seconds, self.clock = seconds, clock
+        self.started = clock() if started is None else started
+        self.step_times: list[float] = []
+        self._last_mark: float | None = None
+
+    def start_steps(self) -> None:
+        """The first step starts now."""
+        self._last_mark = self.clock()
+
+    def mark_step(self) -> None:
+        """A step (with its validation and saving) ended now."""
+        now = self.clock()
+        if self._last_mark is not None:
+            self.step_times.append(now - self._last_mark)
+        self._last_mark = now
+
+    @property
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+    @property
+    def expected_step(self) -> float:
+        return sum(self.step_times) / len(self.step_times) if self.step_times else 0.0
+
+    def due(self) -> bool:
+        """Whether another step would pass the deadline."""
+        return self.seconds is not None and self.elapsed + self.expected_step >= self.seconds
+
+
 @dataclass
 class Run:
     """Everything a loop needs, prepared before any worker starts."""
@@ -153,6 +207,12 @@ class Run:
     # step has logged of each phase, which its checkpoint records.
     metric: checkpointing.Metric | None = None
     _step_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    # checkpointing.checkpoint_must_save_by; ``stopped_at`` is the step the loop stopped after
+    # for it (None while the run goes on).
+    deadline: Deadline = field(default_factory=lambda: Deadline(None))
+    stopped_at: int | None = None
+    # logger.monitor_gpus on GPU workers (started in connect).
+    gpu_monitor: Any = None
 
     @property
     def policy_cfg(self) -> dict[str, Any]:
@@ -166,9 +226,75 @@ class Run:
     def round_to(self) -> int:
         return int(self.policy_cfg.get("make_sequence_length_divisible_by", 1) or 1)
 
-    def encode(self, examples: list[dict[str, Any]], where: str) -> list[TokenSequence]:
-        encoded = encode_and_check_lengths(examples, self.tokenizer, self.max_len, where)
-        return [TokenSequence(list(e.input_ids), e.prompt_len) for e in encoded]
+    def logprob_rows(self, where: str = "policy") -> int:
+        """Rows per micro-batch of the forward-only passes of ``where``'s workers:
+        ``logprob_batch_size``, by default ``train_micro_batch_size`` (NeMo-RL's default), in
+        DPO the rows of that many pairs (each pair is two rows)."""
+        section = self.recipe[where]
+        rows = section.get("logprob_batch_size")
+        if rows is None:
+            rows = int(section["train_micro_batch_size"]) * (2 if self.algorithm == "dpo" else 1)
+        return int(rows)
+
+    def forward_only(
+        self, sequences: list[TokenSequence], run_pass: Any, *, where: str = "policy", **kw: Any
+    ) -> list[Any]:
+        """Per-sequence results of a forward-only pass of ``where``'s workers over
+        micro-batches of :meth:`logprob_rows` (batching.forward_only)."""
+        return batching.forward_only(
+            sequences,
+            self.logprob_rows(where),
+            run_pass,
+            pad_id=self.tokenizer.pad_id,
+            round_to=self.round_to,
+            **kw,
+        )
+
+    def encode_examples(self, examples: list[dict[str, Any]], split: str) -> list[EncodedExample]:
+        """Tokenize one split: an example longer than max_total_sequence_length is refused,
+        one over ``data.max_input_seq_length`` cut and kept with loss multiplier 0 (NeMo-RL's
+        rule: it keeps its place, and a prompt its samples, but does not train); how many were
+        cut is said here and counted in each step's metrics."""
+        data_cfg = self.recipe["data"]
+        where = data_where(data_cfg, split)
+        max_input = data_cfg.get("max_input_seq_length")
+        encoded = encode_and_check_lengths(
+            examples, self.tokenizer, self.max_len, where, max_input_len=max_input
+        )
+        cut = sum(1 for e in encoded if e.loss_multiplier == 0)
+        if cut and split == "train" and cut == len(encoded):
+            raise UserInputError(
+                f"data.max_input_seq_length: every training example of {where} reaches "
+                f"{max_input} tokens, so none would train; raise it"
+            )
+        if cut:
+            print(
+                f"data.max_input_seq_length: {cut} of {len(encoded)} {split} examples reach "
+                f"{max_input} tokens: cut to {CUT_PART_TOKENS} tokens a part and kept with loss "
+                "multiplier 0 (they do not train)",
+                file=sys.stderr,
+            )
+        return encoded
+
+    def encode(self, examples: list[dict[str, Any]], split: str) -> list[TokenSequence]:
+        """:meth:`encode_examples` as token sequences."""
+        return [
+            TokenSequence(list(e.input_ids), e.prompt_len, loss_multiplier=e.loss_multiplier)
+            for e in self.encode_examples(examples, split)
+        ]
+
+    def truncated(self, sequences: list[TokenSequence]) -> dict[str, int]:
+        """``{name: how many of the step's sequences data.max_input_seq_length cut}``, empty
+        when the key is not set: GRPO and distillation count prompts (``prompts_truncated``),
+        SFT and DPO examples (``examples_truncated``)."""
+        if self.recipe["data"].get("max_input_seq_length") is None:
+            return {}
+        name = (
+            "prompts_truncated"
+            if self.algorithm in ("grpo", "distillation")
+            else ("examples_truncated")
+        )
+        return {name: sum(1 for s in sequences if s.loss_multiplier == 0)}
 
     # ------------------------------------------------------------------- checkpoints
     def save(self, policy: Any, step: int, state: dict[str, Any]) -> Path | None:
@@ -219,9 +345,16 @@ class Run:
             position=int(self.driver_state.get("position", 0)),
         )
 
-    def steps(self) -> range:
-        """The step numbers still to run (1-based; after a resume, from the next one)."""
-        return range(self.start_step + 1, self.max_steps + 1)
+    def steps(self) -> Iterator[int]:
+        """The step numbers still to run (1-based; after a resume, from the next one); none
+        after :meth:`end_step` has stopped the run for ``checkpoint_must_save_by``."""
+        self.deadline.start_steps()
+        if self.gpu_monitor is not None:
+            self.gpu_monitor.take()  # the first step's figures start here
+        for step in range(self.start_step + 1, self.max_steps + 1):
+            if self.stopped_at is not None:
+                return
+            yield step
 
     def log_train_step(
         self,
@@ -245,6 +378,8 @@ class Run:
         record.update({k: v for k, v in metrics.items() if not k.endswith("_sum")})
         record["train_time_s"] = record.pop("step_time_s", elapsed)
         record.update(tokens_per_s=tokens / elapsed, step_time_s=elapsed)
+        if self.gpu_monitor is not None:
+            record.update(self.gpu_monitor.take())
         self.logger.log(step, record)
         self._step_metrics = {"train": record}
 
@@ -258,7 +393,9 @@ class Run:
         validate: Callable[[], dict[str, Any]],
     ) -> None:
         """After a training step: validate every ``val_period`` steps, save every
-        ``checkpointing.save_period`` steps and at the last step."""
+        ``checkpointing.save_period`` steps and at the last step; and save and stop the run
+        (:meth:`steps` yields no more) when another step would pass
+        ``checkpointing.checkpoint_must_save_by`` (:class:`Deadline`)."""
         if val_period and step % val_period == 0:
             self._step_metrics["val"] = validate()
             self.logger.log(step, self._step_metrics["val"], phase="val")
@@ -266,6 +403,31 @@ class Run:
         if step == self.max_steps or (save_period and step % save_period == 0):
             self.save(policy, step, {"position": position})
         self.last_step, self.last_position = step, position
+        self.deadline.mark_step()
+        if step < self.max_steps and self.deadline.due():
+            self._stop_for_deadline(policy, step, position)
+
+    def _stop_for_deadline(self, policy: Any, step: int, position: int) -> None:
+        saved = (
+            self.save(policy, step, {"position": position}) if step != self._saved_step else None
+        )
+        ckpt = self.recipe["checkpointing"]
+        if saved is None and ckpt.get("enabled", True):
+            saved = Path(ckpt["checkpoint_dir"]) / f"step_{step:06d}"
+        where = (
+            f"checkpoint {saved}; to continue, run the same command again"
+            if saved is not None
+            else "no checkpoint (checkpointing.enabled is false)"
+        )
+        print(
+            f"checkpointing.checkpoint_must_save_by: stopped after step {step} of "
+            f"{self.max_steps}: {self.deadline.elapsed:.0f} s elapsed + "
+            f"{self.deadline.expected_step:.0f} s for another step would reach the deadline "
+            f"({ckpt['checkpoint_must_save_by']}, {self.deadline.seconds:.0f} s); {where}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.stopped_at = step
 
     def finish(self, policy: Any) -> None:
         """Save the last step when the loop ended early (data epochs used up)."""
@@ -300,6 +462,11 @@ class Run:
         self.cluster_info = cluster.start_or_join(
             self.recipe["cluster"], num_cpus=max(os.cpu_count() or 1, 4)
         )
+        on_gpu = int(self.recipe["cluster"].get("gpus_per_node", 0)) > 0
+        if on_gpu and self.recipe["logger"].get("monitor_gpus"):
+            from nemo_rl_offload.gpu_monitor import GpuMonitor
+
+            self.gpu_monitor = GpuMonitor()
 
     def start_group(
         self,
@@ -328,6 +495,8 @@ class Run:
         return group
 
     def close(self) -> None:
+        if self.gpu_monitor is not None:
+            self.gpu_monitor.close()
         self.logger.close()
         if self.cluster_info is not None:
             cluster.shutdown(self.cluster_info)
@@ -360,6 +529,7 @@ def _apply_plan(config_path: str, overrides: list[str], budget_gib: float) -> An
 def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_steps_key: str) -> Run:
     """Check the recipe, load the tokenizer, find a checkpoint to resume (Ray starts later,
     in :meth:`Run.connect`)."""
+    started = time.monotonic()  # checkpoint_must_save_by counts from here
     report = load_and_check(config_path, overrides)
     if report.errors:
         raise UserInputError(report.errors)
@@ -423,6 +593,12 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
         resume_from,
         max_steps=int(recipe[algorithm][total_steps_key]),
         metric=checkpointing.resolve_metric(metric_name, algorithm) if metric_name else None,
+        deadline=Deadline(
+            checkpointing.parse_deadline(ckpt["checkpoint_must_save_by"])
+            if ckpt.get("checkpoint_must_save_by")
+            else None,
+            started=started,
+        ),
     )
 
 

@@ -19,11 +19,10 @@ import numpy as np
 from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
-    data_where,
     prepare,
     resolve_checkpoint,
 )
-from nemo_rl_offload.algorithms.grpo import attach, rollout, validate
+from nemo_rl_offload.algorithms.grpo import rollout, validate
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.distributed.cluster import worker_count
@@ -58,8 +57,8 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
         seed = int(cfg["seed"])
         train_raw = load_split(data_cfg, "prompts", "train")
         val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
-        train = run.encode(train_raw, data_where(data_cfg, "train"))
-        val = run.encode(val_raw, data_where(data_cfg, "val"))
+        train = run.encode(train_raw, "train")
+        val = run.encode(val_raw, "val")
         _, on_gpu = worker_count(run.recipe["cluster"])
         share = 0.5 if on_gpu else 1.0
         run.connect()
@@ -109,7 +108,7 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
                 seed=seed * 1000003 + step,
             )
             sequences = [
-                TokenSequence(p.ids + r, len(p.ids))
+                TokenSequence(p.ids + r, len(p.ids), loss_multiplier=p.loss_multiplier)
                 for p, r in zip(prompts, responses, strict=True)
             ]
             mbs = batching.microbatches(
@@ -117,10 +116,17 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
             )
             for mb in mbs:
                 del mb["labels"]  # the loss reads the student's logits, not label logprobs
-            scores = teacher.topk_logprobs(mbs, None if top_k is None else int(top_k))
-            attach(mbs, "teacher_logprobs", [values for values, _ in scores])
+            scores = run.forward_only(
+                sequences,
+                lambda forward: teacher.topk_logprobs(
+                    forward, None if top_k is None else int(top_k)
+                ),
+                where="teacher",
+                keep_labels=False,
+            )
+            batching.attach_rows(mbs, "teacher_logprobs", [values for values, _ in scores])
             if top_k is not None:
-                attach(mbs, "teacher_indices", [indices for _, indices in scores])
+                batching.attach_rows(mbs, "teacher_indices", [indices for _, indices in scores])
             metrics = policy.train(batching.split(mbs, policy.dp_size), spec)
             elapsed = time.perf_counter() - start
             run.log_train_step(
@@ -130,13 +136,16 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
                 tokens=sum(len(s.ids) for s in sequences),
                 per_count={"kl": "kl_sum"},
                 reward=float(np.mean(rewards)),
+                **run.truncated(prompts[::group]),
             )
             run.end_step(
                 step,
                 policy,
                 sampler.position,
                 val_period=int(cfg["val_period"]),
-                validate=lambda: validate(run, policy, env, val, val_answers, seed),
+                validate=lambda step=step: validate(
+                    run, policy, env, val, val_answers, seed, step=step
+                ),
             )
         run.finish(policy)
         return 0

@@ -18,20 +18,18 @@ from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     Run,
     check_batch_sizes,
-    data_where,
     prepare,
 )
-from nemo_rl_offload.algorithms.grpo import attach
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
-from nemo_rl_offload.data.datasets import encode_and_check_lengths, load_split
+from nemo_rl_offload.data.datasets import load_split
 
 
-def encode_pairs(run: Run, examples: list[dict], where: str) -> list[tuple[TokenSequence, ...]]:
-    encoded = encode_and_check_lengths(examples, run.tokenizer, run.max_len, where)
+def encode_pairs(run: Run, examples: list[dict], split: str) -> list[tuple[TokenSequence, ...]]:
+    encoded = run.encode_examples(examples, split)
     return [
         (
-            TokenSequence(list(e.input_ids), e.prompt_len),
-            TokenSequence(list(e.rejected_ids), e.prompt_len),
+            TokenSequence(list(e.input_ids), e.prompt_len, loss_multiplier=e.loss_multiplier),
+            TokenSequence(list(e.rejected_ids), e.prompt_len, loss_multiplier=e.loss_multiplier),
         )
         for e in encoded
     ]
@@ -48,25 +46,38 @@ def sequence_logprobs(arrays: list[np.ndarray], mbs: list[dict], average: bool) 
 
 
 def with_reference(run: Run, policy: PolicyGroup, pairs: list, micro: int, average: bool):
-    """Micro-batches of the pairs, each carrying the reference policy's sequence logprobs."""
+    """Training micro-batches of ``micro`` pairs, each carrying the reference policy's
+    sequence logprobs, computed in micro-batches of ``policy.logprob_batch_size`` rows."""
     rows = [seq for pair in pairs for seq in pair]
     mbs = batching.microbatches(rows, 2 * micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to)
-    reference = policy.token_logprobs(mbs, reference=True)
-    attach(mbs, "reference_sequence_logprobs", sequence_logprobs(reference, mbs, average))
+
+    def reference(forward: list[dict]) -> list[np.ndarray]:
+        logprobs = policy.token_logprobs(forward, reference=True)
+        return sequence_logprobs(logprobs, forward, average)
+
+    batching.attach_rows(mbs, "reference_sequence_logprobs", run.forward_only(rows, reference))
     return mbs
 
 
-def evaluate(run: Run, policy: PolicyGroup, pairs: list, micro: int, spec: dict) -> dict:
-    """Held-out preference accuracy and DPO loss (forward passes only)."""
+def evaluate(run: Run, policy: PolicyGroup, pairs: list, rows: int, spec: dict) -> dict:
+    """Held-out preference accuracy and DPO loss (forward passes only, ``rows`` per
+    micro-batch)."""
     if not pairs:
         return {}
     average = bool(spec["preference_average_log_probs"])
-    mbs = with_reference(run, policy, pairs, micro, average)
-    current = sequence_logprobs(policy.token_logprobs(mbs), mbs, average)
-    chosen = np.concatenate([c[0::2] for c in current])
-    rejected = np.concatenate([c[1::2] for c in current])
-    reference = np.concatenate([mb["reference_sequence_logprobs"] for mb in mbs])
+    sequences = [seq for pair in pairs for seq in pair]
+    mbs = batching.microbatches(sequences, rows, pad_id=run.tokenizer.pad_id, round_to=run.round_to)
+    reference = np.concatenate(
+        sequence_logprobs(policy.token_logprobs(mbs, reference=True), mbs, average)
+    )
+    current = np.concatenate(sequence_logprobs(policy.token_logprobs(mbs), mbs, average))
+    chosen, rejected = current[0::2], current[1::2]
     margin = spec["beta"] * ((chosen - reference[0::2]) - (rejected - reference[1::2]))
+    # Pairs cut by data.max_input_seq_length (no token counts) are no held-out pairs.
+    counted = np.concatenate([mb["loss_mask"].sum(axis=-1) for mb in mbs])[0::2] > 0
+    margin = margin[counted]
+    if not margin.size:
+        return {}
     return {
         "val_preference_accuracy": float((margin > 0).mean()),
         "val_loss": float(np.mean(np.logaddexp(0.0, -margin))),
@@ -79,12 +90,8 @@ def run_dpo(config_path: str, overrides: list[str]) -> int:
     try:
         cfg, data_cfg, policy_cfg = run.recipe["dpo"], run.recipe["data"], run.policy_cfg
         seed = int(cfg["seed"])
-        train = encode_pairs(
-            run, load_split(data_cfg, "preference", "train"), data_where(data_cfg, "train")
-        )
-        val = encode_pairs(
-            run, load_split(data_cfg, "preference", "val"), data_where(data_cfg, "val")
-        )
+        train = encode_pairs(run, load_split(data_cfg, "preference", "train"), "train")
+        val = encode_pairs(run, load_split(data_cfg, "preference", "val"), "val")
         val = val[: int(cfg.get("val_batches", 8)) * int(cfg.get("val_global_batch_size", 8))]
         run.connect()
         policy = run.start_group(
@@ -104,10 +111,12 @@ def run_dpo(config_path: str, overrides: list[str]) -> int:
             int(policy_cfg["train_global_batch_size"]),
             int(policy_cfg["train_micro_batch_size"]),
         )
-        val_micro = int(cfg.get("val_micro_batch_size", micro))
+        # Validation is forward-only: val_micro_batch_size pairs, else logprob_batch_size rows.
+        val_pairs = cfg.get("val_micro_batch_size")
+        val_rows = 2 * int(val_pairs) if val_pairs else run.logprob_rows()
         sampler = run.sampler(len(train), seed)
         if cfg.get("val_at_start") and run.start_step == 0:
-            run.logger.log(0, evaluate(run, policy, val, val_micro, spec), phase="val")
+            run.logger.log(0, evaluate(run, policy, val, val_rows, spec), phase="val")
         for step in run.steps():
             if sampler.epoch >= int(cfg["max_num_epochs"]):
                 break
@@ -126,13 +135,14 @@ def run_dpo(config_path: str, overrides: list[str]) -> int:
                     "preference_accuracy": "preference_accuracy_sum",
                     "reward_margin": "reward_margin_sum",
                 },
+                **run.truncated([pair[0] for pair in pairs]),
             )
             run.end_step(
                 step,
                 policy,
                 sampler.position,
                 val_period=int(cfg["val_period"]),
-                validate=lambda: evaluate(run, policy, val, val_micro, spec),
+                validate=lambda: evaluate(run, policy, val, val_rows, spec),
             )
         run.finish(policy)
         return 0

@@ -7,6 +7,7 @@ Run: ``nemo-rl-offload grpo --config examples/configs/tiny/grpo.yaml``
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -18,7 +19,6 @@ from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     Run,
-    data_where,
     prepare,
 )
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
@@ -95,16 +95,47 @@ def attach(microbatches: list[dict], key: str, arrays: list[np.ndarray]) -> None
         mb[key] = array
 
 
+def format_samples(
+    tokenizer: Any,
+    prompts: list[TokenSequence],
+    responses: list[list[int]],
+    rewards: list[float],
+    *,
+    count: int,
+    step: int,
+) -> str:
+    """``logger.num_val_samples_to_print``: the first ``count`` held-out samples as a block a
+    reader can scan (prompt, response, reward), for seeing what the policy actually writes."""
+    count = min(count, len(prompts))
+    lines = [f"validation samples at step {step} ({count} of {len(prompts)}):"]
+    for index in range(count):
+        lines += [
+            f"--- sample {index + 1} | reward {rewards[index]:g}",
+            f"prompt:   {tokenizer.decode(prompts[index].ids)!r}",
+            f"response: {tokenizer.decode(responses[index], skip_special=False)!r}",
+        ]
+    lines.append("---")
+    return "\n".join(lines)
+
+
 def validate(
-    run: Run, policy: PolicyGroup, env: MathEnvironment, val: list, answers: list, seed: int
+    run: Run,
+    policy: PolicyGroup,
+    env: MathEnvironment,
+    val: list,
+    answers: list,
+    seed: int,
+    *,
+    step: int = 0,
 ) -> dict[str, float]:
     """Mean reward on held-out prompts: sampled with the training settings, several samples
     per prompt (the same seed at every validation, so validations compare like with like),
-    and with greedy decoding."""
+    and with greedy decoding. With ``logger.num_val_samples_to_print`` the first sample of as
+    many prompts goes to stderr."""
     if not val:
         return {}
     repeat = VAL_SAMPLES_PER_PROMPT
-    _, sampled = generate_and_score(
+    responses, sampled = generate_and_score(
         run,
         policy,
         env,
@@ -114,6 +145,17 @@ def validate(
         seed=seed,
     )
     _, greedy = generate_and_score(run, policy, env, val, answers, greedy=True, seed=seed)
+    shown = int(run.recipe["logger"].get("num_val_samples_to_print") or 0)
+    if shown > 0:
+        text = format_samples(
+            run.tokenizer,
+            list(val),
+            responses[::repeat],
+            sampled[::repeat],
+            count=shown,
+            step=step,
+        )
+        print(text, file=sys.stderr, flush=True)
     return {"val_reward": float(np.mean(sampled)), "val_reward_greedy": float(np.mean(greedy))}
 
 
@@ -125,8 +167,8 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
         policy_cfg, seed = run.policy_cfg, int(cfg["seed"])
         train_raw = load_split(data_cfg, "prompts", "train")
         val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
-        train = run.encode(train_raw, data_where(data_cfg, "train"))
-        val = run.encode(val_raw, data_where(data_cfg, "val"))
+        train = run.encode(train_raw, "train")
+        val = run.encode(val_raw, "val")
         kl_penalty = float(loss_cfg.get("reference_policy_kl_penalty", 0.0))
         run.connect()
         policy = run.start_group(
@@ -175,15 +217,20 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
                 leave_one_out=bool(cfg.get("use_leave_one_out_baseline", True)),
             ).flatten()
             sequences = [
-                TokenSequence(p.ids + r, len(p.ids), {"advantages": float(a)})
+                TokenSequence(p.ids + r, len(p.ids), {"advantages": float(a)}, p.loss_multiplier)
                 for p, r, a in zip(prompts, responses, advantages.tolist(), strict=True)
             ]
             mbs = batching.microbatches(
                 sequences, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
             )
-            attach(mbs, "old_logprobs", policy.token_logprobs(mbs))
+            batching.attach_rows(
+                mbs, "old_logprobs", run.forward_only(sequences, policy.token_logprobs)
+            )
             if kl_penalty > 0:
-                attach(mbs, "reference_logprobs", policy.token_logprobs(mbs, reference=True))
+                reference = run.forward_only(
+                    sequences, lambda forward: policy.token_logprobs(forward, reference=True)
+                )
+                batching.attach_rows(mbs, "reference_logprobs", reference)
             metrics = policy.train(batching.split(mbs, policy.dp_size), loss_spec)
             elapsed = time.perf_counter() - start
             run.log_train_step(
@@ -194,13 +241,16 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
                 per_count={"clip_fraction": "clip_fraction_sum", "kl": "kl_sum"},
                 reward=float(np.mean(rewards)),
                 response_tokens_mean=float(np.mean([len(r) for r in responses])),
+                **run.truncated(prompts[::group]),
             )
             run.end_step(
                 step,
                 policy,
                 sampler.position,
                 val_period=int(cfg["val_period"]),
-                validate=lambda: validate(run, policy, env, val, val_answers, seed),
+                validate=lambda step=step: validate(
+                    run, policy, env, val, val_answers, seed, step=step
+                ),
             )
         run.finish(policy)
         return 0

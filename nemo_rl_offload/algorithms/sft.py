@@ -11,7 +11,6 @@ from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.common import (
     Run,
     check_batch_sizes,
-    data_where,
     mean,
     prepare,
 )
@@ -36,8 +35,8 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
     policy = None
     try:
         cfg, data_cfg, policy_cfg = run.recipe["sft"], run.recipe["data"], run.policy_cfg
-        train = run.encode(load_split(data_cfg, "sft", "train"), data_where(data_cfg, "train"))
-        val = run.encode(load_split(data_cfg, "sft", "val"), data_where(data_cfg, "val"))
+        train = run.encode(load_split(data_cfg, "sft", "train"), "train")
+        val = run.encode(load_split(data_cfg, "sft", "val"), "val")
         val = val[: int(cfg.get("val_batches", 8)) * int(cfg.get("val_global_batch_size", 32))]
         run.connect()
         policy = run.start_group("policy", seed=int(cfg["seed"]), trainable=True)
@@ -48,7 +47,8 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
             int(policy_cfg["train_global_batch_size"]),
             int(policy_cfg["train_micro_batch_size"]),
         )
-        val_micro = int(cfg.get("val_micro_batch_size", micro))
+        # Validation is a forward-only pass: val_micro_batch_size, else logprob_batch_size.
+        val_micro = int(cfg.get("val_micro_batch_size") or run.logprob_rows())
         if cfg.get("val_at_start") and run.start_step == 0:
             run.logger.log(0, {"val_loss": evaluate_nll(run, policy, val, val_micro)}, phase="val")
         for step in run.steps():
@@ -70,6 +70,7 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
                 elapsed=elapsed,
                 tokens=sum(len(seq.ids) for seq in batch),
                 epoch=sampler.epoch,
+                **run.truncated(batch),
             )
             run.end_step(
                 step,

@@ -110,3 +110,18 @@ def steps_to_delete(
         ranked = sorted(history, key=score, reverse=True)
     kept = {step for step, _ in ranked[:keep_top_k]} | {newest}
     return sorted(step for step, _ in history if step not in kept)
+
+
+DEADLINE_FORMAT = "DD:HH:MM:SS"
+
+
+def parse_deadline(text: str) -> int:
+    """Seconds in a ``checkpoint_must_save_by`` string: ``DD:HH:MM:SS`` as NeMo-RL reads it
+    (four non-negative integers, e.g. ``00:03:45:00`` for 3 h 45 min; a field may exceed its
+    usual range, ``00:00:90:00`` is 90 minutes, as there). ValueError otherwise (the caller adds
+    the recipe path)."""
+    parts = text.split(":")
+    if len(parts) != 4 or not all(part.isascii() and part.isdigit() for part in parts):
+        raise ValueError(f"{text!r} is not {DEADLINE_FORMAT} (e.g. '00:03:45:00')")
+    days, hours, minutes, seconds = (int(part) for part in parts)
+    return days * 86400 + hours * 3600 + minutes * 60 + seconds

@@ -70,8 +70,9 @@ def load_split(data_cfg: Mapping[str, Any], kind: Kind, split: Split) -> list[di
 
 
 def _load_jsonl(data_cfg: Mapping[str, Any], kind: Kind, split: Split) -> list[dict[str, Any]]:
-    where = f"data.{split}_data_path"
-    path = data_cfg.get(f"{split}_data_path")
+    key = "train_data_path" if split == "train" else "val_data_path"
+    where = f"data.{key}"
+    path = data_cfg.get(key)
     if path is None:
         if split == "val":
             return []
@@ -132,6 +133,29 @@ class EncodedExample:
     input_ids: list[int]
     prompt_len: int
     rejected_ids: list[int] | None = None
+    # 0 for an example cut by data.max_input_seq_length: kept, but none of its tokens train.
+    loss_multiplier: float = 1.0
+
+
+# data.max_input_seq_length cuts each part (prompt, response) of an over-long example to this
+# many tokens, as NeMo-RL's data processors do: the example keeps its place in the data order
+# (and a GRPO prompt its samples) while its loss multiplier of 0 keeps it from training.
+CUT_PART_TOKENS = 4
+
+
+def _limit_input_length(
+    prompt: list[int], responses: dict[str, list[int]], max_input: int
+) -> tuple[list[int], dict[str, list[int]], bool]:
+    """NeMo-RL's rule for ``data.max_input_seq_length``: a prompt-only example (GRPO,
+    distillation) or an SFT example at least that long, or a preference pair of which one side
+    is longer, is cut (each part to ``min(4, max_input // parts)`` tokens) and masked."""
+    parts = 1 if not responses else 2
+    lengths = [len(prompt) + len(r) for r in responses.values()] or [len(prompt)]
+    over = max(lengths) > max_input if "chosen" in responses else max(lengths) >= max_input
+    if not over:
+        return prompt, responses, False
+    keep = min(CUT_PART_TOKENS, max_input // parts)
+    return prompt[:keep], {k: r[:keep] for k, r in responses.items()}, True
 
 
 def encode_and_check_lengths(
@@ -143,8 +167,12 @@ def encode_and_check_lengths(
     limit_name: str = "policy.max_total_sequence_length",
     add_bos: bool = True,
     add_eos: bool = True,
+    max_input_len: int | None = None,
 ) -> list[EncodedExample]:
     """Tokenize ``examples``; raise one UserInputError naming every one longer than ``max_len``.
+
+    With ``max_input_len`` (``data.max_input_seq_length``) an example over it is first cut and
+    given loss multiplier 0 (:func:`_limit_input_length`), as in NeMo-RL.
 
     Each offender is reported as ``<where>:<line>`` (its file line when the example has one,
     else its 0-based index) with its length and the limit ``limit_name``, for instance
@@ -155,10 +183,15 @@ def encode_and_check_lengths(
     too_long: list[str] = []
     for index, example in enumerate(examples):
         prompt = tokenizer.encode(example["prompt"], add_bos=add_bos)
-        sequences: dict[str, list[int]] = {}
-        for key in ("response", "chosen", "rejected"):
-            if key in example:
-                sequences[key] = prompt + tokenizer.encode(example[key], add_eos=add_eos)
+        responses = {
+            key: tokenizer.encode(example[key], add_eos=add_eos)
+            for key in ("response", "chosen", "rejected")
+            if key in example
+        }
+        cut = False
+        if max_input_len is not None:
+            prompt, responses, cut = _limit_input_length(prompt, responses, max_input_len)
+        sequences = {key: prompt + response for key, response in responses.items()}
         if not sequences:
             sequences["prompt"] = prompt
         label, longest = max(sequences.items(), key=lambda item: len(item[1]))
@@ -169,7 +202,9 @@ def encode_and_check_lengths(
                 f"than {limit_name} {max_len}; shorten it or raise the limit"
             )
         main = next((sequences[k] for k in ("response", "chosen") if k in sequences), prompt)
-        encoded.append(EncodedExample(main, len(prompt), sequences.get("rejected")))
+        encoded.append(
+            EncodedExample(main, len(prompt), sequences.get("rejected"), 0.0 if cut else 1.0)
+        )
     if too_long:
         shown = too_long[:_MAX_REPORTED]
         if len(too_long) > _MAX_REPORTED:

@@ -113,7 +113,9 @@ def test_sft_stopped_mid_save_resumes_bitwise(sft_done, tmp_path):
 def test_grpo_with_distributed_optimizer_resumes_bitwise(sft_done, tmp_path):
     """GRPO samples (its seeds derive from the step number) and holds a reference model for
     its KL penalty, which a resume gives back the init_checkpoint's weights; its workers use
-    the distributed optimizer (its reduce-scatter and all-gather on gloo)."""
+    the distributed optimizer (its reduce-scatter and all-gather on gloo). Its forward-only
+    passes run in micro-batches of policy.logprob_batch_size 4 (training: 8), and
+    data.max_input_seq_length 14 cuts about half the prompts (kept with loss multiplier 0)."""
     grpo = [
         f"policy.init_checkpoint={sft_done / 'ckpt' / 'step_000003'}",
         "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
@@ -126,7 +128,37 @@ def test_grpo_with_distributed_optimizer_resumes_bitwise(sft_done, tmp_path):
         "policy.train_micro_batch_size=8",
         "checkpointing.save_period=2",
         "checkpointing.keep_top_k=2",
+        "policy.logprob_batch_size=4",
+        "data.max_input_seq_length=14",
     ]
     done = tmp_path / "uninterrupted"
-    run("grpo", grpo, done)
+    first = run("grpo", grpo, done)
+    assert (
+        "data.max_input_seq_length: " in first.stderr and "train examples reach 14" in first.stderr
+    )
+    truncated = [r["prompts_truncated"] for r in train_records(done)]
+    assert all(0 <= n <= 4 for n in truncated) and sum(truncated) > 0, truncated
     assert_resumes_exactly("grpo", grpo, done, tmp_path / "stopped", saved=2, steps=4)
+
+
+def test_sft_stopped_by_its_deadline_resumes_to_the_same_losses(sft_done, tmp_path):
+    """checkpointing.checkpoint_must_save_by: a deadline of one second has passed when the
+    first step ends (Ray's start alone takes longer), so the run saves step 1 and stops with
+    exit 0 and a line saying how to go on; the same command without the deadline then runs
+    steps 2 to 6, logging bitwise what the uninterrupted run logged. The cut prompts of
+    data.max_input_seq_length are counted as examples_truncated (0 here: the limit is the
+    total length, which every example is below)."""
+    stopped = tmp_path / "stopped"
+    first = run("sft", [*SFT, "checkpointing.checkpoint_must_save_by=00:00:00:01"], stopped)
+    assert "checkpointing.checkpoint_must_save_by: stopped after step 1 of 6" in first.stderr
+    assert "run the same command again" in first.stderr
+    assert [r["step"] for r in train_records(stopped)] == [1]
+    assert sorted(p.name for p in (stopped / "ckpt").iterdir()) == ["step_000001"]
+    again = run("sft", SFT, stopped)
+    assert f"resumed from {stopped / 'ckpt' / 'step_000001'} (step 1)" in again.stderr
+    expected, resumed = train_records(sft_done), train_records(stopped)
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    for want, got in zip(expected, resumed, strict=True):
+        for key in EXACT_KEYS:
+            assert got[key] == want[key], (got["step"], key, got[key], want[key])
+    assert all(r["examples_truncated"] == 0 for r in resumed)

@@ -163,3 +163,17 @@ def test_distillation_topk_support_and_mask():
         torch.randn(1, 2, 9), values, indices, torch.zeros(1, 2), kl_type="reverse"
     )
     assert masked.item() == 0.0
+
+
+def test_dpo_loss_leaves_masked_pairs_out():
+    chosen, rejected = torch.tensor([1.0, 5.0]), torch.tensor([0.0, 9.0])
+    reference = torch.zeros(2)
+    one, metrics_one = losses.dpo_loss(
+        chosen[:1], rejected[:1], reference[:1], reference[:1], beta=0.5
+    )
+    both, metrics = losses.dpo_loss(
+        chosen, rejected, reference, reference, beta=0.5, weights=torch.tensor([1.0, 0.0])
+    )
+    assert torch.equal(both, one)
+    assert metrics["num_pairs"] == 1 and metrics["preference_accuracy_sum"] == 1
+    assert metrics["reward_margin_sum"] == metrics_one["reward_margin_sum"]

@@ -172,3 +172,49 @@ def test_length_error_custom_limit_name_and_cap() -> None:
         "shorten it or raise the limit"
     )
     assert problems[-1] == "data.val_data_path: 5 more examples too long"
+
+
+# ------------------------------------------------------------- data.max_input_seq_length
+
+
+def test_max_input_seq_length_cuts_and_masks_prompts_at_or_over_it() -> None:
+    tok = ByteTokenizer()
+    examples = [{"prompt": "abcdefgh"}, {"prompt": "abcdefghi"}, {"prompt": "abc"}]
+    # bos + 8 bytes = 9 tokens: reaching the limit cuts it (NeMo-RL's >=), to 4 tokens.
+    cut, over, kept = encode_and_check_lengths(examples, tok, 64, "data", max_input_len=9)
+    assert (cut.loss_multiplier, len(cut.input_ids), cut.prompt_len) == (0.0, 4, 4)
+    assert (over.loss_multiplier, len(over.input_ids)) == (0.0, 4)
+    assert (kept.loss_multiplier, kept.input_ids) == (1.0, tok.encode("abc", add_bos=True))
+
+
+def test_max_input_seq_length_cuts_each_part_of_an_sft_example() -> None:
+    tok = ByteTokenizer()
+    (cut,) = encode_and_check_lengths(
+        [{"prompt": "abcdefgh", "response": "ijklmnop"}], tok, 64, "data", max_input_len=10
+    )
+    assert cut.loss_multiplier == 0.0 and cut.prompt_len == 4 and len(cut.input_ids) == 8
+    (short,) = encode_and_check_lengths(
+        [{"prompt": "ab", "response": "c"}], tok, 64, "data", max_input_len=6
+    )
+    assert short.loss_multiplier == 1.0  # bos + 2 + 1 + eos = 5 < 6
+
+
+def test_max_input_seq_length_cuts_a_pair_only_over_it() -> None:
+    tok = ByteTokenizer()
+    pair = {"prompt": "ab", "chosen": "cd", "rejected": "e"}  # chosen: 1 + 2 + 2 + 1 = 6
+    (at,) = encode_and_check_lengths([pair], tok, 64, "data", max_input_len=6)
+    assert at.loss_multiplier == 1.0  # NeMo-RL's preference rule is strictly longer
+    (over,) = encode_and_check_lengths([pair], tok, 64, "data", max_input_len=5)
+    assert over.loss_multiplier == 0.0 and over.rejected_ids is not None
+
+
+def test_a_cut_example_no_longer_trips_the_total_length_check() -> None:
+    tok = ByteTokenizer()
+    long = [{"prompt": "x" * 100}]
+    with pytest.raises(UserInputError, match="longer than policy.max_total_sequence_length"):
+        encode_and_check_lengths(long, tok, 64, "data")
+    (cut,) = encode_and_check_lengths(long, tok, 64, "data", max_input_len=64)
+    assert cut.loss_multiplier == 0.0
+    # Over max_total_sequence_length but under max_input_seq_length: refused, not cut.
+    with pytest.raises(UserInputError, match="longer than policy.max_total_sequence_length"):
+        encode_and_check_lengths(long, tok, 64, "data", max_input_len=200)

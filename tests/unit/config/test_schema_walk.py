@@ -1,0 +1,218 @@
+"""No accepted key is silently ignored: every key of every schema section (all four
+algorithms' recipes, dotted paths) is read somewhere in the package, or listed in
+``config.ignored_keys`` with the reason, which ``validate`` then reports.
+
+"Read" means the key's name is a string literal of the package's code (``cfg.get("name")``,
+``cfg["name"]``, a tuple of names), not counting ``schema.py`` (which declares the keys),
+``ignored_keys.py`` (which lists them) and docstrings. The check is by name, so a key shares its
+reader with keys of the same name in other sections.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+from typing import Any, NotRequired, TypedDict, get_type_hints
+
+import pytest
+
+from nemo_rl_offload.config import ignored_keys
+from nemo_rl_offload.config.loader import load_recipe
+from nemo_rl_offload.config.schema import MASTER_CONFIGS
+from nemo_rl_offload.config.validate import _typed_dict_members
+from nemo_rl_offload.preflight import check_recipe
+
+PACKAGE = Path(__file__).resolve().parents[3] / "nemo_rl_offload"
+NOT_READERS = {PACKAGE / "config" / "schema.py", PACKAGE / "config" / "ignored_keys.py"}
+
+
+def string_literals(root: Path, exclude: set[Path]) -> set[str]:
+    """Every string constant of the package's code, docstrings left out."""
+    found: set[str] = set()
+    for path in sorted(root.rglob("*.py")):
+        if path in exclude:
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        found |= {
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        }
+    return found
+
+
+def schema_paths(cls: type, prefix: str = "") -> list[str]:
+    """Every key of a TypedDict and of the sections it nests, as dotted paths."""
+    paths = []
+    for key, hint in get_type_hints(cls).items():
+        path = f"{prefix}{key}"
+        paths.append(path)
+        for section in _typed_dict_members(hint):
+            paths += schema_paths(section, f"{path}.")
+    return paths
+
+
+def _passed_through(path: str, passed_through: dict[str, str]) -> bool:
+    section, _, key = path.rpartition(".")
+    target = passed_through.get(section)
+    if target is None:
+        return False
+    module, _, name = target.rpartition(".")
+    return key in getattr(importlib.import_module(module), name).__annotations__
+
+
+def unaccounted(
+    masters: dict[str, type],
+    literals: set[str],
+    registry: dict[str, Any],
+    passed_through: dict[str, str],
+) -> list[str]:
+    """The keys that no code reads and that the registry (a key or one of its parent
+    sections) does not list."""
+    missing = []
+    for master in masters.values():
+        for path in schema_paths(master):
+            parents = {".".join(path.split(".")[:n]) for n in range(1, path.count(".") + 2)}
+            if path.rsplit(".", 1)[-1] in literals or parents & registry.keys():
+                continue
+            if _passed_through(path, passed_through) or path in missing:
+                continue
+            missing.append(path)
+    return missing
+
+
+@pytest.fixture(scope="module")
+def literals() -> set[str]:
+    return string_literals(PACKAGE, NOT_READERS)
+
+
+def test_every_schema_key_is_read_or_listed_as_ignored(literals):
+    missing = unaccounted(
+        MASTER_CONFIGS, literals, ignored_keys.IGNORED, ignored_keys.PASSED_THROUGH
+    )
+    assert not missing, (
+        "accepted by the schema but neither read by the package nor listed in "
+        f"config/ignored_keys.py: {missing}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "path"),
+    [
+        ("checkpoint_must_save_by", "checkpointing.checkpoint_must_save_by"),
+        ("logprob_batch_size", "policy.logprob_batch_size"),
+        ("monitor_gpus", "logger.monitor_gpus"),
+        ("num_val_samples_to_print", "logger.num_val_samples_to_print"),
+        ("max_input_seq_length", "data.max_input_seq_length"),
+    ],
+)
+def test_removing_a_keys_reader_fails_the_walk(literals, name, path):
+    assert name in literals  # read today
+    missing = unaccounted(
+        MASTER_CONFIGS, literals - {name}, ignored_keys.IGNORED, ignored_keys.PASSED_THROUGH
+    )
+    assert path in missing
+
+
+class _Inner(TypedDict):
+    read_here: int
+    zz_never_read: NotRequired[int]
+
+
+class _Synthetic(TypedDict):
+    section: _Inner
+    zz_listed: NotRequired[bool]
+    zz_listed_section: NotRequired[_Inner | None]
+
+
+def test_the_walk_finds_an_unread_key_in_a_nested_section():
+    literals = {"section", "read_here"}
+    registry = {"zz_listed": "why", "zz_listed_section": "why"}
+    assert unaccounted({"x": _Synthetic}, literals, registry, {}) == ["section.zz_never_read"]
+    assert unaccounted({"x": _Synthetic}, literals, {}, {}) == [
+        "section.zz_never_read",
+        "zz_listed",
+        "zz_listed_section",
+        "zz_listed_section.zz_never_read",
+    ]
+
+
+def test_a_passed_through_section_is_read_by_its_dataclass_fields():
+    ddp = "policy.megatron_cfg.distributed_data_parallel_config"
+    pytest.importorskip("megatron.core")
+    assert _passed_through(f"{ddp}.grad_reduce_in_fp32", ignored_keys.PASSED_THROUGH)
+    assert not _passed_through(f"{ddp}.zz_not_a_field", ignored_keys.PASSED_THROUGH)
+
+
+# --------------------------------------------------------------- the registry's validate lines
+
+
+def test_a_listed_key_set_to_a_value_that_matters_warns():
+    errors, warnings = ignored_keys.check({"policy": {"generation_batch_size": 32}})
+    assert errors == []
+    assert warnings == [
+        "warning: policy.generation_batch_size: ignored by this backend: generation samples "
+        "each data-parallel rank's prompts as one batch"
+    ]
+
+
+def test_a_listed_key_at_an_inert_value_says_nothing():
+    recipe = {
+        "policy": {"generation_batch_size": None, "generation": {"stop_strings": None}},
+        "loss_fn": {"token_level_loss": True, "use_on_policy_kl_approximation": False},
+        "grpo": {"max_rollout_turns": 1, "val_batch_size": 256, "max_val_samples": 256},
+        "teacher": {"max_grad_norm": 1.0},
+    }
+    assert ignored_keys.check(recipe) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("recipe", "line"),
+    [
+        (
+            {"loss_fn": {"token_level_loss": False}},
+            "loss_fn.token_level_loss: false is not supported by this backend",
+        ),
+        ({"grpo": {"max_rollout_turns": 2}}, "grpo.max_rollout_turns: 2 is not supported"),
+        (
+            {"policy": {"generation": {"stop_strings": ["\n"]}}},
+            "stop tokens' ids in generation.stop_token_ids",
+        ),
+        (
+            {"policy": {"model_name": "tiny-moe", "megatron_cfg": {"freeze_moe_router": True}}},
+            "policy.megatron_cfg.freeze_moe_router: true is not supported",
+        ),
+    ],
+)
+def test_a_listed_key_whose_ignoring_would_change_training_is_refused(recipe, line):
+    errors, warnings = ignored_keys.check(recipe)
+    assert len(errors) == 1 and line in errors[0], errors
+    assert warnings == []
+
+
+def test_freeze_moe_router_is_inert_for_a_dense_model():
+    recipe = {"policy": {"model_name": "tiny-dense", "megatron_cfg": {"freeze_moe_router": True}}}
+    assert ignored_keys.check(recipe) == ([], [])
+
+
+def test_validate_reports_a_listed_key_of_a_whole_recipe():
+    pytest.importorskip("megatron.core")
+    recipe = load_recipe("examples/configs/tiny/sft.yaml", ["++policy.generation_batch_size=8"])
+    report = check_recipe(recipe, megatron_crosscheck=False)
+    assert report.ok, report.errors
+    assert any(
+        line.startswith("warning: policy.generation_batch_size:") for line in report.warnings
+    )
+    plain = check_recipe(load_recipe("examples/configs/tiny/sft.yaml"), megatron_crosscheck=False)
+    assert not any("ignored by this backend" in line for line in plain.warnings), plain.warnings
