@@ -226,12 +226,17 @@ def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
     for module in modules:
         assert all(r.get(f"offloaded_gib_{module}", 0) > 0 for r in records), module
     # Every byte offloaded comes back; steps that replay a plan copy at bandwidth (those that
-    # record one also allocate their pinned buffers inside the timed copies). Lowest replayed
-    # rates measured on an H100: dense 31.5 GB/s, MoE 6.0 (expert inputs are not pooled).
+    # record one also allocate their pinned buffers inside the timed copies). The rate is
+    # judged over all replayed steps together: a single small step's rate is mostly launch
+    # latency and varies several-fold between runs and steps
+    # (benchmarks/results/2026-11-24_h100_offload_runtime_moe.json).
     assert all(r["d2h_gib"] == r["h2d_gib"] for r in records)
     floor_gb_per_s = 20.0 if kind == "dense" else 4.0
     replayed = [r for r in records if not r["new_shape"]]
-    assert all(min(r["d2h_gb_per_s"], r["h2d_gb_per_s"]) > floor_gb_per_s for r in replayed)
+    for way in ("d2h", "h2d"):
+        gib = sum(r[f"{way}_gib"] for r in replayed)
+        seconds = sum(r[f"{way}_gib"] / r[f"{way}_gb_per_s"] for r in replayed)
+        assert gib / seconds > floor_gb_per_s, (way, gib / seconds)
 
 
 def _summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
