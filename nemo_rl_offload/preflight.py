@@ -15,7 +15,7 @@ from typing import Any
 
 from nemo_rl_offload.config import checkpointing, ignored_keys
 from nemo_rl_offload.config.loader import load_recipe
-from nemo_rl_offload.config.model_presets import Architecture, architecture_for
+from nemo_rl_offload.config.model_presets import Architecture, ModelNotOnMachine, architecture_for
 from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
 from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.errors import UserInputError
@@ -65,13 +65,25 @@ class Report:
 
 
 def _architecture(
-    section: dict[str, Any], where: str, base_dir: Path | None, report: Report
+    section: dict[str, Any], where: str, base_dir: Path | None, report: Report, starting: bool
 ) -> Architecture | None:
+    """The model's architecture, or None when it is unknown (its problem is reported). A
+    Hugging Face model that is not on this machine is a warning for ``validate`` (the checks
+    that need the model are skipped, everything else is checked) and an error for a run."""
     model_name = section.get("model_name")
     if not isinstance(model_name, str):
         return None  # the schema reports it
     try:
         return architecture_for(model_name, base_dir=base_dir, where=f"{where}.model_name")
+    except ModelNotOnMachine as exc:
+        if starting:
+            report.errors += exc.problems
+        else:
+            report.warnings += [
+                f"warning: {line}; the checks that need the model were skipped"
+                for line in exc.problems
+            ]
+        return None
     except UserInputError as exc:
         report.errors += exc.problems
         return None
@@ -283,14 +295,29 @@ def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Re
         )
 
 
+def _check_data_source(recipe: dict[str, Any], report: Report) -> None:
+    """data.dataset_name names this backend's data; a NeMo-RL recipe names its datasets under
+    data.train instead (which config/ignored_keys.py reports), so one of the two is needed."""
+    data = recipe.get("data")
+    if isinstance(data, dict) and "dataset_name" not in data and "train" not in data:
+        report.errors.append(
+            "data.dataset_name: required key is missing (arithmetic, or jsonl with "
+            "data.train_data_path and data.val_data_path)"
+        )
+
+
 def check_recipe(
     recipe: dict[str, Any],
     *,
     caps: Capabilities | None = None,
     base_dir: Path | None = None,
     megatron_crosscheck: bool = True,
+    starting: bool = False,
 ) -> Report:
-    """Check a loaded recipe completely; never raises for user mistakes (they are in .errors)."""
+    """Check a loaded recipe completely; never raises for user mistakes (they are in .errors).
+
+    ``starting``: the check before a run, which also refuses what ``validate`` only warns
+    about because it is not on this machine (a Hugging Face model, NeMo-RL's datasets)."""
     caps = caps or capabilities.detect()
     try:
         algorithm: str | None = detect_algorithm(recipe)
@@ -308,7 +335,8 @@ def check_recipe(
     _check_checkpointing(recipe, algorithm, report)
     _check_deadline(recipe, report)
     _check_logger_and_batches(recipe, algorithm, report)
-    unused_errors, unused_warnings = ignored_keys.check(recipe)
+    _check_data_source(recipe, report)
+    unused_errors, unused_warnings = ignored_keys.check(recipe, starting=starting)
     report.errors += unused_errors
     report.warnings += unused_warnings
     cluster = recipe.get("cluster")
@@ -319,7 +347,7 @@ def check_recipe(
         section = recipe.get(where)
         if not isinstance(section, dict):
             continue
-        architecture = _architecture(section, where, base_dir, report)
+        architecture = _architecture(section, where, base_dir, report, starting)
         findings = rules.check_policy(
             section,
             where=where,

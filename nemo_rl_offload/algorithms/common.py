@@ -519,7 +519,9 @@ def _apply_plan(config_path: str, overrides: list[str], budget_gib: float) -> An
             "policy.megatron_cfg.offload_plan_budget_gib: "
             + planner.why_none(result["profile"], budget_gib, entry["tried"])
         )
-    report = load_and_check(config_path, [*without_key, *planner.plan_overrides(result, chosen)])
+    report = load_and_check(
+        config_path, [*without_key, *planner.plan_overrides(result, chosen)], starting=True
+    )
     if report.errors:
         raise UserInputError(report.errors)
     print(f"plan applied: {chosen.name}", file=sys.stderr)
@@ -530,7 +532,7 @@ def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_ste
     """Check the recipe, load the tokenizer, find a checkpoint to resume (Ray starts later,
     in :meth:`Run.connect`)."""
     started = time.monotonic()  # checkpoint_must_save_by counts from here
-    report = load_and_check(config_path, overrides)
+    report = load_and_check(config_path, overrides, starting=True)
     if report.errors:
         raise UserInputError(report.errors)
     for line in report.warnings:

@@ -37,7 +37,9 @@ METRICS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 # NeMo-RL's names for the same quantities: its math environment's accuracy is this backend's
 # mean held-out reward (the math reward is 1 for a right answer, else 0).
+# NeMo-RL's DPO names its validation metrics after the validation dataset ("default" for one).
 ALIASES: dict[str, dict[str, str]] = {
+    "dpo": {"validation-default_loss": "val_loss"},
     "grpo": {"accuracy": "val_reward"},
     "distillation": {"accuracy": "val_reward"},
 }

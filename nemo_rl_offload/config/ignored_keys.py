@@ -77,9 +77,101 @@ def _covers_validation(algorithm: str) -> Callable[[Any, Mapping[str, Any]], boo
     def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
         section = recipe.get(algorithm) or {}
         samples = section.get("max_val_samples", 256)
+        if not isinstance(samples, int):
+            return value is None  # null: NeMo-Gym's "all of them", no batch covers it surely
         return value is None or (isinstance(value, int) and value >= samples)
 
     return inert
+
+
+def _equals(*values: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
+    """Inert for null and these values, numbers compared as numbers (``1 == 1.0``, but
+    ``true`` is not ``1``): NeMo-RL's defaults, which a recipe may write either way."""
+
+    def same(value: Any, wanted: Any) -> bool:
+        if isinstance(value, bool) or isinstance(wanted, bool):
+            return type(value) is type(wanted) and value == wanted
+        if isinstance(value, int | float) and isinstance(wanted, int | float):
+            return float(value) == float(wanted)
+        return type(value) is type(wanted) and value == wanted
+
+    def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
+        return value is None or any(same(value, v) for v in values)
+
+    return inert
+
+
+def _switched_off(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """A NeMo-RL feature section: inert when null, empty or ``enabled: false``."""
+    return value is None or value == {} or (isinstance(value, Mapping) and not value.get("enabled"))
+
+
+def _at(recipe: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = recipe
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _unless(dotted: str, *active: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
+    """Inert unless the recipe's ``dotted`` key holds one of ``active``: a setting of a
+    NeMo-RL feature that only acts when that feature is selected."""
+
+    def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
+        here = _at(recipe, dotted)
+        return value is None or not any(type(here) is type(a) and here == a for a in active)
+
+    return inert
+
+
+def _and(
+    *checks: Callable[[Any, Mapping[str, Any]], bool],
+) -> Callable[[Any, Mapping[str, Any]], bool]:
+    def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
+        return any(check(value, recipe) for check in checks)
+
+    return inert
+
+
+def _same_as(dotted: str, default: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
+    """Inert at null or at the value of ``dotted`` (NeMo-RL's default for the key)."""
+
+    def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
+        here = _at(recipe, dotted)
+        return _equals(default if here is None else here)(value, recipe)
+
+    return inert
+
+
+def _grpo_estimator(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """grpo.adv_estimator is inert when it names GRPO's own estimator with the baseline and
+    normalisation grpo.* already sets (NeMo-RL's defaults)."""
+    if value is None or value == {}:
+        return True
+    if not isinstance(value, Mapping) or value.get("name", "grpo") != "grpo":
+        return False
+    grpo = recipe.get("grpo") or {}
+    return value.get("normalize_rewards", True) == grpo.get(
+        "normalize_rewards", True
+    ) and value.get("use_leave_one_out_baseline", True) == grpo.get(
+        "use_leave_one_out_baseline", True
+    )
+
+
+def _no_penalties(value: Any, recipe: Mapping[str, Any]) -> bool:
+    return value is None or not any(
+        value.get(flag) for flag in value if isinstance(flag, str) and flag.startswith("penalize_")
+    )
+
+
+def _no_true_value(value: Any, recipe: Mapping[str, Any]) -> bool:
+    return value is None or not any(v is True for v in value.values())
+
+
+def _empty(value: Any, recipe: Mapping[str, Any]) -> bool:
+    return value is None or value == {} or value == [] or value == ""
 
 
 @dataclass(frozen=True)
@@ -90,6 +182,15 @@ class Unused:
     reason: str
     inert: Callable[[Any, Mapping[str, Any]], bool] = _is_none
     refuse: str | None = None
+    # Refused only when a run starts: the value names something not on this machine or not
+    # loaded yet (NeMo-RL's datasets), which ``validate`` reports as a warning so that the
+    # rest of the recipe is still checked.
+    at_start: bool = False
+
+    @property
+    def treatment(self) -> str:
+        """``refused`` or ``warned``: what a value that is not inert gets."""
+        return "refused" if self.refuse is not None else "warned"
 
 
 _TEACHER_TRAINS_NOT = "the teacher never trains"
@@ -126,8 +227,9 @@ IGNORED: dict[str, Unused] = {
     ),
     "teacher.megatron_cfg.freeze_moe_router": Unused(_TEACHER_TRAINS_NOT, _always),
     "policy.generation.backend": Unused(
-        "generation always runs on the policy workers (the schema accepts only megatron)",
-        _always,
+        "generation runs with megatron-core on the policy workers, not in NeMo-RL's "
+        "vLLM/SGLang/TensorRT-LLM/Dynamo engines; the sampling settings apply as written",
+        _one_of("megatron"),
     ),
     "policy.generation.stop_strings": Unused(
         "sampling stops only at generation.stop_token_ids and the end-of-sequence token",
@@ -179,6 +281,560 @@ IGNORED: dict[str, Unused] = {
     ),
 }
 
+_NOT_YET = "not implemented yet by this backend"
+
+
+def _not_yet(key: str, default: Any, what: str = "") -> Unused:
+    """A NeMo-RL option this backend does not implement yet: silent at NeMo-RL's default
+    (null counts as the default where NeMo-RL's type allows it), refused otherwise."""
+    shown = show_value(default)
+    return Unused(
+        _NOT_YET + (f" ({what})" if what else ""),
+        _equals(default),
+        refuse=f"set {key} to its default {shown} (or remove it)",
+    )
+
+
+def _not_yet_section(key: str, what: str) -> Unused:
+    return Unused(
+        f"{_NOT_YET} ({what})",
+        _switched_off,
+        refuse=f"set {key}.enabled to false (or remove the section)",
+    )
+
+
+_SPEED_ONLY = "a speed or memory setting of NeMo-RL's; it does not change what is trained"
+_NO_REFIT = "generation uses the training weights in place; nothing is refit"
+_FILES_ONLY = "it shapes NeMo-RL's checkpoint files; this backend writes its own format"
+_KERNEL = "a kernel or communication choice of NeMo-RL's; results are the same up to rounding"
+_GLOBAL_LOSS = (
+    "this backend's loss is normalized over the tokens of the global batch by itself; "
+    "Megatron's loss-scaling switches do not apply"
+)
+
+
+def _policy_section_entries(where: str) -> dict[str, Unused]:
+    """The NeMo-RL keys of a policy section (``policy`` or ``teacher``) this backend does
+    not act on. The teacher never trains or generates, so its training-only keys are inert."""
+    teacher = where == "teacher"
+    m = f"{where}.megatron_cfg"
+
+    def train_only(entry: Unused) -> Unused:
+        return Unused(_TEACHER_TRAINS_NOT, _always) if teacher else entry
+
+    entries: dict[str, Unused] = {
+        f"{m}.optimizer.overlap_cpu_optimizer_d2h_h2d": train_only(
+            Unused(_SPEED_ONLY, _one_of(False))
+        ),
+        f"{m}.scheduler.override_opt_param_scheduler": train_only(
+            Unused(
+                "the learning-rate schedule always follows the recipe, also on resume",
+                _one_of(False, True),
+            )
+        ),
+        f"{m}.attention_backend": Unused(_KERNEL),
+        f"{m}.checkpoint": train_only(Unused(_FILES_ONLY, _empty)),
+        f"{m}.clear_memory_caches_before_refit": Unused(_NO_REFIT, _always),
+        f"{m}.converter_type": Unused(
+            "the Hugging Face conversion follows config.json's model_type"
+        ),
+        f"{m}.cp_normalize": Unused(
+            "context parallelism is not implemented (context_parallel_size above 1 is "
+            "refused), so there is nothing to normalize",
+            _always,
+        ),
+        f"{m}.defer_fp32_logits": Unused(_KERNEL, _one_of(False)),
+        f"{m}.do_not_average_loss": train_only(Unused(_GLOBAL_LOSS, _one_of(False))),
+        f"{m}.scale_loss_by_dp_cp_size": train_only(Unused(_GLOBAL_LOSS, _one_of(True))),
+        f"{m}.calculate_per_token_loss": train_only(Unused(_GLOBAL_LOSS, _one_of(True))),
+        f"{m}.force_reconvert_from_hf": Unused(
+            "the Hugging Face weights are converted at every start (no conversion cache)",
+            _always,
+        ),
+        f"{m}.fp8_cfg": _not_yet_section(f"{m}.fp8_cfg", "FP8 training and inference"),
+        f"{m}.freeze_config": train_only(
+            Unused(
+                "only the vision parts of a VLM may be frozen, and these are language models",
+                _no_true_value,
+                refuse="set its keys to false (or remove it)",
+            )
+        ),
+        f"{m}.freeze_vision_model": Unused("language models have no vision tower", _always),
+        f"{m}.freeze_vision_projection": Unused(
+            "language models have no vision projection", _always
+        ),
+        f"{m}.use_fused_linear_logprobs": Unused(_SPEED_ONLY, _one_of(False)),
+        f"{m}.fused_linear_logprobs_chunk_size": Unused(
+            _SPEED_ONLY, _unless(f"{m}.use_fused_linear_logprobs", True)
+        ),
+        f"{m}.hybridep_num_ranks_per_nvlink_domain": Unused(_KERNEL),
+        f"{m}.hybridep_use_mnnvl": Unused(_KERNEL, _one_of(False)),
+        f"{m}.inference_grouped_gemm_backend": Unused(
+            "NeMo-RL's inference engine is not used", _always
+        ),
+        f"{m}.inference_moe_token_dispatcher_type": Unused(
+            "NeMo-RL's inference engine is not used", _always
+        ),
+        f"{m}.moe_enable_deepep": Unused(_KERNEL, _one_of(False)),
+        f"{m}.moe_flex_dispatcher_backend": Unused(_KERNEL),
+        f"{m}.moe_hybridep_num_sms": Unused(_KERNEL),
+        f"{m}.moe_shared_expert_overlap": Unused(_KERNEL, _one_of(False)),
+        f"{m}.moe_grouped_gemm": Unused(
+            _KERNEL + "; model_overrides.moe_grouped_gemm selects it here", _one_of(False)
+        ),
+        f"{m}.moe_token_dispatcher_type": Unused(
+            _KERNEL + "; model_overrides.moe_token_dispatcher_type selects it here",
+            _one_of("alltoall"),
+        ),
+        f"{m}.moe_pad_experts_for_cuda_graph_inference": Unused(
+            "NeMo-RL's inference engine is not used", _always
+        ),
+        f"{m}.moe_per_layer_logging": Unused("MoE metrics are not logged", _one_of(False)),
+        f"{m}.track_moe_metrics": Unused("MoE metrics are not logged", _one_of(False)),
+        f"{m}.use_gloo_process_groups": Unused(_KERNEL, _one_of(False)),
+        f"{m}.use_fused_weighted_squared_relu": Unused(_KERNEL, _one_of(False)),
+        f"{m}.moe_aux_loss_coeff": train_only(
+            Unused(
+                "the auxiliary load-balancing loss is the model's (model_overrides)",
+                _and(_equals(0.0), _dense_model(where)),
+                refuse=f"set {m}.model_overrides.moe_aux_loss_coeff instead",
+            )
+        ),
+        f"{m}.moe_router_enable_expert_bias": Unused(
+            "the router's expert bias is the model's (model_overrides)",
+            _dense_model(where),
+            refuse=f"set {m}.model_overrides.moe_router_enable_expert_bias instead",
+        ),
+        f"{m}.moe_router_num_groups": Unused(
+            "group-limited routing is the model's (model_overrides)",
+            _is_none,
+            refuse=f"set {m}.model_overrides.moe_router_num_groups instead",
+        ),
+        f"{m}.moe_router_group_topk": Unused(
+            "group-limited routing is the model's (model_overrides)",
+            _is_none,
+            refuse=f"set {m}.model_overrides.moe_router_group_topk instead",
+        ),
+        f"{m}.mtp_num_layers": train_only(
+            _not_yet(f"{m}.mtp_num_layers", 0, "multi-token prediction")
+        ),
+        f"{m}.mtp_loss_scaling_factor": Unused(
+            "multi-token prediction is not implemented (mtp_num_layers is refused)", _always
+        ),
+        f"{m}.mtp_detach_heads": Unused(
+            "multi-token prediction is not implemented (mtp_num_layers is refused)", _always
+        ),
+        f"{m}.mtp_use_repeated_layer": Unused(
+            "multi-token prediction is not implemented (mtp_num_layers is refused)", _always
+        ),
+        f"{m}.peft": _not_yet_section(f"{m}.peft", "LoRA adapters"),
+        f"{m}.train_iters": train_only(
+            Unused(
+                "the schedule's length is scheduler.lr_decay_iters and the run's the "
+                "algorithm's max_num_steps"
+            )
+        ),
+        f"{where}.dtensor_cfg": Unused(
+            "NeMo-RL's DTensor backend is not used: this backend always trains with megatron_cfg",
+            _switched_off,
+        ),
+        f"{where}.sequence_packing": Unused(
+            "micro-batches are padded rows of train_micro_batch_size; the loss is normalized "
+            "over the global batch, so packing changes only speed and memory",
+            _switched_off,
+        ),
+        f"{where}.dynamic_batching": Unused(
+            "micro-batches are padded rows of train_micro_batch_size; the loss is normalized "
+            "over the global batch, so token-budget batching changes only speed and memory",
+            _switched_off,
+        ),
+        f"{where}.logprob_chunk_size": Unused(
+            "log-probabilities are taken over the whole vocabulary at once; chunking only "
+            "saves memory"
+        ),
+        f"{where}.refit_buffer_size_gb": Unused(_NO_REFIT, _always),
+        f"{where}.offload_optimizer_for_logprob": Unused(_SPEED_ONLY, _one_of(False)),
+        f"{where}.hf_config_overrides": Unused(
+            "the model is built from its config.json as it is",
+            _empty,
+            refuse="edit config.json of a local copy of the model instead (or remove the key)",
+        ),
+        f"{where}.draft": train_only(_not_yet_section(f"{where}.draft", "draft-model training")),
+        f"{where}.router_replay": train_only(
+            _not_yet_section(f"{where}.router_replay", "MoE router replay")
+        ),
+        f"{where}.reward_model_cfg": _not_yet_section(f"{where}.reward_model_cfg", "reward models"),
+        f"{where}.pretrained_checkpoint": Unused(
+            "weights come from model_name or init_checkpoint",
+            _empty,
+            refuse=f"set {where}.init_checkpoint to the checkpoint directory instead",
+        ),
+        f"{where}.optimizer": Unused(
+            "the DTensor backend's PyTorch optimizer; with megatron_cfg (as NeMo-RL does) the "
+            "optimizer is megatron_cfg.optimizer",
+            _always,
+        ),
+        f"{where}.scheduler": Unused(
+            "the DTensor backend's PyTorch scheduler; with megatron_cfg (as NeMo-RL does) the "
+            "schedule is megatron_cfg.scheduler",
+            _always,
+        ),
+        f"{where}.quant_cfg": _not_yet(f"{where}.quant_cfg", None, "quantization"),
+        f"{where}.quant_calib_data": Unused(
+            "quantization is not implemented (quant_cfg is refused)", _always
+        ),
+        f"{where}.quant_calib_size": Unused(
+            "quantization is not implemented (quant_cfg is refused)", _always
+        ),
+        f"{where}.quant_batch_size": Unused(
+            "quantization is not implemented (quant_cfg is refused)", _always
+        ),
+        f"{where}.quant_sequence_length": Unused(
+            "quantization is not implemented (quant_cfg is refused)", _always
+        ),
+        f"{where}.disable_modelopt_layer_spec": Unused(
+            "quantization is not implemented (quant_cfg is refused)", _always
+        ),
+        f"{where}.is_vlm": _not_yet(f"{where}.is_vlm", False, "vision-language models"),
+        f"{where}.tokenizer.chat_template": Unused(
+            "no chat template is applied: prompts are tokenized as the data writes them"
+        ),
+        f"{where}.tokenizer.use_fastokens": Unused(_SPEED_ONLY, _one_of(False)),
+        f"{where}.tokenizer.use_processor": _not_yet(
+            f"{where}.tokenizer.use_processor", False, "multimodal processors"
+        ),
+        f"{where}.tokenizer.audio": _not_yet(f"{where}.tokenizer.audio", None, "audio inputs"),
+        f"{where}.tokenizer.video": _not_yet(f"{where}.tokenizer.video", None, "video inputs"),
+    }
+    if teacher:
+        return entries
+    g = f"{where}.generation"
+    entries.update(
+        {
+            f"{g}.val_temperature": _same_val(g, "temperature", 1.0),
+            f"{g}.val_top_p": _same_val(g, "top_p", 1.0),
+            f"{g}.val_top_k": _same_val(g, "top_k", None),
+            f"{g}.model_name": Unused("generation always samples from the trained policy", _always),
+            f"{g}.bad_words": _not_yet(f"{g}.bad_words", None, "banned words in sampling"),
+            f"{g}.colocated": Unused(
+                "generation always runs on the training workers (colocated)", _switched_on
+            ),
+            f"{g}.port_range_low": Unused("no generation server is started", _always),
+            f"{g}.port_range_high": Unused("no generation server is started", _always),
+            f"{g}.use_async_rollouts": Unused(
+                "each step's rollouts are sampled as one batch", _one_of(False)
+            ),
+            f"{g}.vllm_cfg": Unused(
+                "vLLM is not used: generation runs with megatron-core",
+                _unless(f"{g}.backend", "vllm"),
+            ),
+            f"{g}.vllm_kwargs": Unused(
+                "vLLM is not used: generation runs with megatron-core",
+                _and(_empty, _unless(f"{g}.backend", "vllm")),
+            ),
+            f"{g}.sglang_cfg": Unused(
+                "SGLang is not used: generation runs with megatron-core",
+                _unless(f"{g}.backend", "sglang"),
+            ),
+            f"{g}.sglang_kwargs": Unused(
+                "SGLang is not used: generation runs with megatron-core",
+                _and(_empty, _unless(f"{g}.backend", "sglang")),
+            ),
+            f"{g}.trtllm_cfg": Unused(
+                "TensorRT-LLM is not used: generation runs with megatron-core",
+                _unless(f"{g}.backend", "trtllm"),
+            ),
+            f"{g}.trtllm_kwargs": Unused(
+                "TensorRT-LLM is not used: generation runs with megatron-core",
+                _and(_empty, _unless(f"{g}.backend", "trtllm")),
+            ),
+            f"{g}.dynamo_cfg": Unused(
+                "Dynamo is not used: generation runs with megatron-core",
+                _unless(f"{g}.backend", "dynamo"),
+            ),
+            f"{g}.mcore_generation_config": Unused(
+                "this backend samples with its own megatron-core loop, not NeMo-RL's "
+                "dynamic inference engine, whose buffer, CUDA-graph and parallel settings "
+                "these are",
+                _unless(f"{g}.backend", "megatron"),
+            ),
+            f"{g}.refit_cfg": Unused(_NO_REFIT, _always),
+            f"{g}.refit_transport": Unused(_NO_REFIT, _always),
+            f"{g}.quant_cfg": _not_yet(f"{g}.quant_cfg", None, "quantized rollouts"),
+            f"{g}.real_quant": _not_yet(f"{g}.real_quant", False, "quantized rollouts"),
+            f"{g}.real_quant_export_cpu_offload": Unused(
+                "quantized rollouts are not implemented (real_quant is refused)", _always
+            ),
+            f"{g}.real_quant_ignore": Unused(
+                "quantized rollouts are not implemented (real_quant is refused)", _always
+            ),
+        }
+    )
+    return entries
+
+
+def _same_val(generation: str, key: str, default: Any) -> Unused:
+    return Unused(
+        f"{_NOT_YET} (validation samples with the training {key})",
+        _same_as(f"{generation}.{key}", default),
+        refuse=f"set it to {generation}.{key}'s value (or remove it)",
+    )
+
+
+def _switched_on(value: Any, recipe: Mapping[str, Any]) -> bool:
+    return value is None or (isinstance(value, Mapping) and value.get("enabled", True) is True)
+
+
+_NEMO_RL_DATA = (
+    "NeMo-RL's data pipeline (datasets by name, chat templates, multiple loaders) is not "
+    "loaded by this backend yet"
+)
+_DATA_FIX = (
+    "set data.dataset_name: jsonl with data.train_data_path and data.val_data_path (JSON-lines "
+    "files of the prompts as they should be tokenized), or arithmetic, and remove data.train"
+)
+
+
+def _nemo_rl_data_or(
+    check: Callable[[Any, Mapping[str, Any]], bool],
+) -> Callable[[Any, Mapping[str, Any]], bool]:
+    """A key of NeMo-RL's data pipeline is inert where data.train already stands for it (its
+    one line says the pipeline is not loaded), or at NeMo-RL's default."""
+
+    def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
+        return _at(recipe, "data.train") is not None or check(value, recipe)
+
+    return inert
+
+
+def _other_entries() -> dict[str, Unused]:
+    """The NeMo-RL keys outside the policy sections that this backend does not act on."""
+    entries: dict[str, Unused] = {
+        # data
+        "data.train": Unused(_NEMO_RL_DATA, refuse=_DATA_FIX, at_start=True),
+        "data.validation": Unused(
+            _NEMO_RL_DATA, _nemo_rl_data_or(_is_none), refuse=_DATA_FIX, at_start=True
+        ),
+        "data.default": Unused(
+            _NEMO_RL_DATA, _nemo_rl_data_or(_is_none), refuse=_DATA_FIX, at_start=True
+        ),
+        "data.num_workers": Unused(_SPEED_ONLY),
+    }
+    for key, default in (
+        ("add_bos", True),
+        ("add_eos", True),
+        ("add_generation_prompt", False),
+        ("add_system_prompt", True),
+        ("use_multiple_dataloader", False),
+        ("num_prompts_per_dataloader", None),
+        ("custom_dataloader", None),
+    ):
+        entries[f"data.{key}"] = Unused(
+            _NEMO_RL_DATA,
+            _nemo_rl_data_or(_equals(default)),
+            refuse=f"set data.{key} to {show_value(default)} (or remove it)",
+        )
+    entries.update(
+        {
+            # logger
+            "logger.wandb_enabled": Unused(
+                "metrics go to TensorBoard and the log directory only", _one_of(False)
+            ),
+            "logger.swanlab_enabled": Unused(
+                "metrics go to TensorBoard and the log directory only", _one_of(False)
+            ),
+            "logger.mlflow_enabled": Unused(
+                "metrics go to TensorBoard and the log directory only", _one_of(False)
+            ),
+            "logger.wandb": Unused(
+                "Weights & Biases is not a metric sink here",
+                _unless("logger.wandb_enabled", True),
+            ),
+            "logger.swanlab": Unused(
+                "SwanLab is not a metric sink here", _unless("logger.swanlab_enabled", True)
+            ),
+            "logger.mlflow": Unused(
+                "MLflow is not a metric sink here", _unless("logger.mlflow_enabled", True)
+            ),
+            "logger.tensorboard": Unused(
+                "TensorBoard writes under logger.log_dir",
+                _unless("logger.tensorboard_enabled", True),
+            ),
+            "logger.gpu_monitoring": Unused(
+                "GPU metrics are sampled at this backend's own interval",
+                _unless("logger.monitor_gpus", True),
+            ),
+            # checkpointing
+            "checkpointing.save_optimizer": Unused(
+                "the optimizer state is always saved (a run resumes exactly)", _one_of(True)
+            ),
+            "checkpointing.model_save_format": Unused(_FILES_ONLY, _one_of("safetensors")),
+            "checkpointing.save_consolidated": Unused(
+                _FILES_ONLY + " (nemo-rl-offload export-hf writes a Hugging Face model)",
+                _one_of(False),
+            ),
+            "checkpointing.model_cache_dir": Unused(_FILES_ONLY, _one_of("")),
+            "checkpointing.model_repo_id": Unused(_FILES_ONLY, _one_of("")),
+            "checkpointing.is_peft": Unused(_FILES_ONLY, _one_of(False)),
+            "checkpointing.is_async": Unused(_SPEED_ONLY, _one_of(False)),
+            "checkpointing.ft_keep_latest_k": Unused(
+                "fault-tolerance checkpoints are not written; checkpointing.save_period and "
+                "checkpoint_must_save_by are"
+            ),
+            "checkpointing.ft_save_period": Unused(
+                "fault-tolerance checkpoints are not written; checkpointing.save_period and "
+                "checkpoint_must_save_by are"
+            ),
+            "checkpointing.pretrained_checkpoint": Unused(
+                "weights come from policy.model_name or policy.init_checkpoint",
+                _empty,
+                refuse="set policy.init_checkpoint to the checkpoint directory instead",
+            ),
+            # cluster
+            "cluster.master_port_range_low": Unused(
+                "torch.distributed picks a free port itself", _always
+            ),
+            "cluster.master_port_range_high": Unused(
+                "torch.distributed picks a free port itself", _always
+            ),
+            "cluster.segment_size": Unused(
+                "workers are placed by cluster.gpus_per_node and num_nodes"
+            ),
+            # environments
+            "env.math.math_verify_impl": Unused(
+                "answers are graded by this backend's math environment (the last number of "
+                "the response)"
+            ),
+            "env.dapo": Unused("only env.math is started; its num_workers sets the reward workers"),
+            "env.should_use_nemo_gym": _not_yet("env.should_use_nemo_gym", False, "NeMo-Gym"),
+            "env.nemo_gym": Unused(
+                f"{_NOT_YET} (NeMo-Gym)",
+                _unless("env.should_use_nemo_gym", True),
+                refuse="set env.should_use_nemo_gym to false and remove env.nemo_gym",
+            ),
+            "env.should_log_nemo_gym_responses": Unused(
+                "NeMo-Gym is not implemented (env.should_use_nemo_gym is refused)", _always
+            ),
+            "env.should_mask_flagged_samples": Unused(
+                "NeMo-Gym is not implemented (env.should_use_nemo_gym is refused)", _always
+            ),
+            # NeMo-RL features this backend does not have
+            "reward_penalties": Unused(
+                f"{_NOT_YET} (NeMo-Gym reward penalties)",
+                _no_penalties,
+                refuse="set its penalize_* keys to false (or remove the section)",
+            ),
+            "data_plane": Unused(
+                "rollouts stay in the driver; NeMo-RL's data plane transports them",
+                _switched_off,
+            ),
+            "on_policy_distillation": _not_yet_section(
+                "on_policy_distillation", "distillation inside GRPO"
+            ),
+            "async_rl": _not_yet("async_rl", None, "the single-controller async trainer"),
+            # algorithms: NeMo-RL options implemented in a later step
+            "sft.val_at_end": _not_yet("sft.val_at_end", False),
+            "sft.only_unmask_final": _not_yet("sft.only_unmask_final", False),
+            "dpo.val_at_end": _not_yet("dpo.val_at_end", False),
+            "distillation.val_at_end": _not_yet("distillation.val_at_end", False),
+            "grpo.advantage_clip_low": _not_yet("grpo.advantage_clip_low", None),
+            "grpo.advantage_clip_high": _not_yet("grpo.advantage_clip_high", None),
+            "grpo.val_start_at": _not_yet("grpo.val_start_at", -1),
+            "grpo.val_at_end": _not_yet("grpo.val_at_end", False),
+            "grpo.val_num_generations_per_prompt": _not_yet(
+                "grpo.val_num_generations_per_prompt", 1
+            ),
+            "grpo.stop_at_validation_metric": _not_yet("grpo.stop_at_validation_metric", None),
+            "grpo.stop_at_validation_threshold": _not_yet(
+                "grpo.stop_at_validation_threshold", None
+            ),
+            "grpo.skip_reference_policy_logprobs_calculation": Unused(
+                _NOT_YET,
+                _and(_one_of(False), _zero_kl_penalty),
+                refuse="set it to false (or remove it)",
+            ),
+            "grpo.async_grpo": _not_yet_section("grpo.async_grpo", "asynchronous GRPO"),
+            "grpo.overlong_filtering": _not_yet("grpo.overlong_filtering", False),
+            "grpo.use_dynamic_sampling": _not_yet("grpo.use_dynamic_sampling", False),
+            "grpo.dynamic_sampling_max_gen_batches": Unused(
+                _NOT_YET,
+                _and(_equals(10), _unless("grpo.use_dynamic_sampling", True)),
+                refuse="set grpo.dynamic_sampling_max_gen_batches to its default 10",
+            ),
+            "grpo.batch_multiplier": _not_yet("grpo.batch_multiplier", 1.0),
+            "grpo.reward_shaping": _not_yet_section("grpo.reward_shaping", "reward shaping"),
+            "grpo.reward_scaling": _not_yet_section("grpo.reward_scaling", "reward scaling"),
+            "grpo.calculate_advantages_on_gpu": Unused(_SPEED_ONLY, _one_of(False)),
+            "grpo.seq_logprob_error_threshold": _not_yet("grpo.seq_logprob_error_threshold", None),
+            "grpo.invalid_tool_call_advantage": _not_yet(
+                "grpo.invalid_tool_call_advantage", None, "tool calls"
+            ),
+            "grpo.penalize_invalid_tool_call": _not_yet(
+                "grpo.penalize_invalid_tool_call", False, "tool calls"
+            ),
+            "grpo.invalid_tool_call_strategy": Unused(
+                "tool calls are not implemented (grpo.penalize_invalid_tool_call is refused)",
+                _always,
+            ),
+            "grpo.malformed_thinking_advantage": _not_yet(
+                "grpo.malformed_thinking_advantage", None
+            ),
+            "grpo.penalize_malformed_thinking": _not_yet("grpo.penalize_malformed_thinking", False),
+            "grpo.adv_estimator": Unused(
+                f"{_NOT_YET} (advantages are GRPO's, set by grpo.normalize_rewards and "
+                "grpo.use_leave_one_out_baseline)",
+                _grpo_estimator,
+                refuse="set grpo.adv_estimator.name to 'grpo' with normalize_rewards and "
+                "use_leave_one_out_baseline equal to grpo's (or remove it)",
+            ),
+            "grpo.deduplicate_multimodal_data": Unused(
+                "language-model data has no multimodal parts", _always
+            ),
+            "grpo.debug_payload_metrics": Unused(
+                "NeMo-RL's payload debug metrics are not logged", _one_of(False)
+            ),
+            "loss_fn.reference_policy_kl_type": Unused(
+                "the KL penalty is Schulman's k3 estimate",
+                _one_of("k3"),
+                refuse="set loss_fn.reference_policy_kl_type to its default 'k3' (or remove it)",
+            ),
+            "loss_fn.kl_input_clamp_value": _not_yet("loss_fn.kl_input_clamp_value", 20.0),
+            "loss_fn.kl_output_clamp_value": _not_yet("loss_fn.kl_output_clamp_value", 10.0),
+            "loss_fn.use_kl_in_reward": _not_yet("loss_fn.use_kl_in_reward", False),
+            "loss_fn.truncated_importance_sampling_type": _not_yet(
+                "loss_fn.truncated_importance_sampling_type", None
+            ),
+            "loss_fn.truncated_importance_sampling_ratio": _not_yet(
+                "loss_fn.truncated_importance_sampling_ratio", None
+            ),
+            "loss_fn.truncated_importance_sampling_ratio_min": _not_yet(
+                "loss_fn.truncated_importance_sampling_ratio_min", None
+            ),
+            "loss_fn.sequence_level_importance_ratios": _not_yet(
+                "loss_fn.sequence_level_importance_ratios", False
+            ),
+            "loss_fn.disable_ppo_ratio": _not_yet("loss_fn.disable_ppo_ratio", False),
+            "loss_fn.force_on_policy_ratio": _not_yet("loss_fn.force_on_policy_ratio", False),
+            "loss_fn.use_cispo": _not_yet("loss_fn.use_cispo", False),
+            "loss_fn.positive_example_nll_weight": _not_yet(
+                "loss_fn.positive_example_nll_weight", 0.0
+            ),
+        }
+    )
+    return entries
+
+
+def _zero_kl_penalty(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """Skipping the reference log-probs changes nothing when the KL penalty is 0."""
+    penalty = _at(recipe, "loss_fn.reference_policy_kl_penalty")
+    return isinstance(penalty, int | float) and not isinstance(penalty, bool) and penalty == 0
+
+
+for _where in ("policy", "teacher"):
+    IGNORED.update(_policy_section_entries(_where))
+IGNORED.update(_other_entries())
+
+
 # Sections handed whole to a megatron-core dataclass, whose fields read them.
 PASSED_THROUGH: dict[str, str] = {
     "policy.megatron_cfg.distributed_data_parallel_config": (
@@ -199,15 +855,32 @@ def _lookup(recipe: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
     return True, node
 
 
-def check(recipe: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-    """(errors, warnings) for the listed keys a recipe sets to a value that is not inert."""
+def _inert(unused: Unused, value: Any, recipe: Mapping[str, Any]) -> bool:
+    """Whether ``value`` is inert; a value of the wrong type is the schema's to report, so it
+    gives no second line here."""
+    try:
+        return bool(unused.inert(value, recipe))
+    except (TypeError, AttributeError, ValueError):
+        return True
+
+
+def check(recipe: Mapping[str, Any], *, starting: bool = False) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for the listed keys a recipe sets to a value that is not inert.
+
+    A key refused only when a run starts (``at_start``) is a warning for ``validate`` (it says
+    that ``train`` refuses it) and an error when ``starting``."""
     errors: list[str] = []
     warnings: list[str] = []
     for dotted, unused in IGNORED.items():
         present, value = _lookup(recipe, dotted)
-        if not present or unused.inert(value, recipe):
+        if not present or _inert(unused, value, recipe):
             continue
-        if unused.refuse is not None:
+        if unused.refuse is not None and unused.at_start and not starting:
+            warnings.append(
+                f"warning: {dotted}: {unused.reason}; training commands refuse to start "
+                f"until you {unused.refuse}"
+            )
+        elif unused.refuse is not None:
             errors.append(
                 f"{dotted}: {show_value(value)} is not supported by this backend "
                 f"({unused.reason}); {unused.refuse}"

@@ -8,6 +8,8 @@
 2. follow ``defaults:`` - a path or a list of paths, each relative to the directory of the file
    that names it - loading parents recursively, deep-merging them in order (later wins) and the
    file's own content on top (the file wins); mappings merge key by key, anything else replaces;
+   a top-level section marked ``_override_: true`` replaces the inherited section instead of
+   merging into it (NeMo-RL's marker; the marker itself is dropped);
 3. apply command-line overrides (see :mod:`nemo_rl_offload.config.overrides`) in order; a value
    given to an override replaces what was there (a dict value is not merged into the old one);
 4. resolve ``${...}`` interpolations with OmegaConf, including the arithmetic resolvers
@@ -97,8 +99,25 @@ def _load_with_defaults(display: str, ancestors: tuple[tuple[str, str], ...]) ->
             raise UserInputError(
                 f"{display}: defaults entry '{entry}' is not a file (looked at {parent})"
             )
-        merged = deep_merge(merged, _load_with_defaults(parent, chain))
-    return deep_merge(merged, data)
+        merged = _merge_level(merged, _load_with_defaults(parent, chain))
+    return _merge_level(merged, data)
+
+
+OVERRIDE_MARKER = "_override_"
+
+
+def _merge_level(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """deep_merge, except that a top-level section of ``override`` holding
+    ``_override_: true`` replaces ``base``'s section whole, as NeMo-RL's loader does (a recipe
+    swaps a parent's data or env section without inheriting its keys)."""
+    override = dict(override)
+    base = dict(base)
+    for key, value in list(override.items()):
+        if isinstance(value, dict) and OVERRIDE_MARKER in value:
+            if value[OVERRIDE_MARKER] is True:
+                base.pop(key, None)
+            override[key] = {k: v for k, v in value.items() if k != OVERRIDE_MARKER}
+    return deep_merge(base, override)
 
 
 def _defaults_entries(display: str, value: Any) -> list[str]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,6 +193,51 @@ def _from_hf_config(directory: Path) -> Architecture:
     )
 
 
+class ModelNotOnMachine(UserInputError):
+    """A Hugging Face model id that is neither a local directory nor in the local Hugging Face
+    cache. Model hubs are never contacted, so ``validate`` skips the model's checks with a
+    warning (the rest of the recipe is still checked) and training commands refuse to start."""
+
+
+# A Hugging Face repository id: ``org/name``, neither part a path step.
+_HF_REPO_ID = re.compile(r"^(?!\.{1,2}/)[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hf_cache_roots() -> list[Path]:
+    """Where a Hugging Face cache may hold models: ``$HF_HUB_CACHE``, ``$HF_HOME/hub`` and
+    ``~/.cache/huggingface/hub`` (the library's own order)."""
+    roots: list[Path] = []
+    if os.environ.get("HF_HUB_CACHE"):
+        roots.append(Path(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        roots.append(Path(os.environ["HF_HOME"]) / "hub")
+    roots.append(Path.home() / ".cache" / "huggingface" / "hub")
+    return roots
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """The local Hugging Face cache's snapshot of ``repo_id`` that holds a config.json: the
+    one ``refs/main`` names, else the most recently written."""
+    for root in hf_cache_roots():
+        repo = root / ("models--" + repo_id.replace("/", "--"))
+        snapshots = repo / "snapshots"
+        if not snapshots.is_dir():
+            continue
+        ref = repo / "refs" / "main"
+        if ref.is_file():
+            named = snapshots / ref.read_text().strip()
+            if (named / "config.json").is_file():
+                return named
+        found = sorted(
+            (p for p in snapshots.iterdir() if (p / "config.json").is_file()),
+            key=lambda p: p.stat().st_mtime,
+            reverse=True,
+        )
+        if found:
+            return found[0]
+    return None
+
+
 def architecture_for(
     model_name: str, *, base_dir: Path | None = None, where: str = "policy.model_name"
 ) -> Architecture:
@@ -205,6 +252,16 @@ def architecture_for(
         candidate = base_dir / candidate
     if candidate.is_dir():
         return _from_hf_config(candidate)
+    if _HF_REPO_ID.match(model_name):
+        snapshot = cached_snapshot(model_name)
+        if snapshot is not None:
+            return _from_hf_config(snapshot)
+        roots = " or ".join(str(root) for root in hf_cache_roots()[-2:])
+        raise ModelNotOnMachine(
+            f"{where}: Hugging Face model '{model_name}' is not on this machine (model hubs are "
+            f"not reached); give a local directory holding it as {where}, or put it in the "
+            f"Hugging Face cache ({roots})"
+        )
     close = difflib.get_close_matches(model_name, PRESETS, n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
     raise UserInputError(

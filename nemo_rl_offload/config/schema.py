@@ -19,6 +19,12 @@ from typing import Any, Literal, NotRequired, TypedDict
 from pydantic import ConfigDict, with_config
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
+# A section NeMo-RL itself leaves open (backend kwargs, environment variables, dataset- or
+# sink-specific options): the keys named here are typed, any other key is taken as it is.
+_OPEN = ConfigDict(extra="allow", strict=True)
+# A NeMo-RL section this backend does not act on as a whole (see config/ignored_keys.py): only
+# its type is checked here, every key of it is the registry's.
+OpenSection = dict[str, Any]
 
 Precision = Literal["float32", "bfloat16", "float16"]
 CudaGraphImpl = Literal["none", "local", "transformer_engine", "full_iteration"]
@@ -49,6 +55,7 @@ class MegatronOptimizerConfig(TypedDict):
     clip_grad: NotRequired[Number | None]
     optimizer_cpu_offload: NotRequired[bool]
     optimizer_offload_fraction: NotRequired[Number]
+    overlap_cpu_optimizer_d2h_h2d: NotRequired[bool]
 
 
 @with_config(_STRICT)
@@ -62,6 +69,7 @@ class MegatronSchedulerConfig(TypedDict):
     lr_decay_iters: NotRequired[int | None]
     lr_warmup_iters: NotRequired[int]
     lr_warmup_init: NotRequired[Number]
+    override_opt_param_scheduler: NotRequired[bool]
 
 
 @with_config(_STRICT)
@@ -76,6 +84,44 @@ class DistributedDataParallelConfig(TypedDict):
     data_parallel_sharding_strategy: NotRequired[
         Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
     ]
+
+
+@with_config(_STRICT)
+class MegatronFp8Config(TypedDict):
+    """``megatron_cfg.fp8_cfg``: FP8 training (NeMo-RL's names)."""
+
+    enabled: bool
+    fp8: NotRequired[str | None]
+    fp8_recipe: NotRequired[str | None]
+    fp8_param: NotRequired[bool]
+
+
+@with_config(_STRICT)
+class MegatronPeftConfig(TypedDict):
+    """``megatron_cfg.peft``: LoRA adapters (NeMo-RL's names)."""
+
+    enabled: bool
+    target_modules: NotRequired[list[str]]
+    exclude_modules: NotRequired[list[str]]
+    dim: NotRequired[int]
+    alpha: NotRequired[int]
+    dropout: NotRequired[Number]
+    dropout_position: NotRequired[Literal["pre", "post"]]
+    lora_A_init_method: NotRequired[str]
+    lora_B_init_method: NotRequired[str]
+    a2a_experimental: NotRequired[bool]
+    lora_dtype: NotRequired[str | None]
+
+
+@with_config(_STRICT)
+class MegatronCheckpointConfig(TypedDict):
+    """``megatron_cfg.checkpoint``: how NeMo-RL's Megatron backend writes checkpoint files."""
+
+    async_save: NotRequired[bool]
+    ckpt_assume_constant_structure: NotRequired[bool]
+    ckpt_fully_parallel_save_process_group: NotRequired[str]
+    ckpt_fully_parallel_load_process_group: NotRequired[str]
+    ckpt_fully_parallel_load_exchange_algo: NotRequired[str]
 
 
 @with_config(_STRICT)
@@ -145,6 +191,50 @@ class MegatronConfig(TypedDict):
     optimizer: NotRequired[MegatronOptimizerConfig]
     scheduler: NotRequired[MegatronSchedulerConfig]
     distributed_data_parallel_config: NotRequired[DistributedDataParallelConfig]
+    # NeMo-RL keys this backend does not act on (config/ignored_keys.py says how each is
+    # treated); typed as NeMo-RL types them.
+    attention_backend: NotRequired[str]
+    calculate_per_token_loss: NotRequired[bool]
+    checkpoint: NotRequired[MegatronCheckpointConfig]
+    clear_memory_caches_before_refit: NotRequired[bool]
+    converter_type: NotRequired[str]
+    cp_normalize: NotRequired[bool]
+    defer_fp32_logits: NotRequired[bool]
+    do_not_average_loss: NotRequired[bool]
+    force_reconvert_from_hf: NotRequired[bool]
+    fp8_cfg: NotRequired[MegatronFp8Config | None]
+    freeze_config: NotRequired[OpenSection | None]
+    freeze_vision_model: NotRequired[bool]
+    freeze_vision_projection: NotRequired[bool]
+    fused_linear_logprobs_chunk_size: NotRequired[int]
+    gradient_accumulation_fusion: NotRequired[bool]
+    hybridep_num_ranks_per_nvlink_domain: NotRequired[int]
+    hybridep_use_mnnvl: NotRequired[bool]
+    inference_grouped_gemm_backend: NotRequired[str]
+    inference_moe_token_dispatcher_type: NotRequired[str]
+    moe_aux_loss_coeff: NotRequired[Number]
+    moe_enable_deepep: NotRequired[bool]
+    moe_flex_dispatcher_backend: NotRequired[str]
+    moe_grouped_gemm: NotRequired[bool]
+    moe_hybridep_num_sms: NotRequired[int]
+    moe_pad_experts_for_cuda_graph_inference: NotRequired[bool]
+    moe_per_layer_logging: NotRequired[bool]
+    moe_router_enable_expert_bias: NotRequired[bool]
+    moe_router_group_topk: NotRequired[int | None]
+    moe_router_num_groups: NotRequired[int | None]
+    moe_shared_expert_overlap: NotRequired[bool]
+    moe_token_dispatcher_type: NotRequired[Literal["allgather", "alltoall", "flex"]]
+    mtp_detach_heads: NotRequired[bool]
+    mtp_loss_scaling_factor: NotRequired[Number]
+    mtp_num_layers: NotRequired[int | None]
+    mtp_use_repeated_layer: NotRequired[bool]
+    peft: NotRequired[MegatronPeftConfig | None]
+    scale_loss_by_dp_cp_size: NotRequired[bool]
+    track_moe_metrics: NotRequired[bool]
+    train_iters: NotRequired[int]
+    use_fused_linear_logprobs: NotRequired[bool]
+    use_fused_weighted_squared_relu: NotRequired[bool]
+    use_gloo_process_groups: NotRequired[bool]
 
 
 # --------------------------------------------------------------------------------------- policy
@@ -155,19 +245,95 @@ class TokenizerConfig(TypedDict):
     # null: the byte-level tokenizer for presets, or the model directory's own HF tokenizer.
     name: NotRequired[str | None]
     chat_template_kwargs: NotRequired[dict[str, Any] | None]
+    chat_template: NotRequired[str | None]
+    use_fastokens: NotRequired[bool]
+    use_processor: NotRequired[bool]
+    audio: NotRequired[OpenSection]
+    video: NotRequired[OpenSection]
+
+
+@with_config(_OPEN)
+class ColocationResources(TypedDict):
+    gpus_per_node: NotRequired[int | None]
+    num_nodes: NotRequired[int | None]
+
+
+@with_config(_STRICT)
+class ColocationConfig(TypedDict):
+    enabled: bool
+    resources: NotRequired[ColocationResources]
 
 
 @with_config(_STRICT)
 class GenerationConfig(TypedDict):
-    """Sampling settings. Generation runs on the policy workers themselves (backend megatron)."""
+    """Sampling settings. Generation runs on the policy workers themselves with megatron-core,
+    whichever NeMo-RL backend the recipe names (config/ignored_keys.py says so for the others)."""
 
-    backend: Literal["megatron"]
+    backend: Literal["megatron", "vllm", "sglang", "trtllm", "dynamo"]
     max_new_tokens: int
     temperature: Number
     top_p: NotRequired[Number]  # default 1.0
     top_k: NotRequired[int | None]
     stop_token_ids: NotRequired[list[int] | None]
     stop_strings: NotRequired[list[str] | None]
+    # Validation sampling (NeMo-RL defaults: the training values).
+    val_temperature: NotRequired[Number | None]
+    val_top_p: NotRequired[Number | None]
+    val_top_k: NotRequired[int | None]
+    model_name: NotRequired[str]
+    bad_words: NotRequired[list[str] | None]
+    colocated: NotRequired[ColocationConfig]
+    port_range_low: NotRequired[int]
+    port_range_high: NotRequired[int]
+    use_async_rollouts: NotRequired[bool]
+    # The other NeMo-RL generation backends' own settings (open, as in NeMo-RL).
+    vllm_cfg: NotRequired[OpenSection | None]
+    vllm_kwargs: NotRequired[OpenSection | None]
+    sglang_cfg: NotRequired[OpenSection | None]
+    sglang_kwargs: NotRequired[OpenSection | None]
+    trtllm_cfg: NotRequired[OpenSection | None]
+    trtllm_kwargs: NotRequired[OpenSection | None]
+    dynamo_cfg: NotRequired[OpenSection | None]
+    mcore_generation_config: NotRequired[OpenSection | None]
+    refit_cfg: NotRequired[OpenSection | None]
+    refit_transport: NotRequired[str | None]
+    quant_cfg: NotRequired[str | None]
+    real_quant: NotRequired[bool]
+    real_quant_export_cpu_offload: NotRequired[bool]
+    real_quant_ignore: NotRequired[list[str]]
+
+
+@with_config(_OPEN)
+class DTensorConfig(TypedDict):
+    """``policy.dtensor_cfg``: NeMo-RL's DTensor backend, which this backend does not have."""
+
+    enabled: bool
+
+
+@with_config(_STRICT)
+class SequencePackingConfig(TypedDict):
+    enabled: bool
+    train_mb_tokens: NotRequired[int]
+    logprob_mb_tokens: NotRequired[int]
+    algorithm: NotRequired[str]
+    sequence_length_round: NotRequired[int]
+    microbatch_order: NotRequired[Literal["packer", "largest_first"]]
+    fuse_loss: NotRequired[bool]
+
+
+@with_config(_STRICT)
+class DynamicBatchingConfig(TypedDict):
+    enabled: bool
+    train_mb_tokens: NotRequired[int]
+    logprob_mb_tokens: NotRequired[int]
+    sequence_length_round: NotRequired[int]
+
+
+@with_config(_OPEN)
+class SwitchedSection(TypedDict):
+    """A NeMo-RL feature switched by ``enabled`` (draft model, router replay, reward model)."""
+
+    enabled: bool
 
 
 @with_config(_STRICT)
@@ -188,6 +354,29 @@ class PolicyConfig(TypedDict):
     # Start from these weights: a checkpoint step directory, or a checkpoint_dir (its latest
     # step), e.g. the SFT run's before GRPO. Resuming the run's own checkpoint_dir wins.
     init_checkpoint: NotRequired[str | None]
+    # NeMo-RL keys this backend does not act on (config/ignored_keys.py says how each is
+    # treated); typed as NeMo-RL types them.
+    dtensor_cfg: NotRequired[DTensorConfig | None]
+    sequence_packing: NotRequired[SequencePackingConfig | None]
+    dynamic_batching: NotRequired[DynamicBatchingConfig | None]
+    logprob_chunk_size: NotRequired[int | None]
+    refit_buffer_size_gb: NotRequired[Number | None]
+    offload_optimizer_for_logprob: NotRequired[bool]
+    hf_config_overrides: NotRequired[OpenSection | None]
+    draft: NotRequired[SwitchedSection | None]
+    router_replay: NotRequired[SwitchedSection | None]
+    reward_model_cfg: NotRequired[SwitchedSection | None]
+    pretrained_checkpoint: NotRequired[OpenSection | None]
+    # The DTensor backend's PyTorch optimizer and scheduler.
+    optimizer: NotRequired[OpenSection | None]
+    scheduler: NotRequired[list[OpenSection] | OpenSection | None]
+    quant_cfg: NotRequired[str | None]
+    quant_calib_data: NotRequired[str | None]
+    quant_calib_size: NotRequired[int | None]
+    quant_batch_size: NotRequired[int | None]
+    quant_sequence_length: NotRequired[int | None]
+    disable_modelopt_layer_spec: NotRequired[bool]
+    is_vlm: NotRequired[bool]
 
 
 # ------------------------------------------------------------------------- the other sections
@@ -201,6 +390,43 @@ class ClusterConfig(TypedDict):
     # RAY_ADDRESS in the environment takes the same role.
     address: NotRequired[str | None]
     num_cpu_workers: NotRequired[int]  # workers when gpus_per_node is 0 (default 1)
+    master_port_range_low: NotRequired[int]
+    master_port_range_high: NotRequired[int]
+    segment_size: NotRequired[int | None]
+
+
+@with_config(_OPEN)
+class WandbConfig(TypedDict):
+    project: NotRequired[str]
+    name: NotRequired[str]
+    entity: NotRequired[str]
+    log_nemo_gym_full_result_tables: NotRequired[bool]
+
+
+@with_config(_OPEN)
+class SwanlabConfig(TypedDict):
+    project: NotRequired[str]
+    name: NotRequired[str]
+
+
+@with_config(_OPEN)
+class TensorboardConfig(TypedDict):
+    log_dir: NotRequired[str]
+
+
+@with_config(_OPEN)
+class MLflowConfig(TypedDict):
+    experiment_name: NotRequired[str | None]
+    run_id: NotRequired[str | None]
+    run_name: NotRequired[str | None]
+    tracking_uri: NotRequired[str | None]
+    artifact_location: NotRequired[str | None]
+
+
+@with_config(_STRICT)
+class GPUMonitoringConfig(TypedDict):
+    collection_interval: Number
+    flush_interval: Number
 
 
 @with_config(_STRICT)
@@ -209,6 +435,15 @@ class LoggerConfig(TypedDict):
     tensorboard_enabled: NotRequired[bool]
     monitor_gpus: NotRequired[bool]
     num_val_samples_to_print: NotRequired[int]
+    # NeMo-RL's other metric sinks and their settings.
+    wandb_enabled: NotRequired[bool]
+    swanlab_enabled: NotRequired[bool]
+    mlflow_enabled: NotRequired[bool]
+    wandb: NotRequired[WandbConfig | None]
+    swanlab: NotRequired[SwanlabConfig | None]
+    mlflow: NotRequired[MLflowConfig | None]
+    tensorboard: NotRequired[TensorboardConfig | None]
+    gpu_monitoring: NotRequired[GPUMonitoringConfig | None]
 
 
 @with_config(_STRICT)
@@ -220,13 +455,51 @@ class CheckpointingConfig(TypedDict):
     keep_top_k: NotRequired[int | None]
     save_period: NotRequired[int]
     checkpoint_must_save_by: NotRequired[str | None]
+    # NeMo-RL's checkpoint file options.
+    save_optimizer: NotRequired[bool]
+    model_save_format: NotRequired[str | None]
+    save_consolidated: NotRequired[bool]
+    model_cache_dir: NotRequired[str]
+    model_repo_id: NotRequired[str]
+    is_peft: NotRequired[bool]
+    is_async: NotRequired[bool]
+    ft_keep_latest_k: NotRequired[int | None]
+    ft_save_period: NotRequired[int]
+    pretrained_checkpoint: NotRequired[OpenSection | None]
+
+
+@with_config(_OPEN)
+class NemoRLDatasetConfig(TypedDict):
+    """One of NeMo-RL's dataset entries (``data.train``, ``data.validation``, ``data.default``):
+    its common keys typed, dataset-specific ones taken as they are (NeMo-RL passes them on)."""
+
+    dataset_name: NotRequired[str]
+    data_path: NotRequired[str]
+    input_key: NotRequired[str]
+    output_key: NotRequired[str]
+    prompt_key: NotRequired[str]
+    chosen_key: NotRequired[str]
+    rejected_key: NotRequired[str]
+    subset: NotRequired[str | None]
+    split: NotRequired[str]
+    prompt_file: NotRequired[str | None]
+    system_prompt_file: NotRequired[str | None]
+    env_name: NotRequired[str]
+    processor: NotRequired[str]
+    download_dir: NotRequired[str]
+    split_validation_size: NotRequired[Number]
+    seed: NotRequired[int]
+
+
+NemoRLDatasets = NemoRLDatasetConfig | list[NemoRLDatasetConfig]
 
 
 @with_config(_STRICT)
 class DataConfig(TypedDict):
-    # "arithmetic" is the built-in synthetic task; "jsonl" reads the paths below.
-    dataset_name: str
-    max_input_seq_length: NotRequired[int]
+    # "arithmetic" is the built-in synthetic task; "jsonl" reads the paths below. Required
+    # unless the recipe names NeMo-RL's datasets (data.train), which preflight reports.
+    dataset_name: NotRequired[str]
+    max_input_seq_length: NotRequired[int | None]  # null: no limit
     shuffle: NotRequired[bool]
     seed: NotRequired[int]
     train_data_path: NotRequired[str | None]
@@ -245,16 +518,41 @@ class DataConfig(TypedDict):
     chosen_key: NotRequired[str]
     rejected_key: NotRequired[str]
     answer_key: NotRequired[str]
+    # NeMo-RL's data sources and loader options.
+    train: NotRequired[NemoRLDatasets]
+    validation: NotRequired[NemoRLDatasets | None]
+    default: NotRequired[NemoRLDatasetConfig | None]
+    add_bos: NotRequired[bool]
+    add_eos: NotRequired[bool]
+    add_generation_prompt: NotRequired[bool]
+    add_system_prompt: NotRequired[bool]
+    num_workers: NotRequired[int]
+    use_multiple_dataloader: NotRequired[bool]
+    num_prompts_per_dataloader: NotRequired[int]
+    custom_dataloader: NotRequired[str]
 
 
 @with_config(_STRICT)
 class MathEnvConfig(TypedDict):
     num_workers: NotRequired[int]
+    math_verify_impl: NotRequired[str]
+
+
+@with_config(_OPEN)
+class OtherEnvConfig(TypedDict):
+    """Another NeMo-RL environment's settings (e.g. ``env.dapo``)."""
+
+    num_workers: NotRequired[int]
 
 
 @with_config(_STRICT)
 class EnvConfig(TypedDict):
-    math: MathEnvConfig
+    math: NotRequired[MathEnvConfig]
+    dapo: NotRequired[OtherEnvConfig]
+    nemo_gym: NotRequired[OpenSection | None]
+    should_use_nemo_gym: NotRequired[bool]
+    should_log_nemo_gym_responses: NotRequired[bool]
+    should_mask_flagged_samples: NotRequired[bool]
 
 
 # ------------------------------------------------------------------------ algorithm sections
@@ -270,6 +568,8 @@ class SFTConfig(TypedDict):
     val_micro_batch_size: NotRequired[int]
     val_at_start: NotRequired[bool]
     seed: int
+    val_at_end: NotRequired[bool]
+    only_unmask_final: NotRequired[bool]
 
 
 @with_config(_STRICT)
@@ -294,6 +594,43 @@ class DPOConfig(TypedDict):
     sft_average_log_probs: NotRequired[bool]
     preference_loss_weight: NotRequired[Number]
     sft_loss_weight: NotRequired[Number]
+    val_at_end: NotRequired[bool]
+
+
+@with_config(_STRICT)
+class AsyncGRPOConfig(TypedDict):
+    enabled: bool
+    max_trajectory_age_steps: NotRequired[int]
+    max_generation_failures: NotRequired[int]
+    in_flight_weight_updates: NotRequired[bool]
+    recompute_kv_cache_after_weight_updates: NotRequired[bool]
+
+
+@with_config(_STRICT)
+class RewardShapingConfig(TypedDict):
+    enabled: bool
+    overlong_buffer_length: NotRequired[int]
+    overlong_buffer_penalty: NotRequired[Number]
+    max_response_length: NotRequired[int]
+    stop_properly_penalty_coef: NotRequired[Number | None]
+
+
+@with_config(_STRICT)
+class RewardScalingConfig(TypedDict):
+    enabled: bool
+    source_min: NotRequired[Number]
+    source_max: NotRequired[Number]
+    target_min: NotRequired[Number]
+    target_max: NotRequired[Number]
+
+
+@with_config(_STRICT)
+class AdvEstimatorConfig(TypedDict):
+    name: NotRequired[str]
+    normalize_rewards: NotRequired[bool]
+    use_leave_one_out_baseline: NotRequired[bool]
+    reward_weights: NotRequired[list[Number] | None]
+    minus_baseline: NotRequired[bool]
 
 
 @with_config(_STRICT)
@@ -307,9 +644,36 @@ class GRPOConfig(TypedDict):
     use_leave_one_out_baseline: NotRequired[bool]
     val_period: int
     val_at_start: NotRequired[bool]
-    max_val_samples: NotRequired[int]
-    val_batch_size: NotRequired[int]
+    max_val_samples: NotRequired[int | None]
+    val_batch_size: NotRequired[int | None]
     seed: int
+    # NeMo-RL options not implemented by this backend yet: accepted at their NeMo-RL
+    # defaults, refused otherwise (config/ignored_keys.py).
+    advantage_clip_low: NotRequired[Number | None]
+    advantage_clip_high: NotRequired[Number | None]
+    val_start_at: NotRequired[int]
+    val_at_end: NotRequired[bool]
+    val_num_generations_per_prompt: NotRequired[int]
+    stop_at_validation_metric: NotRequired[str | None]
+    stop_at_validation_threshold: NotRequired[Number | None]
+    skip_reference_policy_logprobs_calculation: NotRequired[bool]
+    async_grpo: NotRequired[AsyncGRPOConfig | None]
+    overlong_filtering: NotRequired[bool]
+    use_dynamic_sampling: NotRequired[bool]
+    dynamic_sampling_max_gen_batches: NotRequired[int]
+    batch_multiplier: NotRequired[Number]
+    reward_shaping: NotRequired[RewardShapingConfig | None]
+    reward_scaling: NotRequired[RewardScalingConfig | None]
+    calculate_advantages_on_gpu: NotRequired[bool]
+    seq_logprob_error_threshold: NotRequired[Number | None]
+    invalid_tool_call_advantage: NotRequired[Number | None]
+    invalid_tool_call_strategy: NotRequired[str]
+    penalize_invalid_tool_call: NotRequired[bool]
+    malformed_thinking_advantage: NotRequired[Number | None]
+    penalize_malformed_thinking: NotRequired[bool]
+    adv_estimator: NotRequired[AdvEstimatorConfig | None]
+    deduplicate_multimodal_data: NotRequired[bool]
+    debug_payload_metrics: NotRequired[bool]
 
 
 @with_config(_STRICT)
@@ -321,6 +685,19 @@ class GRPOLossConfig(TypedDict):
     use_on_policy_kl_approximation: NotRequired[bool]
     use_importance_sampling_correction: NotRequired[bool]
     token_level_loss: NotRequired[bool]
+    # NeMo-RL options not implemented by this backend yet (config/ignored_keys.py).
+    reference_policy_kl_type: NotRequired[str]
+    kl_input_clamp_value: NotRequired[Number | None]
+    kl_output_clamp_value: NotRequired[Number | None]
+    use_kl_in_reward: NotRequired[bool]
+    truncated_importance_sampling_type: NotRequired[str | None]
+    truncated_importance_sampling_ratio: NotRequired[Number | None]
+    truncated_importance_sampling_ratio_min: NotRequired[Number | None]
+    sequence_level_importance_ratios: NotRequired[bool]
+    disable_ppo_ratio: NotRequired[bool]
+    force_on_policy_ratio: NotRequired[bool]
+    use_cispo: NotRequired[bool]
+    positive_example_nll_weight: NotRequired[Number]
 
 
 @with_config(_STRICT)
@@ -333,9 +710,10 @@ class DistillationConfig(TypedDict):
     val_batch_size: NotRequired[int]
     val_period: int
     val_at_start: NotRequired[bool]
-    max_val_samples: NotRequired[int]
+    max_val_samples: NotRequired[int | None]
     topk_logits_k: NotRequired[int | None]
     seed: int
+    val_at_end: NotRequired[bool]
 
 
 @with_config(_STRICT)
@@ -379,6 +757,11 @@ class GRPOMasterConfig(TypedDict):
     logger: LoggerConfig
     checkpointing: CheckpointingConfig
     cluster: ClusterConfig
+    # NeMo-RL sections of features this backend does not have (config/ignored_keys.py).
+    reward_penalties: NotRequired[OpenSection | None]
+    data_plane: NotRequired[OpenSection | None]
+    on_policy_distillation: NotRequired[OpenSection | None]
+    async_rl: NotRequired[OpenSection | None]
 
 
 @with_config(_STRICT)

@@ -102,7 +102,8 @@ def test_unknown_key_names_its_path_and_the_closest_known_key(
 def test_unknown_key_with_no_close_match_lists_the_known_keys(grpo: dict[str, Any]) -> None:
     grpo["cluster"]["zzz"] = 1
     assert problems(grpo) == [
-        "cluster.zzz: unknown key; known keys: address, gpus_per_node, num_cpu_workers, num_nodes"
+        "cluster.zzz: unknown key; known keys: address, gpus_per_node, master_port_range_high, "
+        "master_port_range_low, num_cpu_workers, num_nodes, segment_size"
     ]
 
 
