@@ -392,6 +392,7 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         f"{m}.moe_per_layer_logging": Unused("MoE metrics are not logged", _one_of(False)),
         f"{m}.track_moe_metrics": Unused("MoE metrics are not logged", _one_of(False)),
         f"{m}.use_gloo_process_groups": Unused(_KERNEL, _one_of(False)),
+        f"{m}.gradient_accumulation_fusion": train_only(Unused(_KERNEL, _one_of(False))),
         f"{m}.use_fused_weighted_squared_relu": Unused(_KERNEL, _one_of(False)),
         f"{m}.moe_aux_loss_coeff": train_only(
             Unused(
