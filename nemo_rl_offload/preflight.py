@@ -363,7 +363,8 @@ def check_recipe(
         effective = apply.effective_settings(
             section, architecture, where=where, te_installed=caps.has_transformer_engine
         )
-        effective_by_section[where] = effective
+        if architecture is not None:  # Megatron cannot build a config without the model
+            effective_by_section[where] = effective
         report.sections.append(
             SectionSettings(
                 where,
