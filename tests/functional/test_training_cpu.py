@@ -268,9 +268,15 @@ def _free_port() -> int:
             "data.train_data_path",
         ),
         (["policy.model_name=tiny-dens"], "policy.model_name: 'tiny-dens' is neither"),
-        (["policy.max_total_sequence_length=12"], "longer than policy.max_total_sequence_length"),
+        (
+            ["policy.max_total_sequence_length=12", "~data.max_input_seq_length"],
+            "longer than policy.max_total_sequence_length",
+        ),
+        # The recipe's max_input_seq_length follows max_total_sequence_length: every example
+        # reaches it, so all would be cut and none would train.
+        (["policy.max_total_sequence_length=12"], "reaches 12 tokens, so none would train"),
     ],
-    ids=["missing_data_file", "unknown_preset", "prompt_too_long"],
+    ids=["missing_data_file", "unknown_preset", "prompt_too_long", "every_example_cut"],
 )
 def test_bad_input_is_one_clear_line(tmp_path, overrides, expected):
     result = cli(
