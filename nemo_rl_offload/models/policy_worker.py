@@ -103,6 +103,16 @@ def _drop_graph_attributes(model: Any) -> None:
                     setattr(helper, name, None)
 
 
+def _forget_other_models_moe_metrics() -> None:
+    """Megatron's MoE routers add their auxiliary-loss metrics into one process-wide tracker
+    whose per-layer buffers are sized (and placed) by the first model that records: a later
+    model in the same process with more layers, or on another device, would index past them.
+    This backend does not read those metrics, so a new model starts with a fresh tracker."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()
+
+
 class PolicyWorker:
     def __init__(
         self,
@@ -178,6 +188,7 @@ class PolicyWorker:
         initialize_megatron_parallel(
             megatron_cfg, seed=self.seed, on_gpu=self.on_gpu, cudagraphable_rng=graphed
         )
+        _forget_other_models_moe_metrics()
         model, warnings = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
         if graphed:
             allow_reuse_of_offloaded_memory_in_capture()
@@ -621,6 +632,7 @@ class PolicyWorker:
             self.graphs.release(lambda key: True)
         self.model = self.reference = self.optimizer = self.scheduler = self.runtime = None
         self.graphs = None
+        _forget_other_models_moe_metrics()
         gc.collect()
         if self.on_gpu:
             import torch

@@ -170,23 +170,6 @@ def test_every_algorithm_trains_at_pipeline_parallel_2(sft_run, tmp_path, algori
     assert layout["layout"]["pipeline_parallel"] == 2
 
 
-def test_resume_continues_from_the_latest_checkpoint(tmp_path):
-    short = [
-        *outputs(tmp_path),
-        "sft.val_period=0",
-        "sft.val_at_start=false",
-        "checkpointing.save_period=4",
-    ]
-    first = cli("sft", "--config", str(TINY / "sft.yaml"), *short, "sft.max_num_steps=6")
-    assert first.returncode == 0, first.stderr[-4000:]
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000006"]
-    second = cli("sft", "--config", str(TINY / "sft.yaml"), *short, "sft.max_num_steps=9")
-    assert second.returncode == 0, second.stderr[-4000:]
-    assert "resumed from" in second.stderr and "step_000006" in second.stderr
-    steps = [r["step"] for r in metrics(tmp_path, "train")]
-    assert steps == list(range(1, 10))  # 1..6 from the first run, 7..9 after resuming
-
-
 def test_keep_top_k_keeps_the_best_checkpoint_by_its_metric_and_the_newest(tmp_path):
     # higher_is_better on a loss keeps the worst-loss checkpoint: one the newest-k rule would
     # have deleted, so the test tells the two rules apart.
@@ -268,9 +251,15 @@ def _free_port() -> int:
             "data.train_data_path",
         ),
         (["policy.model_name=tiny-dens"], "policy.model_name: 'tiny-dens' is neither"),
-        (["policy.max_total_sequence_length=12"], "longer than policy.max_total_sequence_length"),
+        (
+            ["policy.max_total_sequence_length=12", "~data.max_input_seq_length"],
+            "longer than policy.max_total_sequence_length",
+        ),
+        # The recipe's max_input_seq_length follows max_total_sequence_length: every example
+        # reaches it, so all would be cut and none would train.
+        (["policy.max_total_sequence_length=12"], "reaches 12 tokens, so none would train"),
     ],
-    ids=["missing_data_file", "unknown_preset", "prompt_too_long"],
+    ids=["missing_data_file", "unknown_preset", "prompt_too_long", "every_example_cut"],
 )
 def test_bad_input_is_one_clear_line(tmp_path, overrides, expected):
     result = cli(

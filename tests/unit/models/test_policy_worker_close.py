@@ -37,3 +37,32 @@ def test_close_frees_the_model(megatron_cpu, moe_globals_restored, model):
     gc.collect()
     assert model_ref() is None
     assert worker.model is None and worker.optimizer is None
+
+
+def test_a_deeper_moe_model_trains_after_another_in_the_same_process(
+    megatron_cpu, moe_globals_restored
+):
+    """Megatron's MoE metrics tracker is process-wide and sized by the first model that
+    records: a second, deeper MoE model in the process must still train (tests and benchmarks
+    build several models in one process)."""
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    ids = np.random.default_rng(0).integers(0, 300, (2, 32))
+    batch = [{"input_ids": ids, "labels": ids, "loss_mask": np.ones((2, 32), np.float32)}]
+    for layers in (2, 4):
+        section = {
+            "model_name": "tiny-moe",
+            "precision": "float32",
+            "max_total_sequence_length": 64,
+            "megatron_cfg": {
+                "enabled": True,
+                "model_overrides": {"num_layers": layers},
+                "optimizer": {"optimizer": "adam", "lr": 1e-3, "use_distributed_optimizer": False},
+            },
+        }
+        worker = PolicyWorker(
+            section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=False
+        )
+        worker.setup(*worker.node_address())
+        assert np.isfinite(worker.train(batch, {"name": "nll"})["loss"])
+        worker.close()
