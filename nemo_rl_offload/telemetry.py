@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from nemo_rl_offload.algorithms.common import check_batch_sizes
+from nemo_rl_offload.algorithms.batching import check_batch_sizes
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.distributed import cluster

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.errors import UserInputError
+
 
 @dataclass
 class TokenSequence:
@@ -138,3 +140,14 @@ def attach_rows(mbs: Sequence[dict[str, np.ndarray]], key: str, rows: Sequence[A
         mb[key] = out
     if start != len(rows):
         raise ValueError(f"{len(rows)} rows for micro-batches of {start} rows")
+
+
+def check_batch_sizes(policy_cfg: dict, dp_size: int) -> None:
+    """The global batch must split evenly into data-parallel shards of whole micro-batches."""
+    gbs = int(policy_cfg["train_global_batch_size"])
+    mbs = int(policy_cfg["train_micro_batch_size"])
+    if gbs % (mbs * dp_size):
+        raise UserInputError(
+            f"policy.train_global_batch_size: {gbs} does not split into {dp_size} data-parallel "
+            f"rank(s) x micro-batches of {mbs}; use a multiple of {mbs * dp_size}"
+        )

@@ -103,17 +103,6 @@ def data_where(data_cfg: dict, split: str) -> str:
     return f"data.{split}_data_path" if data_cfg.get("dataset_name") == "jsonl" else "data"
 
 
-def check_batch_sizes(policy_cfg: dict, dp_size: int) -> None:
-    """The global batch must split evenly into data-parallel shards of whole micro-batches."""
-    gbs = int(policy_cfg["train_global_batch_size"])
-    mbs = int(policy_cfg["train_micro_batch_size"])
-    if gbs % (mbs * dp_size):
-        raise UserInputError(
-            f"policy.train_global_batch_size: {gbs} does not split into {dp_size} data-parallel "
-            f"rank(s) x micro-batches of {mbs}; use a multiple of {mbs * dp_size}"
-        )
-
-
 class EpochSampler:
     """Examples in a (seeded) shuffled order, epoch after epoch; its position is checkpointed."""
 

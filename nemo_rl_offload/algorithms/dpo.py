@@ -14,10 +14,9 @@ import time
 import numpy as np
 
 from nemo_rl_offload.algorithms import batching
-from nemo_rl_offload.algorithms.batching import TokenSequence
+from nemo_rl_offload.algorithms.batching import TokenSequence, check_batch_sizes
 from nemo_rl_offload.algorithms.common import (
     Run,
-    check_batch_sizes,
     prepare,
 )
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference

@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 
 from nemo_rl_offload.algorithms import batching
+from nemo_rl_offload.algorithms.batching import check_batch_sizes
 from nemo_rl_offload.algorithms.common import (
     Run,
-    check_batch_sizes,
     mean,
     prepare,
 )
