@@ -126,9 +126,11 @@ def _unless(dotted: str, *active: Any) -> Callable[[Any, Mapping[str, Any]], boo
     return inert
 
 
-def _and(
+def _any_inert(
     *checks: Callable[[Any, Mapping[str, Any]], bool],
 ) -> Callable[[Any, Mapping[str, Any]], bool]:
+    """Inert when any of ``checks`` finds the value inert (e.g. empty, or its feature off)."""
+
     def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
         return any(check(value, recipe) for check in checks)
 
@@ -397,7 +399,7 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         f"{m}.moe_aux_loss_coeff": train_only(
             Unused(
                 "the auxiliary load-balancing loss is the model's (model_overrides)",
-                _and(_equals(0.0), _dense_model(where)),
+                _any_inert(_equals(0.0), _dense_model(where)),
                 refuse=f"set {m}.model_overrides.moe_aux_loss_coeff instead",
             )
         ),
@@ -481,21 +483,6 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             _always,
         ),
         f"{where}.quant_cfg": _not_yet(f"{where}.quant_cfg", None, "quantization"),
-        f"{where}.quant_calib_data": Unused(
-            "quantization is not implemented (quant_cfg is refused)", _always
-        ),
-        f"{where}.quant_calib_size": Unused(
-            "quantization is not implemented (quant_cfg is refused)", _always
-        ),
-        f"{where}.quant_batch_size": Unused(
-            "quantization is not implemented (quant_cfg is refused)", _always
-        ),
-        f"{where}.quant_sequence_length": Unused(
-            "quantization is not implemented (quant_cfg is refused)", _always
-        ),
-        f"{where}.disable_modelopt_layer_spec": Unused(
-            "quantization is not implemented (quant_cfg is refused)", _always
-        ),
         f"{where}.is_vlm": _not_yet(f"{where}.is_vlm", False, "vision-language models"),
         f"{where}.tokenizer.chat_template": Unused(
             "no chat template is applied: prompts are tokenized as the data writes them"
@@ -507,9 +494,25 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         f"{where}.tokenizer.audio": _not_yet(f"{where}.tokenizer.audio", None, "audio inputs"),
         f"{where}.tokenizer.video": _not_yet(f"{where}.tokenizer.video", None, "video inputs"),
     }
+    for key in (
+        "quant_calib_data",
+        "quant_calib_size",
+        "quant_batch_size",
+        "quant_sequence_length",
+        "disable_modelopt_layer_spec",
+    ):
+        entries[f"{where}.{key}"] = Unused(
+            "quantization is not implemented (quant_cfg is refused)", _always
+        )
     if teacher:
         return entries
     g = f"{where}.generation"
+    for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang"), ("trtllm", "TensorRT-LLM")):
+        # Another engine's settings: ignored unless the recipe asks for that engine.
+        reason = f"{label} is not used: generation runs with megatron-core"
+        unless_chosen = _unless(f"{g}.backend", engine)
+        entries[f"{g}.{engine}_cfg"] = Unused(reason, unless_chosen)
+        entries[f"{g}.{engine}_kwargs"] = Unused(reason, _any_inert(_empty, unless_chosen))
     entries.update(
         {
             f"{g}.val_temperature": _same_val(g, "temperature", 1.0),
@@ -524,30 +527,6 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             f"{g}.port_range_high": Unused("no generation server is started", _always),
             f"{g}.use_async_rollouts": Unused(
                 "each step's rollouts are sampled as one batch", _one_of(False)
-            ),
-            f"{g}.vllm_cfg": Unused(
-                "vLLM is not used: generation runs with megatron-core",
-                _unless(f"{g}.backend", "vllm"),
-            ),
-            f"{g}.vllm_kwargs": Unused(
-                "vLLM is not used: generation runs with megatron-core",
-                _and(_empty, _unless(f"{g}.backend", "vllm")),
-            ),
-            f"{g}.sglang_cfg": Unused(
-                "SGLang is not used: generation runs with megatron-core",
-                _unless(f"{g}.backend", "sglang"),
-            ),
-            f"{g}.sglang_kwargs": Unused(
-                "SGLang is not used: generation runs with megatron-core",
-                _and(_empty, _unless(f"{g}.backend", "sglang")),
-            ),
-            f"{g}.trtllm_cfg": Unused(
-                "TensorRT-LLM is not used: generation runs with megatron-core",
-                _unless(f"{g}.backend", "trtllm"),
-            ),
-            f"{g}.trtllm_kwargs": Unused(
-                "TensorRT-LLM is not used: generation runs with megatron-core",
-                _and(_empty, _unless(f"{g}.backend", "trtllm")),
             ),
             f"{g}.dynamo_cfg": Unused(
                 "Dynamo is not used: generation runs with megatron-core",
@@ -751,7 +730,7 @@ def _other_entries() -> dict[str, Unused]:
             ),
             "grpo.skip_reference_policy_logprobs_calculation": Unused(
                 _NOT_YET,
-                _and(_one_of(False), _zero_kl_penalty),
+                _any_inert(_one_of(False), _zero_kl_penalty),
                 refuse="set it to false (or remove it)",
             ),
             "grpo.async_grpo": _not_yet_section("grpo.async_grpo", "asynchronous GRPO"),
@@ -759,7 +738,7 @@ def _other_entries() -> dict[str, Unused]:
             "grpo.use_dynamic_sampling": _not_yet("grpo.use_dynamic_sampling", False),
             "grpo.dynamic_sampling_max_gen_batches": Unused(
                 _NOT_YET,
-                _and(_equals(10), _unless("grpo.use_dynamic_sampling", True)),
+                _any_inert(_equals(10), _unless("grpo.use_dynamic_sampling", True)),
                 refuse="set grpo.dynamic_sampling_max_gen_batches to its default 10",
             ),
             "grpo.batch_multiplier": _not_yet("grpo.batch_multiplier", 1.0),
