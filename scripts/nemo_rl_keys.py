@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.config.loader import load_recipe
+from nemo_rl_offload.config.loader import load_recipe, yaml_type
 from nemo_rl_offload.errors import UserInputError
 
 EXEMPLARS = (
@@ -45,22 +45,6 @@ EXEMPLARS = (
 ALGORITHMS = ("grpo", "sft", "dpo", "distillation")
 MAX_VALUES = 6  # distinct values kept per path
 MAX_VALUE_CHARS = 120  # longer values are recorded by type only
-
-
-def _type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, list):
-        return "list"
-    return "dict"
 
 
 def _leaves(node: Any, prefix: str) -> list[tuple[str, Any]]:
@@ -98,7 +82,7 @@ def collect(root: Path) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]
         for dotted, value in _leaves(recipe, ""):
             entry = paths.setdefault(dotted, {"types": [], "values": [], "recipes": 0})
             entry["recipes"] += 1
-            kind = "{}" if value == {} else _type(value)
+            kind = "{}" if value == {} else yaml_type(value)
             if kind not in entry["types"]:
                 entry["types"].append(kind)
             text = json.dumps(value, sort_keys=True)

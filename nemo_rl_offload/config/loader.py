@@ -591,22 +591,33 @@ def _first_line(text: str) -> str:
     return text.strip().splitlines()[0].strip() if text.strip() else ""
 
 
-def _kind(value: Any) -> str:
+def yaml_type(value: Any) -> str:
+    """The YAML type of a loaded value by its short name (``null``, ``bool``, ``int``,
+    ``float``, ``str``, ``list``, ``dict``; another Python type by its class name): the one
+    classification that error messages and the NeMo-RL key list (scripts/nemo_rl_keys.py)
+    share, so the two cannot disagree about what a value is."""
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return f"a {type(value).__name__}"
+    for kind in (bool, int, float, str, list, dict):  # bool before int: True is an int
+        if isinstance(value, kind):
+            return kind.__name__
+    return type(value).__name__
+
+
+_KIND_IN_PROSE = {
+    "null": "null",
+    "bool": "a boolean",
+    "int": "an integer",
+    "float": "a number",
+    "str": "text",
+    "list": "a list",
+    "dict": "a mapping",
+}
+
+
+def _kind(value: Any) -> str:
+    kind = yaml_type(value)
+    return _KIND_IN_PROSE.get(kind, f"a {kind}")
 
 
 def _short_repr(value: Any, limit: int = 40) -> str:
