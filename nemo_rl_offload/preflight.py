@@ -242,7 +242,7 @@ def _check_deadline(recipe: dict[str, Any], report: Report) -> None:
 
 def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Report) -> None:
     """Keys that act only in some setups say so where they would not; logprob_batch_size is a
-    positive row count."""
+    positive row count, equal to the training micro-batch at TP >= 4."""
     logger = recipe.get("logger") if isinstance(recipe.get("logger"), dict) else {}
     cluster = recipe.get("cluster") if isinstance(recipe.get("cluster"), dict) else {}
     if logger.get("monitor_gpus") is True and cluster.get("gpus_per_node") == 0:
@@ -273,11 +273,11 @@ def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Re
         tp = megatron.get("tensor_model_parallel_size", 1)
         micro = section.get("train_micro_batch_size")
         if isinstance(rows, int) and isinstance(tp, int) and tp >= 4 and rows != micro:
-            report.warnings.append(
-                f"warning: {where}.logprob_batch_size: {rows} differs from "
-                f"train_micro_batch_size {micro} at tensor parallel size {tp}: results of "
-                "different batch sizes differ at TP >= 4 (NeMo-RL refuses this), so GRPO's "
-                "first ratio is not exactly 1; set them equal"
+            report.errors.append(
+                f"{where}.logprob_batch_size: {rows} differs from train_micro_batch_size "
+                f"{micro} at tensor parallel size {tp}: at TP >= 4 results depend on the batch "
+                "size, so the log-probabilities of the ratio's old policy would not be the "
+                "training pass's (NeMo-RL refuses this too); set them equal"
             )
     max_input = (recipe.get("data") or {}).get("max_input_seq_length")
     policy = recipe.get("policy") if isinstance(recipe.get("policy"), dict) else {}

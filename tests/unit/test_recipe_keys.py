@@ -69,7 +69,7 @@ def test_logprob_batch_size_must_be_positive_and_matches_at_tp4():
         "policy.logprob_batch_size=64",
         "++policy.megatron_cfg.tensor_model_parallel_size=4",
     )
-    assert lines_about(tp4, "warning: policy.logprob_batch_size: 64 differs")
+    assert any(line.startswith("policy.logprob_batch_size: 64 differs") for line in tp4.errors)
     same = report_for("grpo", "++policy.megatron_cfg.tensor_model_parallel_size=4")
     assert not lines_about(same, "logprob_batch_size")
 
