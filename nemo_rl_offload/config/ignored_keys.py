@@ -261,21 +261,6 @@ IGNORED: dict[str, Unused] = {
         "validation generates all of a data-parallel rank's held-out prompts as one batch",
         _covers_validation("distillation"),
     ),
-    "loss_fn.token_level_loss": Unused(
-        "the loss is always averaged over the tokens of the global batch",
-        _one_of(True),
-        refuse="set it to true (or remove it); per-sequence averaging is not implemented",
-    ),
-    "loss_fn.use_on_policy_kl_approximation": Unused(
-        "the KL penalty is the plain k3 estimate",
-        _one_of(False),
-        refuse="set it to false (or remove it)",
-    ),
-    "loss_fn.use_importance_sampling_correction": Unused(
-        "generation and training use the same model, so there is nothing to correct",
-        _one_of(False),
-        refuse="set it to false (or remove it)",
-    ),
     "loss_fn.zero_outside_topk": Unused(
         "the KL is taken over the teacher's top-k renormalised",
         _one_of(False),
@@ -745,7 +730,6 @@ def _other_entries() -> dict[str, Unused]:
             "grpo.reward_shaping": _not_yet_section("grpo.reward_shaping", "reward shaping"),
             "grpo.reward_scaling": _not_yet_section("grpo.reward_scaling", "reward scaling"),
             "grpo.calculate_advantages_on_gpu": Unused(_SPEED_ONLY, _one_of(False)),
-            "grpo.seq_logprob_error_threshold": _not_yet("grpo.seq_logprob_error_threshold", None),
             "grpo.invalid_tool_call_advantage": _not_yet(
                 "grpo.invalid_tool_call_advantage", None, "tool calls"
             ),
@@ -772,32 +756,6 @@ def _other_entries() -> dict[str, Unused]:
             ),
             "grpo.debug_payload_metrics": Unused(
                 "NeMo-RL's payload debug metrics are not logged", _one_of(False)
-            ),
-            "loss_fn.reference_policy_kl_type": Unused(
-                "the KL penalty is Schulman's k3 estimate",
-                _one_of("k3"),
-                refuse="set loss_fn.reference_policy_kl_type to its default 'k3' (or remove it)",
-            ),
-            "loss_fn.kl_input_clamp_value": _not_yet("loss_fn.kl_input_clamp_value", 20.0),
-            "loss_fn.kl_output_clamp_value": _not_yet("loss_fn.kl_output_clamp_value", 10.0),
-            "loss_fn.use_kl_in_reward": _not_yet("loss_fn.use_kl_in_reward", False),
-            "loss_fn.truncated_importance_sampling_type": _not_yet(
-                "loss_fn.truncated_importance_sampling_type", None
-            ),
-            "loss_fn.truncated_importance_sampling_ratio": _not_yet(
-                "loss_fn.truncated_importance_sampling_ratio", None
-            ),
-            "loss_fn.truncated_importance_sampling_ratio_min": _not_yet(
-                "loss_fn.truncated_importance_sampling_ratio_min", None
-            ),
-            "loss_fn.sequence_level_importance_ratios": _not_yet(
-                "loss_fn.sequence_level_importance_ratios", False
-            ),
-            "loss_fn.disable_ppo_ratio": _not_yet("loss_fn.disable_ppo_ratio", False),
-            "loss_fn.force_on_policy_ratio": _not_yet("loss_fn.force_on_policy_ratio", False),
-            "loss_fn.use_cispo": _not_yet("loss_fn.use_cispo", False),
-            "loss_fn.positive_example_nll_weight": _not_yet(
-                "loss_fn.positive_example_nll_weight", 0.0
             ),
         }
     )
