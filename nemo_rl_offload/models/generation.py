@@ -156,7 +156,7 @@ def sample(
             probs = torch.softmax(_filter_logits(logits, settings), dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         token = torch.where(done, torch.full_like(token, pad_id), token)
-        chosen = torch.log_softmax(full, dim=-1).gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        chosen = full.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(full, dim=-1)
         ids[rows, lengths] = token
         logprobs[rows, lengths] = chosen
         lengths = torch.where(done, lengths, lengths + 1)
