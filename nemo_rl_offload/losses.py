@@ -4,7 +4,8 @@ Every loss takes token log-probabilities aligned with a ``mask`` of the tokens t
 (response tokens), both shaped [batch, seq]: position t holds log p(token t+1 | tokens <= t).
 Token-level losses return a *sum* and a token count, so that gradient accumulation over
 micro-batches and data-parallel workers can divide once by the global count and stay exact.
-Sequence-level losses (DPO) return a sum over sequences and a sequence count for the same reason.
+Sequence-level losses (DPO, and GRPO with ``token_level_loss`` false, which averages each
+sequence's tokens first) return a sum over sequences and a sequence count for the same reason.
 """
 
 from __future__ import annotations

@@ -501,3 +501,28 @@ def test_grpo_metric_means_divide_by_tokens_or_sequences():
     means = losses.grpo_metric_means(metrics)
     assert means == {"kl": 0.5, "sampling_importance_ratio": 1.5}
     assert metrics == {"loss": 1.0, "positive_nll_sum": 1.0}
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_grpo_normalisation_is_exact_across_micro_batches(token_level):
+    """NeMo-RL divides by the global count of tokens (or of sequences without token_level_loss);
+    the sums and counts of two micro-batches give the same step loss as one batch."""
+    g = torch.Generator().manual_seed(0)
+    logprobs = -torch.rand(4, 6, generator=g)
+    batch = {
+        "loss_mask": torch.tensor(
+            [[1.0] * 6, [1.0] * 2 + [0.0] * 4, [0.0] * 6, [1.0] * 4 + [0.0] * 2]
+        ),
+        "old_logprobs": logprobs + 0.1 * torch.randn(4, 6, generator=g),
+        "advantages": torch.tensor([1.0, -2.0, 0.5, 3.0]),
+    }
+    spec = {"name": "grpo", **CLIP, "loss_fn": {"token_level_loss": token_level}}
+    fn = losses.make_loss_fn(spec)
+    whole, count, _ = fn(batch, -logprobs)
+    parts = [
+        fn({k: v[rows] for k, v in batch.items()}, -logprobs[rows])
+        for rows in (slice(0, 1), slice(1, 4))
+    ]
+    total = sum(p[0] for p in parts) / sum(p[1] for p in parts)
+    assert total.item() == pytest.approx((whole / count).item(), rel=1e-6)
+    assert int(count) == (3 if not token_level else 12)
