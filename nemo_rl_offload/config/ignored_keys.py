@@ -176,6 +176,12 @@ def _empty(value: Any, recipe: Mapping[str, Any]) -> bool:
     return value is None or value == {} or value == [] or value == ""
 
 
+def _full_vocabulary(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """distillation.topk_logits_k null (or absent) takes the KL over the whole vocabulary:
+    nothing lies outside the top-k, so NeMo-RL's zero_outside_topk changes nothing."""
+    return _at(recipe, "distillation.topk_logits_k") is None
+
+
 @dataclass(frozen=True)
 class Unused:
     """A key this backend does not act on: why, when that changes nothing, and, where
@@ -263,7 +269,7 @@ IGNORED: dict[str, Unused] = {
     ),
     "loss_fn.zero_outside_topk": Unused(
         "the KL is taken over the teacher's top-k renormalised",
-        _one_of(False),
+        _any_inert(_one_of(False), _full_vocabulary),
         refuse="set it to false (or remove it)",
     ),
 }
