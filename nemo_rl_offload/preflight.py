@@ -16,6 +16,7 @@ from typing import Any
 from nemo_rl_offload.config import checkpointing, ignored_keys
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import Architecture, ModelNotOnMachine, architecture_for
+from nemo_rl_offload.config.schema import grpo_loss_problems
 from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
 from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.errors import UserInputError
@@ -336,6 +337,10 @@ def check_recipe(
     _check_deadline(recipe, report)
     _check_logger_and_batches(recipe, algorithm, report)
     _check_data_source(recipe, report)
+    if algorithm == "grpo" and isinstance(recipe.get("loss_fn"), dict):
+        loss_errors, loss_warnings = grpo_loss_problems(recipe["loss_fn"])
+        report.errors += loss_errors
+        report.warnings += loss_warnings
     unused_errors, unused_warnings = ignored_keys.check(recipe, starting=starting)
     report.errors += unused_errors
     report.warnings += unused_warnings

@@ -97,7 +97,7 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
             if sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)):
                 break
             start = time.perf_counter()
-            prompts, responses, rewards = rollout(
+            prompts, responses, rewards, _ = rollout(
                 run,
                 policy,
                 env,

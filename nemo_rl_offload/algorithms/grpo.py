@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from nemo_rl_offload import losses
-from nemo_rl_offload.algorithms import batching
+from nemo_rl_offload.algorithms import batching, loss_inputs
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     Run,
@@ -61,13 +61,15 @@ def generate_and_score(
     *,
     greedy: bool,
     seed: int,
-) -> tuple[list[list[int]], list[float]]:
+) -> tuple[list[list[int]], list[float], list[list[float]]]:
+    """Responses, their rewards, and the sampler's log-probabilities of their tokens."""
     settings = sampling_settings(run, prompts, greedy=greedy)
-    responses = policy.generate(
+    generated = policy.generate(
         [p.ids for p in prompts], settings, seed=seed, pad_id=run.tokenizer.pad_id
     )
+    responses = [g.ids for g in generated]
     texts = [run.tokenizer.decode(r) for r in responses]
-    return responses, env.score(texts, answers)
+    return responses, env.score(texts, answers), [g.logprobs for g in generated]
 
 
 def rollout(
@@ -80,14 +82,15 @@ def rollout(
     group: int,
     *,
     seed: int,
-) -> tuple[list[TokenSequence], list[list[int]], list[float]]:
-    """``group`` sampled responses to each picked training prompt, with their rewards."""
+) -> tuple[list[TokenSequence], list[list[int]], list[float], list[list[float]]]:
+    """``group`` sampled responses to each picked training prompt, with their rewards and the
+    sampler's log-probabilities of their tokens."""
     prompts = [train[i] for i in picked for _ in range(group)]
     answers = [str(train_raw[i]["answer"]) for i in picked for _ in range(group)]
-    responses, rewards = generate_and_score(
+    responses, rewards, logprobs = generate_and_score(
         run, policy, env, prompts, answers, greedy=False, seed=seed
     )
-    return prompts, responses, rewards
+    return prompts, responses, rewards, logprobs
 
 
 def attach(microbatches: list[dict], key: str, arrays: list[np.ndarray]) -> None:
@@ -135,7 +138,7 @@ def validate(
     if not val:
         return {}
     repeat = VAL_SAMPLES_PER_PROMPT
-    responses, sampled = generate_and_score(
+    responses, sampled, _ = generate_and_score(
         run,
         policy,
         env,
@@ -144,7 +147,7 @@ def validate(
         greedy=False,
         seed=seed,
     )
-    _, greedy = generate_and_score(run, policy, env, val, answers, greedy=True, seed=seed)
+    _, greedy, _ = generate_and_score(run, policy, env, val, answers, greedy=True, seed=seed)
     shown = int(run.recipe["logger"].get("num_val_samples_to_print") or 0)
     if shown > 0:
         text = format_samples(
@@ -169,7 +172,9 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
         val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
         train = run.encode(train_raw, "train")
         val = run.encode(val_raw, "val")
-        kl_penalty = float(loss_cfg.get("reference_policy_kl_penalty", 0.0))
+        kl_penalty = losses.effective_kl_penalty(loss_cfg)
+        options = losses.PolicyLossOptions.from_recipe(loss_cfg)
+        error_threshold = cfg.get("seq_logprob_error_threshold")
         run.connect()
         policy = run.start_group(
             "policy", seed=seed, trainable=True, with_reference=holds_reference(run.recipe, "grpo")
@@ -190,18 +195,12 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
         val_answers = [str(v["answer"]) for v in val_raw]
         if cfg.get("val_at_start") and run.start_step == 0:
             run.logger.log(0, validate(run, policy, env, val, val_answers, seed), phase="val")
-        loss_spec = {
-            "name": "grpo",
-            "ratio_clip_min": loss_cfg["ratio_clip_min"],
-            "ratio_clip_max": loss_cfg["ratio_clip_max"],
-            "ratio_clip_c": loss_cfg.get("ratio_clip_c"),
-            "kl_penalty": kl_penalty,
-        }
+        loss_spec = loss_inputs.loss_spec(loss_cfg)
         for step in run.steps():
             if sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)):
                 break
             start = time.perf_counter()
-            prompts, responses, rewards = rollout(
+            prompts, responses, rewards, generation_logprobs = rollout(
                 run,
                 policy,
                 env,
@@ -224,21 +223,32 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
                 sequences, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
             )
             batching.attach_rows(
-                mbs, "old_logprobs", run.forward_only(sequences, policy.token_logprobs)
+                mbs,
+                "generation_logprobs",
+                loss_inputs.generation_rows(sequences, generation_logprobs),
             )
+            loss_metrics: dict[str, float] = {}
+            if options.needs_old_logprobs or error_threshold is not None:
+                batching.attach_rows(
+                    mbs, "old_logprobs", run.forward_only(sequences, policy.token_logprobs)
+                )
+                loss_metrics = loss_inputs.seq_logprob_error(mbs, rewards, error_threshold)
+            if options.positive_example_nll_weight > 0:
+                loss_inputs.attach_positive_nll(mbs, rewards, token_level=options.token_level_loss)
             if kl_penalty > 0:
                 reference = run.forward_only(
                     sequences, lambda forward: policy.token_logprobs(forward, reference=True)
                 )
                 batching.attach_rows(mbs, "reference_logprobs", reference)
             metrics = policy.train(batching.split(mbs, policy.dp_size), loss_spec)
+            loss_metrics.update(losses.grpo_metric_means(metrics))
             elapsed = time.perf_counter() - start
             run.log_train_step(
                 step,
                 metrics,
                 elapsed=elapsed,
                 tokens=sum(len(s.ids) for s in sequences),
-                per_count={"clip_fraction": "clip_fraction_sum", "kl": "kl_sum"},
+                **loss_metrics,
                 reward=float(np.mean(rewards)),
                 response_tokens_mean=float(np.mean([len(r) for r in responses])),
                 **run.truncated(prompts[::group]),

@@ -36,11 +36,14 @@ _PER_RANK_KEYS = (
 
 def holds_reference(recipe: dict[str, Any], algorithm: str) -> bool:
     """Whether the policy workers of ``algorithm`` also hold a frozen reference copy of the
-    model (DPO always; GRPO with a KL penalty): memory the policy's own steps live beside."""
+    model (DPO always; GRPO with a KL penalty in its loss): memory the policy's own steps live
+    beside."""
     if algorithm == "dpo":
         return True
     if algorithm == "grpo":
-        return float((recipe.get("loss_fn") or {}).get("reference_policy_kl_penalty", 0.0)) > 0
+        from nemo_rl_offload.losses import effective_kl_penalty
+
+        return effective_kl_penalty(recipe.get("loss_fn") or {}) > 0
     return False
 
 
@@ -135,7 +138,8 @@ class PolicyGroup:
 
     def generate(
         self, prompts: list[list[int]], settings: dict[str, Any], *, seed: int, pad_id: int
-    ) -> list[list[int]]:
+    ) -> list[Any]:
+        """Each prompt's ``generation.Generated`` (ids and log-probabilities), in order."""
         shards = split(list(range(len(prompts))), self.dp_size)
         per_dp = [[prompts[i] for i in shard] for shard in shards]
         results = self.group.run(

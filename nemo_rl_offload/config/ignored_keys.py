@@ -176,6 +176,12 @@ def _empty(value: Any, recipe: Mapping[str, Any]) -> bool:
     return value is None or value == {} or value == [] or value == ""
 
 
+def _full_vocabulary(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """distillation.topk_logits_k null (or absent) takes the KL over the whole vocabulary:
+    nothing lies outside the top-k, so NeMo-RL's zero_outside_topk changes nothing."""
+    return _at(recipe, "distillation.topk_logits_k") is None
+
+
 @dataclass(frozen=True)
 class Unused:
     """A key this backend does not act on: why, when that changes nothing, and, where
@@ -261,24 +267,9 @@ IGNORED: dict[str, Unused] = {
         "validation generates all of a data-parallel rank's held-out prompts as one batch",
         _covers_validation("distillation"),
     ),
-    "loss_fn.token_level_loss": Unused(
-        "the loss is always averaged over the tokens of the global batch",
-        _one_of(True),
-        refuse="set it to true (or remove it); per-sequence averaging is not implemented",
-    ),
-    "loss_fn.use_on_policy_kl_approximation": Unused(
-        "the KL penalty is the plain k3 estimate",
-        _one_of(False),
-        refuse="set it to false (or remove it)",
-    ),
-    "loss_fn.use_importance_sampling_correction": Unused(
-        "generation and training use the same model, so there is nothing to correct",
-        _one_of(False),
-        refuse="set it to false (or remove it)",
-    ),
     "loss_fn.zero_outside_topk": Unused(
         "the KL is taken over the teacher's top-k renormalised",
-        _one_of(False),
+        _any_inert(_one_of(False), _full_vocabulary),
         refuse="set it to false (or remove it)",
     ),
 }
@@ -745,7 +736,6 @@ def _other_entries() -> dict[str, Unused]:
             "grpo.reward_shaping": _not_yet_section("grpo.reward_shaping", "reward shaping"),
             "grpo.reward_scaling": _not_yet_section("grpo.reward_scaling", "reward scaling"),
             "grpo.calculate_advantages_on_gpu": Unused(_SPEED_ONLY, _one_of(False)),
-            "grpo.seq_logprob_error_threshold": _not_yet("grpo.seq_logprob_error_threshold", None),
             "grpo.invalid_tool_call_advantage": _not_yet(
                 "grpo.invalid_tool_call_advantage", None, "tool calls"
             ),
@@ -772,32 +762,6 @@ def _other_entries() -> dict[str, Unused]:
             ),
             "grpo.debug_payload_metrics": Unused(
                 "NeMo-RL's payload debug metrics are not logged", _one_of(False)
-            ),
-            "loss_fn.reference_policy_kl_type": Unused(
-                "the KL penalty is Schulman's k3 estimate",
-                _one_of("k3"),
-                refuse="set loss_fn.reference_policy_kl_type to its default 'k3' (or remove it)",
-            ),
-            "loss_fn.kl_input_clamp_value": _not_yet("loss_fn.kl_input_clamp_value", 20.0),
-            "loss_fn.kl_output_clamp_value": _not_yet("loss_fn.kl_output_clamp_value", 10.0),
-            "loss_fn.use_kl_in_reward": _not_yet("loss_fn.use_kl_in_reward", False),
-            "loss_fn.truncated_importance_sampling_type": _not_yet(
-                "loss_fn.truncated_importance_sampling_type", None
-            ),
-            "loss_fn.truncated_importance_sampling_ratio": _not_yet(
-                "loss_fn.truncated_importance_sampling_ratio", None
-            ),
-            "loss_fn.truncated_importance_sampling_ratio_min": _not_yet(
-                "loss_fn.truncated_importance_sampling_ratio_min", None
-            ),
-            "loss_fn.sequence_level_importance_ratios": _not_yet(
-                "loss_fn.sequence_level_importance_ratios", False
-            ),
-            "loss_fn.disable_ppo_ratio": _not_yet("loss_fn.disable_ppo_ratio", False),
-            "loss_fn.force_on_policy_ratio": _not_yet("loss_fn.force_on_policy_ratio", False),
-            "loss_fn.use_cispo": _not_yet("loss_fn.use_cispo", False),
-            "loss_fn.positive_example_nll_weight": _not_yet(
-                "loss_fn.positive_example_nll_weight", 0.0
             ),
         }
     )

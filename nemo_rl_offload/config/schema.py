@@ -685,7 +685,7 @@ class GRPOLossConfig(TypedDict):
     use_on_policy_kl_approximation: NotRequired[bool]
     use_importance_sampling_correction: NotRequired[bool]
     token_level_loss: NotRequired[bool]
-    # NeMo-RL options not implemented by this backend yet (config/ignored_keys.py).
+    # Values and combinations: grpo_loss_problems below; meanings: losses.PolicyLossOptions.
     reference_policy_kl_type: NotRequired[str]
     kl_input_clamp_value: NotRequired[Number | None]
     kl_output_clamp_value: NotRequired[Number | None]
@@ -785,3 +785,119 @@ MASTER_CONFIGS: dict[str, type] = {
     "grpo": GRPOMasterConfig,
     "distillation": DistillationMasterConfig,
 }
+
+
+# --------------------------------------------------------------------------- loss_fn values
+
+KL_TYPES = ("k1", "k2", "k3")
+TRUNCATED_IS_TYPES = ("tis", "icepop", "seq-mask-tis")
+
+
+def grpo_loss_problems(loss: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for the values and combinations of GRPO's ``loss_fn`` options that
+    NeMo-RL's loss refuses (its asserts), each one line naming the key and the fix. Wrong types
+    are pydantic's to report, so only well-typed values are looked at here."""
+    errors: list[str] = []
+    warnings: list[str] = []
+
+    def number(key: str) -> float | None:
+        value = loss.get(key)
+        return (
+            float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+        )
+
+    kl_type = loss.get("reference_policy_kl_type")
+    if isinstance(kl_type, str) and kl_type not in KL_TYPES:
+        errors.append(
+            f"loss_fn.reference_policy_kl_type: {kl_type!r} is not a KL estimator; use one of "
+            f"{', '.join(KL_TYPES)}"
+        )
+    for key in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        value = number(key)
+        if value is not None and value <= 0:
+            errors.append(f"loss_fn.{key}: must be positive (got: {value:g}); or null for no clamp")
+    clip_c = number("ratio_clip_c")
+    if clip_c is not None and clip_c <= 1:
+        errors.append(
+            f"loss_fn.ratio_clip_c: the dual-clip bound must exceed 1 (got: {clip_c:g}); "
+            "usually 3, or null to turn dual clipping off"
+        )
+    nll = number("positive_example_nll_weight")
+    if nll is not None and nll < 0:
+        errors.append(
+            f"loss_fn.positive_example_nll_weight: must be 0 or more (got: {nll:g}); 0 turns "
+            "the positive-example NLL off"
+        )
+    tis_type = loss.get("truncated_importance_sampling_type")
+    ratio = number("truncated_importance_sampling_ratio")
+    ratio_min = number("truncated_importance_sampling_ratio_min")
+    sequence_level = loss.get("sequence_level_importance_ratios") is True
+    if isinstance(tis_type, str):
+        if tis_type not in TRUNCATED_IS_TYPES:
+            errors.append(
+                f"loss_fn.truncated_importance_sampling_type: {tis_type!r} is not a truncation; "
+                f"use one of {', '.join(TRUNCATED_IS_TYPES)} (or null)"
+            )
+        elif loss.get("use_importance_sampling_correction") is not True:
+            errors.append(
+                "loss_fn.truncated_importance_sampling_type: truncates importance weights, "
+                "which only act with loss_fn.use_importance_sampling_correction: true; set it"
+            )
+        elif ratio is None or ratio <= 0:
+            errors.append(
+                "loss_fn.truncated_importance_sampling_ratio: must be a positive upper bound "
+                f"when truncated_importance_sampling_type is {tis_type!r}; set it (e.g. 2)"
+            )
+        elif tis_type in ("icepop", "seq-mask-tis") and ratio_min is None:
+            errors.append(
+                "loss_fn.truncated_importance_sampling_ratio_min: must be set when "
+                f"truncated_importance_sampling_type is {tis_type!r}; set the lower bound"
+            )
+        elif ratio_min is not None and ratio_min > ratio:
+            errors.append(
+                f"loss_fn.truncated_importance_sampling_ratio_min: {ratio_min:g} is above "
+                f"truncated_importance_sampling_ratio {ratio:g}; lower it"
+            )
+        elif tis_type == "seq-mask-tis" and sequence_level:
+            errors.append(
+                "loss_fn.truncated_importance_sampling_type: 'seq-mask-tis' keeps token-level "
+                "weights and cannot go with sequence_level_importance_ratios: true; use 'tis' "
+                "or 'icepop', or set sequence_level_importance_ratios to false"
+            )
+    elif ratio is not None:
+        errors.append(
+            "loss_fn.truncated_importance_sampling_ratio: set without "
+            "truncated_importance_sampling_type; set the type (tis, icepop or seq-mask-tis) "
+            "or make the ratio null"
+        )
+    token_level = loss.get("token_level_loss") is not False
+    if sequence_level and token_level:
+        errors.append(
+            "loss_fn.sequence_level_importance_ratios: GSPO's sequence ratios need "
+            "per-sequence averaging; set loss_fn.token_level_loss to false"
+        )
+    if loss.get("use_cispo") is True:
+        for key, clash, fix in (
+            ("disable_ppo_ratio", True, "false"),
+            ("force_on_policy_ratio", True, "false"),
+            ("sequence_level_importance_ratios", True, "false"),
+            ("token_level_loss", False, "true"),
+        ):
+            if loss.get(key) is clash:
+                errors.append(
+                    f"loss_fn.use_cispo: cannot go with {key}: {str(clash).lower()}; "
+                    f"set loss_fn.{key} to {fix} or use_cispo to false"
+                )
+        if clip_c is not None:
+            errors.append(
+                "loss_fn.use_cispo: cannot go with dual clipping; set loss_fn.ratio_clip_c to "
+                "null or use_cispo to false"
+            )
+    penalty = number("reference_policy_kl_penalty")
+    if loss.get("use_kl_in_reward") is True and penalty:
+        warnings.append(
+            "warning: loss_fn.use_kl_in_reward: takes the KL penalty out of the loss, and "
+            "GRPO's advantages (the only estimator here, as in NeMo-RL's 'grpo') do not add it "
+            "to the reward, so no KL penalty acts; set reference_policy_kl_penalty to 0 to say so"
+        )
+    return errors, warnings

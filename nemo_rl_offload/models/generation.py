@@ -8,6 +8,12 @@ one model code path (training and sampling share the forward, through Megatron's
 pipeline stages exchange activations as in training). The last pipeline stage's next-token
 logits are broadcast to the other stages, and every rank draws with the same generator state,
 so all tensor- and pipeline-parallel ranks agree on each token.
+
+Each sampled token comes with its log-probability under the model (:class:`Generated`): the
+log-softmax of the raw next-token logits over the model's whole vocabulary, before temperature,
+top-k and top-p, which is what the training forward computes for the same token (it applies no
+sampling settings). GRPO compares the two (importance sampling, the sequence log-probability
+error); another engine (e.g. one with a KV cache) returns the same pair.
 """
 
 from __future__ import annotations
@@ -16,6 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One sampled continuation of a prompt: its token ids (without the prompt; the stop token
+    included when hit) and each token's log-probability under the model (module docstring)."""
+
+    ids: list[int]
+    logprobs: list[float]
 
 
 @dataclass(frozen=True)
@@ -78,7 +93,8 @@ def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
 def _next_token_logits(
     model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor, limit: int
 ) -> torch.Tensor:
-    """Float32 logits [rows, limit] of the token after each row's end, on every rank."""
+    """Float32 logits [rows, limit] of the token after each row's end, on every rank (``limit``
+    is the model's vocabulary size: the part of it the tokenizer knows is cut by the caller)."""
     from megatron.core import parallel_state
 
     from nemo_rl_offload.models.train_step import forward_outputs
@@ -113,8 +129,8 @@ def sample(
     vocab_size: int,
     seed: int,
     device: torch.device,
-) -> list[list[int]]:
-    """Generated token ids per prompt (without the prompt; stop token included when hit)."""
+) -> list[Generated]:
+    """The sampled continuation of each prompt, with its tokens' log-probabilities."""
     if not prompts:
         return []
     lengths = torch.tensor([len(p) for p in prompts], device=device)
@@ -128,20 +144,30 @@ def sample(
     stops = torch.tensor(settings.stop_token_ids, device=device)
     rows = torch.arange(len(prompts), device=device)
     limit = min(vocab_size, settings.vocab_limit or vocab_size)
+    logprobs = torch.zeros(ids.shape, dtype=torch.float, device=device)
     model.eval()
     for _ in range(settings.max_new_tokens):
         width = int(lengths.max())
-        logits = _next_token_logits(model, ids[:, :width], lengths, limit)
+        full = _next_token_logits(model, ids[:, :width], lengths, vocab_size)
+        logits = full[:, :limit]
         if settings.greedy:
             token = logits.argmax(dim=-1)
         else:
             probs = torch.softmax(_filter_logits(logits, settings), dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         token = torch.where(done, torch.full_like(token, pad_id), token)
+        chosen = full.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(full, dim=-1)
         ids[rows, lengths] = token
+        logprobs[rows, lengths] = chosen
         lengths = torch.where(done, lengths, lengths + 1)
         done |= torch.isin(token, stops)
         if bool(done.all()):
             break
     model.train()
-    return [ids[row, start[row] : lengths[row]].tolist() for row in range(len(prompts))]
+    return [
+        Generated(
+            ids[row, start[row] : lengths[row]].tolist(),
+            logprobs[row, start[row] : lengths[row]].tolist(),
+        )
+        for row in range(len(prompts))
+    ]

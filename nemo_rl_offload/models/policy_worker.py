@@ -515,8 +515,9 @@ class PolicyWorker:
 
     def generate(
         self, prompts: list[list[int]], settings: dict[str, Any], *, seed: int, pad_id: int
-    ) -> list[list[int]]:
-        """Sampled continuations of ``prompts`` (token ids, without the prompt)."""
+    ) -> list[Any]:
+        """Sampled continuations of ``prompts`` (``generation.Generated``: token ids without
+        the prompt, and their log-probabilities)."""
         from nemo_rl_offload.models.generation import SamplingSettings, sample
 
         with self.runtime.forward_only():

@@ -149,8 +149,9 @@ def every_pass(worker: Any) -> dict[str, Any]:
         "shapes": [list(output.shape) for output in logprobs],
         "topk_values": topk[0][0].ravel().tolist() if topk else [],
         "topk_indices": topk[0][1].ravel().tolist() if topk else [],
-        "greedy": greedy,
-        "sampled": sampled,
+        "greedy": [g.ids for g in greedy],
+        "sampled": [g.ids for g in sampled],
+        "sampled_logprobs": [g.logprobs for g in sampled],
         "loss": step["loss"] if reports else None,
         "grad_norm": step["grad_norm"],
     }

@@ -170,7 +170,7 @@ def test_a_listed_key_set_to_a_value_that_matters_warns():
 def test_a_listed_key_at_an_inert_value_says_nothing():
     recipe = {
         "policy": {"generation_batch_size": None, "generation": {"stop_strings": None}},
-        "loss_fn": {"token_level_loss": True, "use_on_policy_kl_approximation": False},
+        "loss_fn": {"zero_outside_topk": True},  # no distillation.topk_logits_k: full vocabulary
         "grpo": {"max_rollout_turns": 1, "val_batch_size": 256, "max_val_samples": 256},
         "teacher": {"max_grad_norm": 1.0},
     }
@@ -181,8 +181,8 @@ def test_a_listed_key_at_an_inert_value_says_nothing():
     ("recipe", "line"),
     [
         (
-            {"loss_fn": {"token_level_loss": False}},
-            "loss_fn.token_level_loss: false is not supported by this backend",
+            {"loss_fn": {"zero_outside_topk": True}, "distillation": {"topk_logits_k": 64}},
+            "loss_fn.zero_outside_topk: true is not supported by this backend",
         ),
         ({"grpo": {"max_rollout_turns": 2}}, "grpo.max_rollout_turns: 2 is not supported"),
         (

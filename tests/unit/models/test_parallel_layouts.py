@@ -68,6 +68,8 @@ def test_every_pass_agrees_on_a_dense_layout(dense_single, megatron_cfg, tmp_pat
     # Every rank samples the same tokens (the last stage's logits reach all stages).
     assert all(r["sampled"] == results[0]["sampled"] for r in results)
     assert all(r["greedy"] == results[0]["greedy"] for r in results)
+    # ... and reports the same log-probabilities for them.
+    assert all(r["sampled_logprobs"] == results[0]["sampled_logprobs"] for r in results)
     if megatron_cfg.get("pipeline_model_parallel_size"):
         # The stages run one rank's float32 arithmetic: seeded sampling draws the same tokens.
         assert _reported(results)["sampled"] == single["sampled"]
