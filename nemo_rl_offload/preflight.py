@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_offload.algorithms import grpo_options
 from nemo_rl_offload.config import checkpointing, ignored_keys
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import Architecture, ModelNotOnMachine, architecture_for
@@ -336,6 +337,8 @@ def check_recipe(
     _check_deadline(recipe, report)
     _check_logger_and_batches(recipe, algorithm, report)
     _check_data_source(recipe, report)
+    if algorithm == "grpo" and isinstance(recipe.get("grpo"), dict):
+        report.errors += grpo_options.check(recipe["grpo"])
     unused_errors, unused_warnings = ignored_keys.check(recipe, starting=starting)
     report.errors += unused_errors
     report.warnings += unused_warnings
