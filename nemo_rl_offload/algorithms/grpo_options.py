@@ -131,8 +131,8 @@ def _check_dynamic_sampling(grpo: Mapping[str, Any]) -> list[str]:
     batches = grpo.get("dynamic_sampling_max_gen_batches")
     if dynamic and isinstance(batches, int) and batches < 1:
         problems.append(
-            f"grpo.dynamic_sampling_max_gen_batches: {batches} must be at least 1 with "
-            "grpo.use_dynamic_sampling (the generation batches a step may take)"
+            f"grpo.dynamic_sampling_max_gen_batches: {batches} allows no generation batch "
+            "with grpo.use_dynamic_sampling; set it to at least 1 (NeMo-RL's default is 10)"
         )
     return problems
 
@@ -142,8 +142,8 @@ def _check_validation(grpo: Mapping[str, Any]) -> list[str]:
     samples = grpo.get("val_num_generations_per_prompt", 1)
     if isinstance(samples, int) and samples < 1:
         problems.append(
-            f"grpo.val_num_generations_per_prompt: {samples} must be at least 1 (responses "
-            "sampled per held-out prompt)"
+            f"grpo.val_num_generations_per_prompt: {samples} samples no held-out response; "
+            "set it to at least 1 (the responses sampled per held-out prompt)"
         )
     name = grpo.get("stop_at_validation_metric")
     if not isinstance(name, str):
