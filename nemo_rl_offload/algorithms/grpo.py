@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -294,7 +294,7 @@ def training_sequences(
     return sequences, advantages
 
 
-def stop_rule(cfg: Mapping[str, Any]) -> Any:
+def stop_rule(cfg: Mapping[str, Any]) -> Callable[[Mapping[str, float]], str | None] | None:
     """``grpo.stop_at_validation_metric``: a function of the validation metrics giving the
     line to stop on (None to go on), or None without the key."""
     name = cfg.get("stop_at_validation_metric")
