@@ -42,7 +42,7 @@ METRICS: dict[str, dict[str, tuple[str, ...]]] = {
 ALIASES: dict[str, dict[str, str]] = {
     "dpo": {"validation-default_loss": "val_loss"},
     "grpo": {"accuracy": "val_reward", "pass_k": "val_pass_k"},
-    "distillation": {"accuracy": "val_reward"},
+    "distillation": {"accuracy": "val_reward", "pass_k": "val_pass_k"},
 }
 
 
