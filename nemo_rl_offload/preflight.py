@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_offload.algorithms import grpo_options
 from nemo_rl_offload.config import checkpointing, ignored_keys
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import Architecture, ModelNotOnMachine, architecture_for
@@ -341,6 +342,8 @@ def check_recipe(
         loss_errors, loss_warnings = grpo_loss_problems(recipe["loss_fn"])
         report.errors += loss_errors
         report.warnings += loss_warnings
+    if algorithm == "grpo" and isinstance(recipe.get("grpo"), dict):
+        report.errors += grpo_options.check(recipe["grpo"])
     unused_errors, unused_warnings = ignored_keys.check(recipe, starting=starting)
     report.errors += unused_errors
     report.warnings += unused_warnings

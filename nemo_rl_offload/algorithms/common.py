@@ -175,6 +175,17 @@ class Deadline:
         return self.seconds is not None and self.elapsed + self.expected_step >= self.seconds
 
 
+def validation_due(
+    step: int, *, val_period: int, val_start_at: int, val_at_end: bool, last: bool
+) -> bool:
+    """Whether validation runs after training step ``step`` (1-based), NeMo-RL's rule for all
+    four algorithms: every ``val_period`` steps from step ``val_start_at`` on (-1, the
+    default, and any value up to 1 start at once), and after the last step with
+    ``val_at_end``."""
+    periodic = val_period > 0 and step >= val_start_at and step % val_period == 0
+    return periodic or (val_at_end and last)
+
+
 @dataclass
 class Run:
     """Everything a loop needs, prepared before any worker starts."""
@@ -380,20 +391,37 @@ class Run:
         *,
         val_period: int,
         validate: Callable[[], dict[str, Any]],
+        data_done: bool = False,
+        stop_when: Callable[[dict[str, Any]], str | None] | None = None,
     ) -> None:
-        """After a training step: validate every ``val_period`` steps, save every
-        ``checkpointing.save_period`` steps and at the last step; and save and stop the run
-        (:meth:`steps` yields no more) when another step would pass
-        ``checkpointing.checkpoint_must_save_by`` (:class:`Deadline`)."""
-        if val_period and step % val_period == 0:
+        """After a training step: validate when :func:`validation_due` says so (the recipe's
+        ``val_start_at`` and ``val_at_end``; ``data_done``: the data epochs are used up, so
+        this is the last step), save every ``checkpointing.save_period`` steps and at the last
+        step; and save and stop the run (:meth:`steps` yields no more) when ``stop_when``
+        finds the validation metrics good enough (its line is printed), or when another step
+        would pass ``checkpointing.checkpoint_must_save_by`` (:class:`Deadline`)."""
+        section = self.recipe.get(self.algorithm) or {}
+        last = step == self.max_steps or data_done
+        stop = None
+        if validation_due(
+            step,
+            val_period=val_period,
+            val_start_at=int(section.get("val_start_at", -1)),
+            val_at_end=bool(section.get("val_at_end", False)),
+            last=last,
+        ):
             self._step_metrics["val"] = validate()
             self.logger.log(step, self._step_metrics["val"], phase="val")
+            stop = stop_when(self._step_metrics["val"]) if stop_when is not None else None
         save_period = int(self.recipe["checkpointing"].get("save_period", 0) or 0)
-        if step == self.max_steps or (save_period and step % save_period == 0):
+        if last or stop is not None or (save_period and step % save_period == 0):
             self.save(policy, step, {"position": position})
         self.last_step, self.last_position = step, position
         self.deadline.mark_step()
-        if step < self.max_steps and self.deadline.due():
+        if stop is not None:
+            print(stop, file=sys.stderr, flush=True)
+            self.stopped_at = step
+        elif not last and self.deadline.due():
             self._stop_for_deadline(policy, step, position)
 
     def _stop_for_deadline(self, policy: Any, step: int, position: int) -> None:

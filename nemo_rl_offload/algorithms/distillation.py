@@ -29,6 +29,10 @@ from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
 
+# Held-out prompts are sampled this many times each for val_reward (distillation has no
+# recipe key for it; GRPO's is grpo.val_num_generations_per_prompt).
+VAL_SAMPLES_PER_PROMPT = 4
+
 
 def shared_vocab_size(policy_cfg: dict, teacher_cfg: dict) -> int:
     """Student and teacher must score the same vocabulary for a KL between them."""
@@ -92,7 +96,19 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
         sampler = run.sampler(len(train), seed)
         val_answers = [str(v["answer"]) for v in val_raw]
         if cfg.get("val_at_start") and run.start_step == 0:
-            run.logger.log(0, validate(run, policy, env, val, val_answers, seed), phase="val")
+            run.logger.log(
+                0,
+                validate(
+                    run,
+                    policy,
+                    env,
+                    val,
+                    val_answers,
+                    seed,
+                    samples_per_prompt=VAL_SAMPLES_PER_PROMPT,
+                ),
+                phase="val",
+            )
         for step in run.steps():
             if sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)):
                 break
@@ -143,8 +159,16 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
                 policy,
                 sampler.position,
                 val_period=int(cfg["val_period"]),
+                data_done=sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)),
                 validate=lambda step=step: validate(
-                    run, policy, env, val, val_answers, seed, step=step
+                    run,
+                    policy,
+                    env,
+                    val,
+                    val_answers,
+                    seed,
+                    step=step,
+                    samples_per_prompt=VAL_SAMPLES_PER_PROMPT,
                 ),
             )
         run.finish(policy)

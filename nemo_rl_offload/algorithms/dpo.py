@@ -141,6 +141,7 @@ def run_dpo(config_path: str, overrides: list[str]) -> int:
                 policy,
                 sampler.position,
                 val_period=int(cfg["val_period"]),
+                data_done=sampler.epoch >= int(cfg["max_num_epochs"]),
                 validate=lambda: evaluate(run, policy, val, val_rows, spec),
             )
         run.finish(policy)

@@ -9,15 +9,17 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from nemo_rl_offload import losses
-from nemo_rl_offload.algorithms import batching, loss_inputs
+from nemo_rl_offload.algorithms import batching, grpo_options, loss_inputs, rewards
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
+    EpochSampler,
     Run,
     prepare,
 )
@@ -27,9 +29,9 @@ from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.generation import SamplingSettings
 
-# Held-out prompts are sampled this many times each for val_reward: an estimate of the
-# sampling policy's accuracy with a quarter of the single-sample noise.
-VAL_SAMPLES_PER_PROMPT = 4
+# Generation seeds of a step's later generation batches (dynamic sampling) are this far apart,
+# beyond any step number, so that no two batches of a run share a seed.
+_BATCH_SEED_STRIDE = 1 << 32
 
 
 def sampling_settings(run: Run, prompts: list[TokenSequence], *, greedy: bool) -> dict[str, Any]:
@@ -130,14 +132,17 @@ def validate(
     seed: int,
     *,
     step: int = 0,
+    samples_per_prompt: int = 1,
 ) -> dict[str, float]:
-    """Mean reward on held-out prompts: sampled with the training settings, several samples
-    per prompt (the same seed at every validation, so validations compare like with like),
-    and with greedy decoding. With ``logger.num_val_samples_to_print`` the first sample of as
-    many prompts goes to stderr."""
+    """Mean reward on held-out prompts: sampled with the training settings,
+    ``samples_per_prompt`` samples per prompt (the same seed at every validation, so
+    validations compare like with like), and with greedy decoding. With several samples per
+    prompt, ``val_pass_k`` is the share of prompts any of whose samples is rewarded
+    (NeMo-RL's pass_k). With ``logger.num_val_samples_to_print`` the first sample of as many
+    prompts goes to stderr."""
     if not val:
         return {}
-    repeat = VAL_SAMPLES_PER_PROMPT
+    repeat = samples_per_prompt
     responses, sampled, _ = generate_and_score(
         run,
         policy,
@@ -159,7 +164,152 @@ def validate(
             step=step,
         )
         print(text, file=sys.stderr, flush=True)
-    return {"val_reward": float(np.mean(sampled)), "val_reward_greedy": float(np.mean(greedy))}
+    metrics = {"val_reward": float(np.mean(sampled)), "val_reward_greedy": float(np.mean(greedy))}
+    if repeat > 1:
+        per_prompt = np.asarray(sampled, dtype=float).reshape(-1, repeat)
+        metrics["val_pass_k"] = float((per_prompt > 0).any(axis=1).mean())
+    return metrics
+
+
+@dataclasses.dataclass
+class PromptGroup:
+    """One prompt's sampled responses with their rewards after scaling and shaping (what the
+    advantages come from) and after scaling only (what dynamic sampling looks at, as in
+    NeMo-RL, so that length shaping alone does not make a group count as varied), and the
+    sampler's log-probabilities of each response's tokens."""
+
+    prompt: TokenSequence
+    responses: list[list[int]]
+    rewards: torch.Tensor
+    scaled: torch.Tensor
+    truncated: list[bool]
+    logprobs: list[list[float]]
+
+
+def make_groups(
+    prompts: list[TokenSequence],
+    responses: list[list[int]],
+    scores: list[float],
+    logprobs: list[list[float]],
+    group: int,
+    cfg: Mapping[str, Any],
+    stop_ids: tuple[int, ...],
+) -> list[PromptGroup]:
+    """A generation batch's samples as prompt groups, rewards scaled and shaped."""
+    truncated = [rewards.truncated(r, stop_ids) for r in responses]
+    scaled = rewards.scale_rewards(
+        torch.tensor(scores, dtype=torch.float32), cfg.get("reward_scaling")
+    )
+    shaped = rewards.shape_rewards(
+        scaled, [len(r) for r in responses], truncated, cfg.get("reward_shaping")
+    )
+    return [
+        PromptGroup(
+            prompts[start],
+            responses[start : start + group],
+            shaped[start : start + group],
+            scaled[start : start + group],
+            truncated[start : start + group],
+            logprobs[start : start + group],
+        )
+        for start in range(0, len(prompts), group)
+    ]
+
+
+def collect_groups(
+    run: Run,
+    policy: PolicyGroup,
+    env: MathEnvironment,
+    data: tuple[list[TokenSequence], list[dict]],
+    sampler: EpochSampler,
+    *,
+    seed: int,
+) -> tuple[list[PromptGroup], dict[str, float]]:
+    """A step's ``num_prompts_per_step`` prompt groups and the metrics of their gathering.
+
+    Without dynamic sampling, one generation batch of that many prompts. With it, batches of
+    ``num_prompts_per_step x batch_multiplier`` prompts until that many groups with varied
+    rewards are gathered (:class:`rewards.DynamicSampling`); ``reward`` is then the mean of
+    everything generated and ``filtered_reward`` that of the groups kept."""
+    cfg = run.recipe["grpo"]
+    needed, group = int(cfg["num_prompts_per_step"]), int(cfg["num_generations_per_prompt"])
+    dynamic = bool(cfg.get("use_dynamic_sampling", False))
+    per_batch = int(needed * float(cfg.get("batch_multiplier", 1.0))) if dynamic else needed
+    gathering = rewards.DynamicSampling[PromptGroup](
+        needed, int(cfg.get("dynamic_sampling_max_gen_batches", 10))
+    )
+    generation = run.policy_cfg.get("generation") or {}
+    stop_ids = SamplingSettings.from_recipe(
+        generation, eos_id=run.tokenizer.eos_id, max_new_tokens=1
+    ).stop_token_ids
+    generated: list[torch.Tensor] = []
+    done = False
+    while not done:
+        prompts, responses, scores, logprobs = rollout(
+            run,
+            policy,
+            env,
+            *data,
+            sampler.take(per_batch),
+            group,
+            seed=seed + gathering.batches * _BATCH_SEED_STRIDE,
+        )
+        groups = make_groups(prompts, responses, scores, logprobs, group, cfg, stop_ids)
+        generated += [g.rewards for g in groups]
+        keep = (
+            rewards.varied(torch.stack([g.scaled for g in groups])).tolist()
+            if dynamic
+            else [True] * len(groups)
+        )
+        done = gathering.add(groups, keep)
+    kept, discarded = gathering.take()
+    metrics = {"reward": float(torch.cat(generated).mean())}
+    if dynamic:
+        metrics.update(
+            filtered_reward=float(torch.cat([g.rewards for g in kept]).mean()),
+            dynamic_sampling_num_gen_batches=gathering.batches,
+            dynamic_sampling_num_discarded_valid_samples=discarded * group,
+        )
+    return kept, metrics
+
+
+def training_sequences(
+    groups: list[PromptGroup], cfg: Mapping[str, Any]
+) -> tuple[list[TokenSequence], torch.Tensor]:
+    """The step's sequences with their advantages (GRPO's group advantages, then clamped by
+    ``advantage_clip_low`` / ``advantage_clip_high``). With ``overlong_filtering`` a
+    truncated response gets loss multiplier 0 but still counts in its group's baseline and
+    standard deviation (NeMo-RL's order: advantages first, the filter only masks the loss)."""
+    advantages = losses.group_advantages(
+        torch.stack([g.rewards for g in groups]),
+        normalize=bool(cfg.get("normalize_rewards", True)),
+        leave_one_out=bool(cfg.get("use_leave_one_out_baseline", True)),
+    )
+    advantages = rewards.clip_advantages(
+        advantages, cfg.get("advantage_clip_low"), cfg.get("advantage_clip_high")
+    ).flatten()
+    filtering = bool(cfg.get("overlong_filtering", False))
+    sequences = []
+    for g in groups:
+        for response, cut in zip(g.responses, g.truncated, strict=True):
+            multiplier = 0.0 if filtering and cut else g.prompt.loss_multiplier
+            sequences.append(
+                TokenSequence(g.prompt.ids + response, len(g.prompt.ids), {}, multiplier)
+            )
+    for sequence, advantage in zip(sequences, advantages.tolist(), strict=True):
+        sequence.extras["advantages"] = float(advantage)
+    return sequences, advantages
+
+
+def stop_rule(cfg: Mapping[str, Any]) -> Callable[[Mapping[str, float]], str | None] | None:
+    """``grpo.stop_at_validation_metric``: a function of the validation metrics giving the
+    line to stop on (None to go on), or None without the key."""
+    name = cfg.get("stop_at_validation_metric")
+    if name is None:
+        return None
+    key = grpo_options.resolve_stop_metric(name)
+    threshold = float(cfg["stop_at_validation_threshold"])
+    return lambda metrics: grpo_options.stop_message(metrics, key, threshold)
 
 
 def run_grpo(config_path: str, overrides: list[str]) -> int:
@@ -193,48 +343,50 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
             )
         sampler = run.sampler(len(train), seed)
         val_answers = [str(v["answer"]) for v in val_raw]
+        val_samples = int(cfg.get("val_num_generations_per_prompt", 1))
+        stop_when = stop_rule(cfg)
+
+        def validate_at(step: int) -> dict[str, float]:
+            return validate(
+                run, policy, env, val, val_answers, seed, step=step, samples_per_prompt=val_samples
+            )
+
         if cfg.get("val_at_start") and run.start_step == 0:
-            run.logger.log(0, validate(run, policy, env, val, val_answers, seed), phase="val")
+            metrics = validate_at(0)
+            run.logger.log(0, metrics, phase="val")
+            stop = stop_when(metrics) if stop_when is not None else None
+            if stop is not None:
+                print(stop, file=sys.stderr, flush=True)
+                return 0
         loss_spec = loss_inputs.loss_spec(loss_cfg)
+        max_epochs = int(cfg.get("max_num_epochs", 1 << 30))
         for step in run.steps():
-            if sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)):
+            if sampler.epoch >= max_epochs:
                 break
             start = time.perf_counter()
-            prompts, responses, rewards, generation_logprobs = rollout(
-                run,
-                policy,
-                env,
-                train,
-                train_raw,
-                sampler.take(num_prompts),
-                group,
-                seed=seed * 1000003 + step,
+            groups, gathered = collect_groups(
+                run, policy, env, (train, train_raw), sampler, seed=seed * 1000003 + step
             )
-            advantages = losses.group_advantages(
-                torch.tensor(rewards).view(num_prompts, group),
-                normalize=bool(cfg.get("normalize_rewards", True)),
-                leave_one_out=bool(cfg.get("use_leave_one_out_baseline", True)),
-            ).flatten()
-            sequences = [
-                TokenSequence(p.ids + r, len(p.ids), {"advantages": float(a)}, p.loss_multiplier)
-                for p, r, a in zip(prompts, responses, advantages.tolist(), strict=True)
-            ]
+            sequences, _ = training_sequences(groups, cfg)
+            final_rewards = torch.cat([g.rewards for g in groups]).tolist()
             mbs = batching.microbatches(
                 sequences, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
             )
             batching.attach_rows(
                 mbs,
                 "generation_logprobs",
-                loss_inputs.generation_rows(sequences, generation_logprobs),
+                loss_inputs.generation_rows(sequences, [lp for g in groups for lp in g.logprobs]),
             )
             loss_metrics: dict[str, float] = {}
             if options.needs_old_logprobs or error_threshold is not None:
                 batching.attach_rows(
                     mbs, "old_logprobs", run.forward_only(sequences, policy.token_logprobs)
                 )
-                loss_metrics = loss_inputs.seq_logprob_error(mbs, rewards, error_threshold)
+                loss_metrics = loss_inputs.seq_logprob_error(mbs, final_rewards, error_threshold)
             if options.positive_example_nll_weight > 0:
-                loss_inputs.attach_positive_nll(mbs, rewards, token_level=options.token_level_loss)
+                loss_inputs.attach_positive_nll(
+                    mbs, final_rewards, token_level=options.token_level_loss
+                )
             if kl_penalty > 0:
                 reference = run.forward_only(
                     sequences, lambda forward: policy.token_logprobs(forward, reference=True)
@@ -249,18 +401,19 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
                 elapsed=elapsed,
                 tokens=sum(len(s.ids) for s in sequences),
                 **loss_metrics,
-                reward=float(np.mean(rewards)),
-                response_tokens_mean=float(np.mean([len(r) for r in responses])),
-                **run.truncated(prompts[::group]),
+                **gathered,
+                response_tokens_mean=float(np.mean([len(r) for g in groups for r in g.responses])),
+                truncation_rate=float(np.mean([t for g in groups for t in g.truncated])),
+                **run.truncated([g.prompt for g in groups]),
             )
             run.end_step(
                 step,
                 policy,
                 sampler.position,
                 val_period=int(cfg["val_period"]),
-                validate=lambda step=step: validate(
-                    run, policy, env, val, val_answers, seed, step=step
-                ),
+                validate=lambda step=step: validate_at(step),
+                data_done=sampler.epoch >= max_epochs,
+                stop_when=stop_when,
             )
         run.finish(policy)
         return 0

@@ -77,6 +77,7 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
                 policy,
                 sampler.position,
                 val_period=int(cfg["val_period"]),
+                data_done=sampler.epoch >= int(cfg["max_num_epochs"]),
                 validate=lambda: {"val_loss": evaluate_nll(run, policy, val, val_micro)},
             )
         run.finish(policy)

@@ -27,21 +27,22 @@ METRICS: dict[str, dict[str, tuple[str, ...]]] = {
         "train": ("loss", "preference_accuracy", "grad_norm"),
     },
     "grpo": {
-        "val": ("val_reward", "val_reward_greedy"),
+        "val": ("val_reward", "val_reward_greedy", "val_pass_k"),
         "train": ("loss", "reward", "kl", "grad_norm"),
     },
     "distillation": {
-        "val": ("val_reward", "val_reward_greedy"),
+        "val": ("val_reward", "val_reward_greedy", "val_pass_k"),
         "train": ("loss", "kl", "reward", "grad_norm"),
     },
 }
 # NeMo-RL's names for the same quantities: its math environment's accuracy is this backend's
 # mean held-out reward (the math reward is 1 for a right answer, else 0).
+# NeMo-RL's pass_k (a prompt counts when any of its held-out samples is rewarded) is val_pass_k.
 # NeMo-RL's DPO names its validation metrics after the validation dataset ("default" for one).
 ALIASES: dict[str, dict[str, str]] = {
     "dpo": {"validation-default_loss": "val_loss"},
-    "grpo": {"accuracy": "val_reward"},
-    "distillation": {"accuracy": "val_reward"},
+    "grpo": {"accuracy": "val_reward", "pass_k": "val_pass_k"},
+    "distillation": {"accuracy": "val_reward", "pass_k": "val_pass_k"},
 }
 
 

@@ -703,21 +703,11 @@ def _other_entries() -> dict[str, Unused]:
                 "on_policy_distillation", "distillation inside GRPO"
             ),
             "async_rl": _not_yet("async_rl", None, "the single-controller async trainer"),
-            # algorithms: NeMo-RL options implemented in a later step
-            "sft.val_at_end": _not_yet("sft.val_at_end", False),
-            "sft.only_unmask_final": _not_yet("sft.only_unmask_final", False),
-            "dpo.val_at_end": _not_yet("dpo.val_at_end", False),
-            "distillation.val_at_end": _not_yet("distillation.val_at_end", False),
-            "grpo.advantage_clip_low": _not_yet("grpo.advantage_clip_low", None),
-            "grpo.advantage_clip_high": _not_yet("grpo.advantage_clip_high", None),
-            "grpo.val_start_at": _not_yet("grpo.val_start_at", -1),
-            "grpo.val_at_end": _not_yet("grpo.val_at_end", False),
-            "grpo.val_num_generations_per_prompt": _not_yet(
-                "grpo.val_num_generations_per_prompt", 1
-            ),
-            "grpo.stop_at_validation_metric": _not_yet("grpo.stop_at_validation_metric", None),
-            "grpo.stop_at_validation_threshold": _not_yet(
-                "grpo.stop_at_validation_threshold", None
+            # algorithms
+            "sft.only_unmask_final": Unused(
+                "every SFT example is one prompt and one response, so the final turn is the "
+                "response, which is all that trains either way",
+                _always,
             ),
             "grpo.skip_reference_policy_logprobs_calculation": Unused(
                 _NOT_YET,
@@ -725,16 +715,6 @@ def _other_entries() -> dict[str, Unused]:
                 refuse="set it to false (or remove it)",
             ),
             "grpo.async_grpo": _not_yet_section("grpo.async_grpo", "asynchronous GRPO"),
-            "grpo.overlong_filtering": _not_yet("grpo.overlong_filtering", False),
-            "grpo.use_dynamic_sampling": _not_yet("grpo.use_dynamic_sampling", False),
-            "grpo.dynamic_sampling_max_gen_batches": Unused(
-                _NOT_YET,
-                _any_inert(_equals(10), _unless("grpo.use_dynamic_sampling", True)),
-                refuse="set grpo.dynamic_sampling_max_gen_batches to its default 10",
-            ),
-            "grpo.batch_multiplier": _not_yet("grpo.batch_multiplier", 1.0),
-            "grpo.reward_shaping": _not_yet_section("grpo.reward_shaping", "reward shaping"),
-            "grpo.reward_scaling": _not_yet_section("grpo.reward_scaling", "reward scaling"),
             "grpo.calculate_advantages_on_gpu": Unused(_SPEED_ONLY, _one_of(False)),
             "grpo.invalid_tool_call_advantage": _not_yet(
                 "grpo.invalid_tool_call_advantage", None, "tool calls"

@@ -608,15 +608,21 @@ class AsyncGRPOConfig(TypedDict):
 
 @with_config(_STRICT)
 class RewardShapingConfig(TypedDict):
+    """``grpo.reward_shaping`` (algorithms/rewards.py): DAPO's overlong penalty, or with
+    ``stop_properly_penalty_coef`` a factor on truncated responses' rewards."""
+
     enabled: bool
-    overlong_buffer_length: NotRequired[int]
-    overlong_buffer_penalty: NotRequired[Number]
-    max_response_length: NotRequired[int]
+    overlong_buffer_length: NotRequired[int | None]
+    overlong_buffer_penalty: NotRequired[Number | None]
+    max_response_length: NotRequired[int | None]
     stop_properly_penalty_coef: NotRequired[Number | None]
 
 
 @with_config(_STRICT)
 class RewardScalingConfig(TypedDict):
+    """``grpo.reward_scaling``: rewards clamped to [source_min, source_max] and mapped linearly
+    onto [target_min, target_max] (defaults 0, 1, 0, 1)."""
+
     enabled: bool
     source_min: NotRequired[Number]
     source_max: NotRequired[Number]
@@ -647,23 +653,25 @@ class GRPOConfig(TypedDict):
     max_val_samples: NotRequired[int | None]
     val_batch_size: NotRequired[int | None]
     seed: int
-    # NeMo-RL options not implemented by this backend yet: accepted at their NeMo-RL
-    # defaults, refused otherwise (config/ignored_keys.py).
-    advantage_clip_low: NotRequired[Number | None]
-    advantage_clip_high: NotRequired[Number | None]
-    val_start_at: NotRequired[int]
-    val_at_end: NotRequired[bool]
-    val_num_generations_per_prompt: NotRequired[int]
-    stop_at_validation_metric: NotRequired[str | None]
-    stop_at_validation_threshold: NotRequired[Number | None]
-    skip_reference_policy_logprobs_calculation: NotRequired[bool]
-    async_grpo: NotRequired[AsyncGRPOConfig | None]
-    overlong_filtering: NotRequired[bool]
-    use_dynamic_sampling: NotRequired[bool]
-    dynamic_sampling_max_gen_batches: NotRequired[int]
-    batch_multiplier: NotRequired[Number]
+    # Reward and advantage transforms (algorithms/rewards.py; checks: algorithms/grpo_options.py).
+    advantage_clip_low: NotRequired[Number | None]  # default null: no lower bound
+    advantage_clip_high: NotRequired[Number | None]  # default null: no upper bound
+    overlong_filtering: NotRequired[bool]  # default false
+    use_dynamic_sampling: NotRequired[bool]  # default false
+    dynamic_sampling_max_gen_batches: NotRequired[int]  # default 10
+    batch_multiplier: NotRequired[Number]  # default 1; other values need dynamic sampling
     reward_shaping: NotRequired[RewardShapingConfig | None]
     reward_scaling: NotRequired[RewardScalingConfig | None]
+    # Validation schedule and early stop.
+    val_start_at: NotRequired[int]  # default -1: periodic validation from the first step
+    val_at_end: NotRequired[bool]  # default false
+    val_num_generations_per_prompt: NotRequired[int]  # default 1
+    stop_at_validation_metric: NotRequired[str | None]  # default null: no early stop
+    stop_at_validation_threshold: NotRequired[Number | None]
+    # NeMo-RL options not implemented by this backend yet: accepted at their NeMo-RL
+    # defaults, refused otherwise (config/ignored_keys.py).
+    skip_reference_policy_logprobs_calculation: NotRequired[bool]
+    async_grpo: NotRequired[AsyncGRPOConfig | None]
     calculate_advantages_on_gpu: NotRequired[bool]
     seq_logprob_error_threshold: NotRequired[Number | None]
     invalid_tool_call_advantage: NotRequired[Number | None]

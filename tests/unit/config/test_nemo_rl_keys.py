@@ -27,24 +27,8 @@ def _nest(dotted: str, value: object) -> dict:
 
 # (key, NeMo-RL's default, another value): not implemented yet, refused unless the default.
 NOT_YET = [
-    ("grpo.overlong_filtering", False, True),
-    ("grpo.advantage_clip_low", None, -5.0),
-    ("grpo.advantage_clip_high", None, 5.0),
-    ("grpo.reward_scaling", {"enabled": False, "source_min": 0.0}, {"enabled": True}),
-    ("grpo.reward_shaping", {"enabled": False}, {"enabled": True}),
-    ("grpo.use_dynamic_sampling", False, True),
-    ("grpo.batch_multiplier", 1, 2),
-    ("grpo.val_at_end", False, True),
-    ("grpo.val_start_at", -1, 5),
-    ("grpo.val_num_generations_per_prompt", 1, 4),
-    ("grpo.stop_at_validation_metric", None, "val:accuracy"),
-    ("grpo.stop_at_validation_threshold", None, 0.9),
     ("grpo.async_grpo", {"enabled": False, "max_trajectory_age_steps": 1}, {"enabled": True}),
     ("grpo.adv_estimator", {"name": "grpo"}, {"name": "reinforce_plus_plus"}),
-    ("sft.only_unmask_final", False, True),
-    ("sft.val_at_end", False, True),
-    ("dpo.val_at_end", False, True),
-    ("distillation.val_at_end", False, True),
 ]
 
 
@@ -57,14 +41,6 @@ def test_an_option_not_implemented_yet_is_silent_at_its_default_and_refused_othe
     assert warnings == []
     assert len(errors) == 1 and errors[0].startswith(f"{key}: "), errors
     assert "not implemented yet by this backend" in errors[0]
-
-
-def test_the_dynamic_sampling_batch_limit_matters_only_with_dynamic_sampling():
-    assert ignored_keys.check({"grpo": {"dynamic_sampling_max_gen_batches": 3}}) == ([], [])
-    errors, _ = ignored_keys.check(
-        {"grpo": {"use_dynamic_sampling": True, "dynamic_sampling_max_gen_batches": 3}}
-    )
-    assert any(e.startswith("grpo.dynamic_sampling_max_gen_batches: 3") for e in errors)
 
 
 def test_skipping_reference_logprobs_is_inert_without_a_kl_penalty():

@@ -1,0 +1,179 @@
+"""The recipe rules of GRPO's reward, sampling and validation options (one owner: ``validate``
+and a starting run both report them through :func:`check`), and the early stop on a
+validation metric.
+
+Values of a wrong type are the schema's to report; the rules here look only at well-typed ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nemo_rl_offload.config import checkpointing
+
+_DAPO_KEYS = ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def resolve_stop_metric(name: str) -> str:
+    """The validation metric ``grpo.stop_at_validation_metric`` names (NeMo-RL's names
+    ``accuracy`` and ``pass_k`` included, with or without ``val:``); ValueError otherwise."""
+    metric = checkpointing.resolve_metric(name, "grpo")
+    if metric.phase != "val":
+        names = ", ".join(checkpointing.METRICS["grpo"]["val"])
+        raise ValueError(f"'{name}' is a training metric; name a validation one: {names}")
+    return metric.key
+
+
+def stop_message(metrics: Mapping[str, float], key: str, threshold: float) -> str | None:
+    """NeMo-RL's early stop: training ends once the validation metric reaches the threshold
+    (``>=``, higher is better); the line to print then, else None."""
+    value = metrics.get(key)
+    if value is None or value < threshold:
+        return None
+    return (
+        f"grpo.stop_at_validation_metric: {key} {value:.4f} reached "
+        f"grpo.stop_at_validation_threshold {threshold:g}; training stops here"
+    )
+
+
+def check(grpo: Mapping[str, Any]) -> list[str]:
+    """Errors for the ``grpo`` section's reward, sampling and validation options."""
+    return [
+        *_check_advantage_clip(grpo),
+        *_check_reward_scaling(grpo.get("reward_scaling")),
+        *_check_reward_shaping(grpo.get("reward_shaping")),
+        *_check_dynamic_sampling(grpo),
+        *_check_validation(grpo),
+    ]
+
+
+def _check_advantage_clip(grpo: Mapping[str, Any]) -> list[str]:
+    low, high = grpo.get("advantage_clip_low"), grpo.get("advantage_clip_high")
+    if _number(low) and _number(high) and low > high:
+        return [
+            f"grpo.advantage_clip_low: {low} is above grpo.advantage_clip_high {high}; "
+            "advantages are clamped to [low, high], so set low <= high (e.g. -5 and 5)"
+        ]
+    return []
+
+
+def _check_reward_scaling(cfg: Any) -> list[str]:
+    if not isinstance(cfg, Mapping) or cfg.get("enabled") is not True:
+        return []
+    low, high = cfg.get("source_min", 0.0), cfg.get("source_max", 1.0)
+    if _number(low) and _number(high) and high <= low:
+        return [
+            f"grpo.reward_scaling.source_max: {high} must be above source_min {low}; rewards "
+            "are mapped from [source_min, source_max] onto [target_min, target_max]"
+        ]
+    return []
+
+
+def _check_reward_shaping(cfg: Any) -> list[str]:
+    if not isinstance(cfg, Mapping) or cfg.get("enabled") is not True:
+        return []
+    where = "grpo.reward_shaping"
+    coef = cfg.get("stop_properly_penalty_coef")
+    if coef is not None:
+        if _number(coef) and not 0 <= coef <= 1:
+            return [
+                f"{where}.stop_properly_penalty_coef: {coef} must be in [0, 1]; it scales a "
+                "truncated response's reward (0: no reward, 1: no penalty)"
+            ]
+        return []
+    missing = [key for key in _DAPO_KEYS if cfg.get(key) is None]
+    if missing:
+        return [
+            f"{where}: enabled without {', '.join(missing)}; set overlong_buffer_length, "
+            "overlong_buffer_penalty and max_response_length (DAPO's overlong penalty), or "
+            "stop_properly_penalty_coef"
+        ]
+    problems = []
+    buffer, penalty = cfg["overlong_buffer_length"], cfg["overlong_buffer_penalty"]
+    if _number(buffer) and buffer <= 0:
+        problems.append(
+            f"{where}.overlong_buffer_length: {buffer} must be at least 1; it is the length "
+            "over which the penalty grows to overlong_buffer_penalty"
+        )
+    if _number(penalty) and penalty < 0:
+        problems.append(
+            f"{where}.overlong_buffer_penalty: {penalty} must be >= 0; it is subtracted from "
+            "over-long responses' rewards"
+        )
+    return problems
+
+
+def _check_dynamic_sampling(grpo: Mapping[str, Any]) -> list[str]:
+    dynamic = grpo.get("use_dynamic_sampling") is True
+    multiplier = grpo.get("batch_multiplier", 1.0)
+    problems = []
+    if _number(multiplier) and not dynamic and multiplier != 1:
+        problems.append(
+            f"grpo.batch_multiplier: {multiplier} acts only with grpo.use_dynamic_sampling; "
+            "set use_dynamic_sampling to true, or batch_multiplier to 1"
+        )
+    prompts = grpo.get("num_prompts_per_step")
+    if (
+        dynamic
+        and _number(multiplier)
+        and isinstance(prompts, int)
+        and int(prompts * multiplier) < 1
+    ):
+        problems.append(
+            f"grpo.batch_multiplier: {multiplier} x num_prompts_per_step {prompts} is "
+            "less than one prompt per generation batch; raise it"
+        )
+    batches = grpo.get("dynamic_sampling_max_gen_batches")
+    if dynamic and isinstance(batches, int) and batches < 1:
+        problems.append(
+            f"grpo.dynamic_sampling_max_gen_batches: {batches} allows no generation batch "
+            "with grpo.use_dynamic_sampling; set it to at least 1 (NeMo-RL's default is 10)"
+        )
+    return problems
+
+
+def _check_validation(grpo: Mapping[str, Any]) -> list[str]:
+    problems = []
+    samples = grpo.get("val_num_generations_per_prompt", 1)
+    if isinstance(samples, int) and samples < 1:
+        problems.append(
+            f"grpo.val_num_generations_per_prompt: {samples} samples no held-out response; "
+            "set it to at least 1 (the responses sampled per held-out prompt)"
+        )
+    name = grpo.get("stop_at_validation_metric")
+    if not isinstance(name, str):
+        return problems
+    try:
+        key = resolve_stop_metric(name)
+    except ValueError as exc:
+        return [*problems, f"grpo.stop_at_validation_metric: {exc}"]
+    if grpo.get("stop_at_validation_threshold") is None:
+        problems.append(
+            "grpo.stop_at_validation_threshold: required with grpo.stop_at_validation_metric; "
+            "set the value at which training stops"
+        )
+    if key == "val_pass_k" and isinstance(samples, int) and samples <= 1:
+        problems.append(
+            "grpo.stop_at_validation_metric: pass_k is reported only with "
+            "grpo.val_num_generations_per_prompt above 1; raise that"
+        )
+    if not _validates(grpo):
+        problems.append(
+            "grpo.stop_at_validation_metric: no validation runs (val_period 0, val_at_start "
+            "and val_at_end false), so training would never stop on it; enable validation"
+        )
+    return problems
+
+
+def _validates(grpo: Mapping[str, Any]) -> bool:
+    period = grpo.get("val_period")
+    return bool(
+        (isinstance(period, int) and period > 0)
+        or grpo.get("val_at_start")
+        or grpo.get("val_at_end")
+    )
