@@ -112,6 +112,67 @@ def test_other_tensors_keep_megatrons_contiguous_copy(handler):
         assert back.is_contiguous() and torch.equal(back, tensor)
 
 
+class _Stream:
+    """The compute stream as tensor_pop uses it: it notes what it waited for."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait", event))
+
+
+class _TimingEvent:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def record(self, stream) -> None:
+        self.log.append(("record", self.name))
+
+
+class _Timer:
+    """A CopyTimer whose events note when they are recorded."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.events, self.recorded = log, iter(("start", "end")), []
+
+    def event(self):
+        return _TimingEvent(self.log, next(self.events))
+
+    def record(self, direction, start, end, nbytes) -> None:
+        self.recorded.append((direction, start.name, end.name, nbytes))
+
+
+@pytest.mark.parametrize("waits", [True, False])
+@pytest.mark.parametrize("timed", [True, False])
+def test_a_reload_on_the_compute_stream_waits_for_its_offload_copy(monkeypatch, waits, timed):
+    """Megatron-LM issue 7398: tensor_pop reloads an offloaded tensor on the compute stream;
+    with reload_waits_for_offload that stream first waits for the group's offload event (and
+    the reload is timed, with a timer); off, Megatron's tensor_pop alone."""
+    log: list = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: _Stream(log))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timer = _Timer(log) if timed else None
+    choices = owned.PlanChoices(reload_waits_for_offload=waits, copy_timer=timer)
+    chunk = _bare(owned.OwnedChunkHandler, choices=choices, cpu_tensor_pool=_pool())
+    group = fgo.OffloadTensorGroup("core_attn")
+    chunk.offload_groups = [group]
+    saved, kept = torch.randn(4, 8), torch.randn(3)
+    group.push_tensor((1, 0), _offload(chunk, saved))  # offloaded: (device, host, pooled)
+    group.push_tensor((1, 1), kept)  # kept on the device
+    back = chunk.tensor_pop((1, 0))
+    assert torch.equal(back, saved) and (1, 0) not in group._tensors
+    expected = [("wait", group._offload_event)] if waits else []
+    if timed:
+        expected += [("record", "start"), ("record", "end")]
+        assert timer.recorded == [("h2d", "start", "end", saved.numel() * 4)]
+    assert log == expected
+    log.clear()
+    assert chunk.tensor_pop((1, 1)) is kept and log == []  # no copy: no wait, no timing
+    plain = torch.randn(2)
+    assert chunk.tensor_pop(plain) is plain and log == []  # a tensor Megatron did not tag
+
+
 def _megatron_code() -> dict[str, object]:
     """Every name of Megatron's offload module, and every method of its classes."""
     found: dict[str, object] = dict(vars(fgo))
