@@ -153,12 +153,13 @@ class OffloadRuntime:
     manager per shape and installs the right one before each step: a shape seen before replays
     its own plan; a new shape records a new plan.
 
-    The pinned host buffers are Megatron's OffloadTensorPool, keyed by tensor shape; the
-    runtime gives every plan the same pool, so plans of one length (different micro-batch
-    counts) reuse the same buffers: pinned memory grows with the distinct lengths, not the
-    shapes. When the pool exceeds ``host_budget_bytes``, the least recently used plans are
-    released (logged, and counted in the metrics) with the buffers no kept plan uses, until it
-    fits, so host memory never grows without bound.
+    The pinned host buffers are Megatron's OffloadTensorPool (the runtime's subclass,
+    :class:`.owned.OwnedHostPool`), keyed by tensor shape; the runtime gives every plan the
+    same pool, so plans of one length (different micro-batch counts) reuse the same buffers:
+    pinned memory grows with the distinct lengths, not the shapes. When the pool exceeds
+    ``host_budget_bytes``, the least recently used plans are released (logged, and counted in
+    the metrics) with the buffers no kept plan uses, until it fits, so host memory never grows
+    without bound.
     """
 
     def __init__(
@@ -202,6 +203,7 @@ class OffloadRuntime:
         self.plans_released = 0
         if self.enabled:
             owned.require_checked_megatron()
+        # Every plan's choices (a benchmark may replace them before the first step).
         self.choices = owned.PlanChoices(
             reload_waits_for_offload=True,
             strided_copies=strided_copies,
