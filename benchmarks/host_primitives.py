@@ -39,7 +39,7 @@ def primitives(mib: int) -> dict[str, Callable[[], Any]]:
     16 MiB)."""
     import torch
 
-    from nemo_rl_offload.offload.handler_patches import is_dense_permutation
+    from nemo_rl_offload.offload.owned import is_dense_permutation
 
     elements = mib * 2**20 // 2
     device = torch.empty(elements, dtype=torch.bfloat16, device="cuda")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
@@ -235,7 +236,7 @@ def use_megatron_handler(worker: Any, settings: dict[str, Any]) -> None:
     step), so they run Megatron's own code."""
     for key, choice in RUNTIME_CHOICES.items():
         if settings.get(key):
-            setattr(worker.runtime, choice, False)
+            worker.runtime.choices = dataclasses.replace(worker.runtime.choices, **{choice: False})
 
 
 def build_worker(section: dict[str, Any], on_gpu: bool):

@@ -217,7 +217,7 @@ class PolicyWorker:
             on_release=self._release_graphs,
             fraction_placement=megatron_cfg.get("activation_offload_fraction_placement"),
             # Measured faster on dense models and on graphed MoE steps; eager MoE steps (host
-            # bound) were slower with them in two runs (handler_patches).
+            # bound) were slower with them in two runs (docs/offloading.md).
             strided_copies=not is_moe or self.graphs is not None,
         )
         if self.with_reference:

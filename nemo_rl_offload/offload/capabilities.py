@@ -16,6 +16,7 @@ import ast
 import contextlib
 import dataclasses
 import functools
+import importlib
 import importlib.metadata
 import importlib.util
 import logging
@@ -94,6 +95,9 @@ class Capabilities:
     te_version: str | None
     offload_module_names: frozenset[str]
     offload_module_names_source: str  # "megatron-core" (asked it) or "version table"
+    # The line refusing offloading when the installed megatron-core's offload code is not the
+    # code the runtime's subclasses were checked against (owned.megatron_drift); None: it is.
+    offload_code_drift: str | None = None
 
     @property
     def has_transformer_engine(self) -> bool:
@@ -150,7 +154,26 @@ def detect() -> Capabilities:
     source = "megatron-core"
     if names is None:
         names, source = _names_from_table(megatron_version), "version table"
-    return Capabilities(megatron_version, te_version, names, source)
+    drift = _offload_code_drift(megatron_version)
+    return Capabilities(megatron_version, te_version, names, source, drift)
+
+
+def _offload_code_drift(megatron_version: str | None) -> str | None:
+    """Whether the installed megatron-core's offload code is the one the offload runtime's
+    subclasses were checked against (:func:`nemo_rl_offload.offload.owned.megatron_drift`):
+    None when it is or megatron-core is missing (reported elsewhere), else the line to show."""
+    if megatron_version is None:
+        return None
+    try:
+        with _quiet_import():
+            owned = importlib.import_module("nemo_rl_offload.offload.owned")
+    except (ImportError, AttributeError) as exc:  # a module or class the runtime uses is gone
+        return (
+            f"megatron-core {megatron_version}'s fine-grained offloading module is not the one "
+            f"this backend was checked against ({exc}); pin the megatron-core version named in "
+            "nemo_rl_offload/offload/owned.py (CHECKED_MEGATRON_VERSION) or update that module"
+        )
+    return owned.megatron_drift()
 
 
 @functools.cache

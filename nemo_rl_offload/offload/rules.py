@@ -634,6 +634,10 @@ def _environment(ctx: _Context) -> None:
             f"warning: {ctx.path('fine_grained_activation_offloading')}: offloading is GPU-only "
             "and will not be applied on CPU workers (cluster.gpus_per_node is 0)"
         )
+    elif ctx.caps.offload_code_drift:  # the offload runtime would refuse to start
+        ctx.error(
+            f"{ctx.path('fine_grained_activation_offloading')}: {ctx.caps.offload_code_drift}"
+        )
     if ctx.caps.te_needs_offload_v1_env:
         env_vars = ctx.megatron_cfg.get("env_vars") or {}
         given = env_vars.get("NVTE_CPU_OFFLOAD_V1") if isinstance(env_vars, dict) else None

@@ -11,11 +11,12 @@ and replays it on every later one. RL steps do not repeat (shared/measurements/R
   step to one length bucket (:func:`sequence_length_buckets`) and keeps one plan per step shape
   (measured: a plan recorded for its shape keeps the savings), under a host-memory budget;
 - the warm-up step's gradients differ from a model without offload (Megatron-LM issue 7398),
-  and permuted tensors cost a copy kernel each way: :mod:`.handler_patches` fixes both in
-  Megatron's handler.
+  and permuted tensors cost a copy kernel each way: the runtime's own subclasses of Megatron's
+  offload classes (:mod:`.owned`) fix both, per plan (:class:`.owned.PlanChoices`).
 
 Telemetry: bytes per module come from the replayed plan (:func:`plan_metrics`); copy time and
-achieved bandwidth from CUDA events around each group's copies (``handler_patches.CopyTimer``).
+achieved bandwidth from CUDA events around each group's copies (the runtime's
+:class:`.owned.CopyTimer`).
 
 The runtime is owned by the policy worker; it does nothing when offloading is off (CPU workers,
 recipes without FGO).
@@ -31,11 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from nemo_rl_offload.offload import handler_patches
-
 _LOG = logging.getLogger("nemo_rl_offload.offload")
 SMALLEST_BUCKET = 32
-# activation_offload_fraction_placement when the recipe does not set it (handler_patches).
+# activation_offload_fraction_placement when the recipe does not set it (owned.PlanChoices).
 DEFAULT_FRACTION_PLACEMENT = "spread"
 
 
@@ -43,7 +42,7 @@ def plan_metrics(manager: Any) -> dict[str, float]:
     """Bytes the manager's recorded plan offloads per step, per module and in all, and the
     pinned host bytes held by its tensor pool (GiB)."""
     per_module: dict[str, int] = {}
-    for chunk in getattr(manager, "_cached_chunks_forward", []):
+    for chunk in manager._cached_chunks_forward:
         for group in chunk.offload_groups:
             if group.offload:
                 per_module[group._name] = per_module.get(group._name, 0) + int(
@@ -51,17 +50,8 @@ def plan_metrics(manager: Any) -> dict[str, float]:
                 )
     metrics = {f"offloaded_gib_{name}": count / 2**30 for name, count in per_module.items()}
     metrics["offloaded_gib_per_step"] = sum(per_module.values()) / 2**30
-    metrics["pinned_host_gib"] = _pool_bytes(getattr(manager, "_cpu_tensor_pool", None)) / 2**30
+    metrics["pinned_host_gib"] = manager.cpu_tensor_pool.pinned_bytes() / 2**30
     return metrics
-
-
-def _pool_bytes(pool: Any) -> int:
-    """Pinned bytes of an OffloadTensorPool."""
-    return sum(
-        tensor.numel() * tensor.element_size()
-        for entry in getattr(pool, "_pools", {}).values()
-        for tensor in entry["all"]
-    )
 
 
 def default_host_budget_bytes() -> int:
@@ -163,12 +153,13 @@ class OffloadRuntime:
     manager per shape and installs the right one before each step: a shape seen before replays
     its own plan; a new shape records a new plan.
 
-    The pinned host buffers are Megatron's OffloadTensorPool, keyed by tensor shape; the
-    runtime gives every plan the same pool, so plans of one length (different micro-batch
-    counts) reuse the same buffers: pinned memory grows with the distinct lengths, not the
-    shapes. When the pool exceeds ``host_budget_bytes``, the least recently used plans are
-    released (logged, and counted in the metrics) with the buffers no kept plan uses, until it
-    fits, so host memory never grows without bound.
+    The pinned host buffers are Megatron's OffloadTensorPool (the runtime's subclass,
+    :class:`.owned.OwnedHostPool`), keyed by tensor shape; the runtime gives every plan the
+    same pool, so plans of one length (different micro-batch counts) reuse the same buffers:
+    pinned memory grows with the distinct lengths, not the shapes. When the pool exceeds
+    ``host_budget_bytes``, the least recently used plans are released (logged, and counted in
+    the metrics) with the buffers no kept plan uses, until it fits, so host memory never grows
+    without bound.
     """
 
     def __init__(
@@ -189,35 +180,60 @@ class OffloadRuntime:
         groups a fraction below 1 offloads (the recipe's ``activation_offload_fraction_placement``,
         None: :data:`DEFAULT_FRACTION_PLACEMENT`);
         ``strided_copies``: permuted tensors copied as they lie; ``lean_hooks``: the hooks' work
-        in less host time (both ``handler_patches``). With drop-and-pad MoE dispatch in
-        ``config`` the expert groups' shapes are static, so their pinned buffers come from the
-        pool (``pool_expert_groups``, ``handler_patches`` too)."""
+        in less host time. With drop-and-pad MoE dispatch in ``config`` the expert groups'
+        shapes are static, so their pinned buffers come from the pool (``pool_expert_groups``).
+        These become every plan's :attr:`choices` (:class:`.owned.PlanChoices`), with the
+        Megatron-LM 7398 fix and the copy timing on.
+
+        With offloading on, it refuses (UserInputError) a megatron-core whose offload code is
+        not the one the runtime's subclasses were checked against
+        (:func:`.owned.require_checked_megatron`)."""
+        from nemo_rl_offload.offload import owned
+
         self.config = config
         self.enabled = bool(getattr(config, "fine_grained_activation_offloading", False))
         self.pad_steps = pads_steps(self.enabled, graphed)
         self.on_release = on_release
-        self.fraction_placement = fraction_placement or DEFAULT_FRACTION_PLACEMENT
-        self.strided_copies = strided_copies
-        self.lean_hooks = lean_hooks
-        self.pool_expert_groups = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
         self.host_budget_bytes = host_budget_bytes
         self.sequence_buckets = sorted(sequence_buckets)
         self.step_shape: tuple[int, int] = (0, 0)  # (micro-batches, padded length) of the step
         self._plans: OrderedDict[tuple[int, int], Any] = OrderedDict()
-        self._buffers_used: dict[tuple[int, int], set[Any]] = {}
-        self._pool: Any = None
+        self._pool: Any = None  # the plans' OwnedHostPool, made with the first plan
         self.plans_recorded = 0
         self.plans_released = 0
         if self.enabled:
-            handler_patches.install()
+            owned.require_checked_megatron()
+        # Every plan's choices (a benchmark may replace them before the first step).
+        self.choices = owned.PlanChoices(
+            reload_waits_for_offload=True,
+            strided_copies=strided_copies,
+            fraction_placement=fraction_placement or DEFAULT_FRACTION_PLACEMENT,
+            pool_expert_groups=bool(getattr(config, "moe_pad_expert_input_to_capacity", False)),
+            lean_hooks=lean_hooks,
+            copy_timer=owned.CopyTimer(),
+        )
 
     @staticmethod
     def _manager() -> Any:
+        """Megatron's manager class, whose ``OFFLOAD_MGR`` is the manager Megatron's layers use
+        (the seam through which the runtime installs each plan's own manager)."""
         from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
             PipelineOffloadManager,
         )
 
         return PipelineOffloadManager
+
+    def _new_pool(self) -> Any:
+        """The pinned pool every plan shares."""
+        from nemo_rl_offload.offload.owned import OwnedHostPool
+
+        return OwnedHostPool(lean=self.choices.lean_hooks)
+
+    def _new_manager(self) -> Any:
+        """A manager for a new plan, with the runtime's choices and pool."""
+        from nemo_rl_offload.offload.owned import OwnedOffloadManager
+
+        return OwnedOffloadManager(self.choices, pool=self._pool)
 
     def prepare_step(
         self,
@@ -249,43 +265,24 @@ class OffloadRuntime:
                 manager_cls.OFFLOAD_MGR = self._plans[shape]
             self._plans.move_to_end(shape)
         else:
-            manager_cls.reset_instance()
-            manager = manager_cls.OFFLOAD_MGR
-            manager.fraction_placement = self.fraction_placement
-            manager.strided_copies = self.strided_copies
-            manager.lean_hooks = self.lean_hooks
-            manager.pool_expert_groups = self.pool_expert_groups
             if self._pool is None:
-                self._pool = manager._cpu_tensor_pool
-                self._track_buffers(self._pool)
-            else:
-                manager._cpu_tensor_pool = self._pool
-            self._plans[shape] = manager
+                self._pool = self._new_pool()
+            manager = self._plans[shape] = self._new_manager()
+            manager_cls.OFFLOAD_MGR = manager
             self.plans_recorded += 1
-
-    def _track_buffers(self, pool: Any) -> None:
-        """Note which pool entries (tensor shapes) each plan draws from, so that releasing a
-        plan can free the buffers only it used."""
-        allocate = pool.allocate
-
-        def tracked_allocate(shape: Any, dtype: Any = None) -> Any:
-            key = pool._get_pool_key(shape, dtype)
-            self._buffers_used.setdefault(self.step_shape, set()).add(key)
-            return allocate(shape, dtype) if dtype is not None else allocate(shape)
-
-        pool.allocate = tracked_allocate
+        self._pool.plan = shape  # the pool notes the buffers each plan draws
 
     def _enforce_budget(self) -> None:
         if self.host_budget_bytes is None:
             return
+        pool = self._pool
         while len(self._plans) > 1 and self.pinned_bytes() > self.host_budget_bytes:
             oldest = next(iter(self._plans))
             if oldest == self.step_shape:
                 break
             del self._plans[oldest]
-            still_used = set().union(*(self._buffers_used.get(s, set()) for s in self._plans))
-            for key in self._buffers_used.pop(oldest, set()) - still_used:
-                self._pool._pools.pop(key, None)  # its pinned buffers are freed with it
+            still_used = set().union(*(pool.keys_by_plan.get(s, set()) for s in self._plans))
+            pool.release(pool.keys_by_plan.pop(oldest, set()) - still_used)
             self.plans_released += 1
             if self.on_release is not None:
                 self.on_release(oldest)
@@ -299,7 +296,7 @@ class OffloadRuntime:
 
     def pinned_bytes(self) -> int:
         """Pinned host bytes held by the pool the plans share."""
-        return _pool_bytes(self._pool)
+        return 0 if self._pool is None else self._pool.pinned_bytes()
 
     def after_step(self, *, copies_timed: bool = True) -> dict[str, float]:
         """Offload metrics of the step just run: bytes per module over every micro-batch of
@@ -312,7 +309,8 @@ class OffloadRuntime:
         self._enforce_budget()
         metrics = plan_metrics(self._manager().get_instance())
         # plan_metrics' pinned_host_gib is the plan's pool: the one pool all kept plans share.
-        copies = handler_patches.COPY_TIMER.collect()
+        timer = self.choices.copy_timer
+        copies = timer.collect() if timer is not None else {}
         if copies_timed:
             metrics.update(copies)
         metrics["offload_step_microbatches"] = float(self.step_shape[0])

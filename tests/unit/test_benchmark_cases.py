@@ -50,12 +50,12 @@ def test_a_megatron_handler_case_turns_off_only_its_runtime_choice(key, choice):
     config = SimpleNamespace(fine_grained_activation_offloading=False)
     worker = SimpleNamespace(runtime=OffloadRuntime(config))
     bench.use_megatron_handler(worker, {key: True})
-    assert getattr(worker.runtime, choice) is False
+    assert getattr(worker.runtime.choices, choice) is False
     other = next(c for k, c in bench.RUNTIME_CHOICES.items() if k != key)
-    assert getattr(worker.runtime, other) is True
+    assert getattr(worker.runtime.choices, other) is True
     untouched = SimpleNamespace(runtime=OffloadRuntime(config))
     bench.use_megatron_handler(untouched, {})  # a case without a suffix
-    assert untouched.runtime.strided_copies is untouched.runtime.lean_hooks is True
+    assert untouched.runtime.choices.strided_copies is untouched.runtime.choices.lean_hooks is True
 
 
 @pytest.mark.parametrize(

@@ -62,3 +62,18 @@ def test_transformer_config_defaults_include_offload_knobs():
     assert defaults["min_offloaded_tensor_size"] == 1024 * 1024
     assert defaults["activation_offload_fraction"] == 1.0
     assert defaults["fine_grained_offloading_max_inflight_offloads"] is None
+
+
+def test_the_installed_megatron_cores_offload_code_is_the_checked_one():
+    capabilities.detect.cache_clear()
+    assert capabilities.detect().offload_code_drift is None
+
+
+def test_an_offload_module_that_cannot_be_imported_is_reported(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "nemo_rl_offload.offload.owned", None)  # import fails
+    line = capabilities._offload_code_drift("0.20.0")
+    assert line.startswith("megatron-core 0.20.0's fine-grained offloading module is not")
+    assert "CHECKED_MEGATRON_VERSION" in line
+    assert capabilities._offload_code_drift(None) is None  # missing: reported elsewhere

@@ -392,3 +392,24 @@ def test_parallel_layouts_the_passes_cannot_run_are_refused(
 )
 def test_parallel_layouts_every_pass_runs_are_accepted(model, workers, settings):
     assert check(model, NO_TE, workers=workers, **settings).errors == []
+
+
+DRIFT = (
+    "megatron-core's ChunkOffloadHandler.tensor_pop changed since this backend was checked "
+    "(installed megatron-core 0.19.3, checked 0.19.2); pin megatron-core==0.19.2 or update "
+    "nemo_rl_offload/offload/owned.py"
+)
+
+
+@pytest.mark.parametrize("gpus", [1, 0])
+def test_offload_code_that_changed_upstream_is_refused_where_offloading_runs(gpus):
+    import dataclasses
+
+    caps = dataclasses.replace(NO_TE, offload_code_drift=DRIFT)
+    findings = check("tiny-dense", caps, gpus=gpus, **FGO)
+    refused = [line for line in findings.errors if DRIFT in line]
+    if gpus:
+        assert refused == [f"{P}.fine_grained_activation_offloading: {DRIFT}"]
+    else:  # CPU workers do not offload (a warning says so)
+        assert refused == []
+    assert check("tiny-dense", caps, gpus=gpus).errors == []  # offloading off: nothing to refuse

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_rl_offload.offload import handler_patches, runtime
+from nemo_rl_offload.offload import owned, runtime
 
 
 def _group(name: str, nbytes: int, offload: bool = True) -> SimpleNamespace:
@@ -22,10 +22,9 @@ def test_plan_metrics_count_every_microbatch_and_skip_groups_kept_on_gpu():
             offload_groups=[_group("core_attn", 2**30), _group("attn_proj", 2**29, offload=False)]
         ),
     ]
-    pool = SimpleNamespace(
-        _pools={("s", "bf16"): {"all": [torch.empty(2**20, dtype=torch.bfloat16)]}}
-    )
-    manager = SimpleNamespace(_cached_chunks_forward=chunks, _cpu_tensor_pool=pool)
+    pool = owned.OwnedHostPool(device="cpu", pin_memory=False)
+    pool.allocate(torch.Size([2**20]), dtype=torch.bfloat16)
+    manager = SimpleNamespace(_cached_chunks_forward=chunks, cpu_tensor_pool=pool)
     metrics = runtime.plan_metrics(manager)
     assert metrics["offloaded_gib_core_attn"] == 2.0
     assert metrics["offloaded_gib_attn_proj"] == 0.5  # the last group stays on the GPU
@@ -33,44 +32,25 @@ def test_plan_metrics_count_every_microbatch_and_skip_groups_kept_on_gpu():
     assert metrics["pinned_host_gib"] == 2 * 2**20 / 2**30
 
 
-class _FakePool:
-    """Megatron's OffloadTensorPool as the runtime sees it: pinned buffers per tensor shape."""
-
-    def __init__(self) -> None:
-        self._pools: dict = {}
-
-    @staticmethod
-    def _get_pool_key(shape, dtype):
-        return (tuple(shape), dtype)
-
-    def allocate(self, shape, dtype=torch.uint8):
-        entry = self._pools.setdefault(self._get_pool_key(shape, dtype), {"all": []})
-        if not entry["all"]:
-            entry["all"].append(torch.empty(shape, dtype=dtype))
-        return entry["all"][0]
-
-
 class _FakeManager:
-    """Megatron's PipelineOffloadManager as the runtime sees it: a class-level singleton."""
+    """The runtime's OwnedOffloadManager as the runtime sees it (Megatron's constructor needs
+    CUDA streams), installed in a class-level singleton as in Megatron's manager class."""
 
     OFFLOAD_MGR = None
-    resets = 0
+    made = 0
 
-    def __init__(self) -> None:
+    def __init__(self, choices=None, pool=None) -> None:
+        type(self).made += 1
         self.enabled = True
+        self.choices = choices
         self._cached_chunks_forward = []
-        self._cpu_tensor_pool = _FakePool()
+        self.cpu_tensor_pool = pool
 
     @classmethod
     def get_instance(cls):
         if cls.OFFLOAD_MGR is None:
             cls.OFFLOAD_MGR = cls()
         return cls.OFFLOAD_MGR
-
-    @classmethod
-    def reset_instance(cls):
-        cls.resets += 1
-        cls.OFFLOAD_MGR = cls()
 
     def disable_offload(self):
         self.enabled = False
@@ -85,12 +65,24 @@ def _runtime(
     budget: int | None = None,
     buckets: tuple[int, ...] = (),
 ):
-    monkeypatch.setattr(handler_patches, "install", lambda: None)
-    monkeypatch.setattr(handler_patches, "COPY_TIMER", handler_patches.CopyTimer())
-    monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
-    _FakeManager.OFFLOAD_MGR, _FakeManager.resets = None, 0
+    _fake_plans(monkeypatch)
     config = SimpleNamespace(fine_grained_activation_offloading=on)
     return runtime.OffloadRuntime(config, host_budget_bytes=budget, sequence_buckets=buckets)
+
+
+def _fake_plans(monkeypatch) -> None:
+    """Plans made as the runtime makes them, of :class:`_FakeManager`, sharing the runtime's
+    own pool (unpinned: there is no GPU)."""
+    monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
+    monkeypatch.setattr(
+        runtime.OffloadRuntime, "_new_manager", lambda rt: _FakeManager(rt.choices, rt._pool)
+    )
+    monkeypatch.setattr(
+        runtime.OffloadRuntime,
+        "_new_pool",
+        lambda rt: owned.OwnedHostPool(lean=rt.choices.lean_hooks, device="cpu", pin_memory=False),
+    )
+    _FakeManager.OFFLOAD_MGR, _FakeManager.made = None, 0
 
 
 KIB = 2**10
@@ -98,9 +90,12 @@ KIB = 2**10
 
 def _train(rt, count: int, length: int) -> dict:
     """One step as Megatron's manager runs it: its offloads draw pinned buffers whose shape
-    follows the length (one micro-batch at a time: the count does not add buffers)."""
+    follows the length (one micro-batch at a time: the count does not add buffers), which the
+    manager's reset at the end of the step makes free again."""
     rt.before_step(count, length)
-    _FakeManager.OFFLOAD_MGR._cpu_tensor_pool.allocate((length, KIB), dtype=torch.uint8)
+    pool = _FakeManager.OFFLOAD_MGR.cpu_tensor_pool
+    pool.allocate(torch.Size([length, KIB]), dtype=torch.uint8)
+    pool.reset()
     return rt.after_step()
 
 
@@ -111,7 +106,7 @@ def test_one_plan_per_shape_recorded_once_and_reused(monkeypatch):
         rt.before_step(*shape)
         installed.setdefault(shape, _FakeManager.OFFLOAD_MGR)
         assert _FakeManager.OFFLOAD_MGR is installed[shape]  # the shape's own plan, every time
-    assert _FakeManager.resets == 3 and rt.plans_recorded == 3
+    assert _FakeManager.made == 3 and rt.plans_recorded == 3
     assert rt.after_step()["offload_plans_kept"] == 3.0
 
 
@@ -122,7 +117,7 @@ def test_plans_of_one_length_share_their_pinned_buffers(monkeypatch):
     assert rt.plans_recorded == 3
     assert rt.pinned_bytes() == 512 * KIB  # one set of buffers for the three plans
     assert metrics["pinned_host_gib"] == 512 * KIB / 2**30
-    pools = {id(manager._cpu_tensor_pool) for manager in rt._plans.values()}
+    pools = {id(manager.cpu_tensor_pool) for manager in rt._plans.values()}
     assert len(pools) == 1
 
 
@@ -170,7 +165,7 @@ def test_off_runtime_touches_nothing(monkeypatch):
     rt.before_step(4, 128)
     with rt.forward_only():
         pass
-    assert _FakeManager.resets == 0 and _FakeManager.OFFLOAD_MGR is None
+    assert _FakeManager.made == 0 and _FakeManager.OFFLOAD_MGR is None
     assert rt.after_step() == {}
 
 
@@ -284,15 +279,13 @@ def test_released_plans_are_reported_to_on_release(monkeypatch):
 def test_untimed_steps_leave_copy_metrics_out(monkeypatch):
     rt = _runtime(monkeypatch)
     rt.before_step(1, 256)
-    _FakeManager.OFFLOAD_MGR._cpu_tensor_pool.allocate((256, KIB), dtype=torch.uint8)
+    _FakeManager.OFFLOAD_MGR.cpu_tensor_pool.allocate(torch.Size([256, KIB]), dtype=torch.uint8)
     assert "d2h_time_s" in rt.after_step()
     assert not any(key.startswith(("d2h", "h2d")) for key in rt.after_step(copies_timed=False))
 
 
 def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
-    monkeypatch.setattr(handler_patches, "install", lambda: None)
-    monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
-    _FakeManager.OFFLOAD_MGR = None
+    _fake_plans(monkeypatch)
     config = SimpleNamespace(fine_grained_activation_offloading=True)
     drop_and_pad = SimpleNamespace(**vars(config), moe_pad_expert_input_to_capacity=True)
     rt = runtime.OffloadRuntime(
@@ -300,11 +293,16 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
     )
     for length in (256, 512):
         rt.before_step(1, length)
-        manager = _FakeManager.OFFLOAD_MGR
-        assert manager.fraction_placement == "earliest" and manager.strided_copies is False
-        assert manager.lean_hooks is False and manager.pool_expert_groups is True
+        choices = _FakeManager.OFFLOAD_MGR.choices
+        assert choices is rt.choices
+        assert choices.fraction_placement == "earliest" and choices.strided_copies is False
+        assert choices.lean_hooks is False and choices.pool_expert_groups is True
+        assert choices.reload_waits_for_offload is True  # Megatron-LM 7398, always
+        assert isinstance(choices.copy_timer, owned.CopyTimer)
+    assert _FakeManager.OFFLOAD_MGR.cpu_tensor_pool.lean is False
     unset = runtime.OffloadRuntime(config, fraction_placement=None)  # the recipe left it out
     unset.before_step(1, 1024)
-    assert _FakeManager.OFFLOAD_MGR.fraction_placement == runtime.DEFAULT_FRACTION_PLACEMENT
-    assert _FakeManager.OFFLOAD_MGR.lean_hooks is True  # the default
-    assert _FakeManager.OFFLOAD_MGR.pool_expert_groups is False  # routed shapes: Megatron's
+    choices = _FakeManager.OFFLOAD_MGR.choices
+    assert choices.fraction_placement == runtime.DEFAULT_FRACTION_PLACEMENT
+    assert choices.lean_hooks is True  # the default
+    assert choices.pool_expert_groups is False  # routed shapes: Megatron's

@@ -67,33 +67,32 @@ def test_rl_shaped_steps_keep_one_plan_per_shape_with_stable_memory(worker):
     assert worker.runtime.plans_recorded == len(SHAPES)  # recorded once, then replayed
     from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
+    from nemo_rl_offload.offload.owned import OwnedChunkHandler, OwnedOffloadManager
+
     plan = fgo.PipelineOffloadManager.OFFLOAD_MGR
-    assert plan.strided_copies and plan.lean_hooks  # a dense model's plans
+    assert isinstance(plan, OwnedOffloadManager)  # the runtime's own, installed as Megatron's
+    assert plan.choices.strided_copies and plan.choices.lean_hooks  # a dense model's plans
+    assert all(type(chunk) is OwnedChunkHandler for chunk in plan._cached_chunks_forward)
     assert metrics["offload_plans_released"] == 0
     for shape, values in peaks.items():  # after its first (warm-up) step, a shape's peak holds
         assert abs(values[2] - values[1]) <= 0.05 * values[1], (shape, values)
     assert pinned_after_round[1] == pinned_after_round[2], pinned_after_round
 
 
-def test_a_permuted_tensor_is_copied_by_one_memcpy_each_way_without_a_kernel(monkeypatch):
+def test_a_permuted_tensor_is_copied_by_one_memcpy_each_way_without_a_kernel():
     """SDPA saves permuted views; offloading them must not launch copy kernels (which compete
     with the compute) nor change the layout autograd saved."""
-    from types import SimpleNamespace
+    from nemo_rl_offload.offload import owned
 
-    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
-
-    from nemo_rl_offload.offload import handler_patches
-
-    handler_patches.install()
-    dense_plan = SimpleNamespace(strided_copies=True)  # as the runtime installs for a dense model
-    monkeypatch.setattr(fgo.PipelineOffloadManager, "OFFLOAD_MGR", dense_plan)
-    handler = SimpleNamespace(cpu_tensor_pool=fgo.OffloadTensorPool(device="cpu", pin_memory=True))
+    handler = object.__new__(owned.OwnedChunkHandler)  # what offload and reload use of one:
+    handler.choices = owned.PlanChoices(strided_copies=True)  # a dense model's plan
+    handler.cpu_tensor_pool = owned.OwnedHostPool(device="cpu", pin_memory=True)
     view = torch.randn(4096, 1, 32, 64, device="cuda", dtype=torch.bfloat16).permute(1, 2, 0, 3)
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        state = fgo.ChunkOffloadHandler.offload(handler, view)
-        back = fgo.ChunkOffloadHandler.reload(handler, state)
+        state = handler.offload(view)
+        back = handler.reload(state)
         torch.cuda.synchronize()
     kinds = [event.name for event in prof.events() if event.device_type.name == "CUDA"]
     assert back.stride() == view.stride() and torch.equal(back, view)

@@ -1,0 +1,629 @@
+"""The runtime's subclasses of Megatron's offload classes, on CPU: their methods run on handler,
+manager and pool objects of those classes (a handler's or manager's constructor needs CUDA
+streams: they are made here without it, with the fields the methods read), holding pools that
+are unpinned here, there being no GPU; the copies are then CPU-to-CPU copies of the same
+layouts. tests/unit/offload/test_runtime_gpu.py checks the GPU side (one memcpy, no kernel).
+And the fingerprints: the installed megatron-core's offload code is the code they were checked
+against, and a changed one is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.offload import owned
+
+
+class _Event:
+    def __init__(self, at_ms: float) -> None:
+        self.at_ms = at_ms
+
+    def elapsed_time(self, end: _Event) -> float:
+        return end.at_ms - self.at_ms
+
+
+def _bare(cls, **fields):
+    """An object of ``cls`` made without its constructor (Megatron's needs CUDA streams)."""
+    obj = object.__new__(cls)
+    vars(obj).update(fields)
+    return obj
+
+
+def _pool(lean: bool = True) -> owned.OwnedHostPool:
+    return owned.OwnedHostPool(lean=lean, device="cpu", pin_memory=False)
+
+
+def test_copy_timer_sums_intervals_per_direction_and_resets():
+    timer = owned.CopyTimer()
+    timer.record("d2h", _Event(0), _Event(10), 10**9)
+    timer.record("d2h", _Event(50), _Event(60), 10**9)
+    timer.record("h2d", _Event(0), _Event(40), 2 * 10**9)
+    metrics = timer.collect()
+    assert metrics["d2h_time_s"] == pytest.approx(0.02)
+    assert metrics["d2h_gb_per_s"] == pytest.approx(100.0)
+    assert metrics["h2d_gb_per_s"] == pytest.approx(50.0)
+    assert metrics["h2d_gib"] == pytest.approx(2 * 10**9 / 2**30)
+    assert timer.collect()["d2h_time_s"] == 0.0 and timer.collect()["d2h_gb_per_s"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("make", "dense"),
+    [
+        (lambda: torch.zeros(2, 3, 4), True),
+        (lambda: torch.zeros(2, 3, 4).permute(1, 2, 0), True),  # SDPA's [b, h, s, d] view
+        (lambda: torch.zeros(4, 1, 8, 16).permute(1, 2, 0, 3), True),
+        (lambda: torch.zeros(2, 1, 4).expand(2, 5, 4), False),  # overlapping
+        (lambda: torch.zeros(6, 4)[:, :2], False),  # a slice: gaps in its span
+        (lambda: torch.zeros(4, 12).split(4, dim=1)[1].t(), False),  # a split, transposed
+        (lambda: torch.zeros(5, 1, 3)[:, :, :], True),
+    ],
+)
+def test_dense_permutation_is_a_block_of_memory_in_some_dimension_order(make, dense):
+    assert owned.is_dense_permutation(make()) is dense
+
+
+# A dense model's plan, as the runtime makes one.
+DENSE = owned.PlanChoices(reload_waits_for_offload=True, strided_copies=True, lean_hooks=True)
+
+
+@pytest.fixture
+def handler():
+    """What offload/reload use of a handler: its plan's choices and its pinned pool."""
+    return _bare(owned.OwnedChunkHandler, choices=DENSE, cpu_tensor_pool=_pool())
+
+
+def _offload(handler, tensor, use_cpu_pool=True):
+    return handler.offload(tensor, pin_memory=False, use_cpu_pool=use_cpu_pool)
+
+
+@pytest.mark.parametrize("use_cpu_pool", [True, False])
+def test_a_permuted_tensor_goes_out_and_back_with_its_strides(handler, use_cpu_pool):
+    saved = torch.arange(2 * 3 * 4 * 5, dtype=torch.bfloat16).reshape(2, 3, 4, 5)
+    view = saved.permute(1, 2, 0, 3)
+    state = _offload(handler, view, use_cpu_pool)
+    host = state[1]
+    assert host.stride() == view.stride() and not host.is_contiguous()
+    back = handler.reload(state)
+    assert back.stride() == view.stride() and torch.equal(back, view)
+    if use_cpu_pool:  # the pooled buffer (not the view) is free again, for the next step
+        entry = handler.cpu_tensor_pool._pools[(view.shape, view.dtype)]
+        assert len(entry["free"]) == 1 and entry["free"][0] is host._base
+
+
+def test_a_plan_without_strided_copies_keeps_megatrons_copy(handler):
+    handler.choices = dataclasses.replace(DENSE, strided_copies=False)  # a MoE model's plan
+    view = torch.randn(2, 3, 4).permute(2, 0, 1)
+    state = _offload(handler, view)
+    assert state[1].is_contiguous() and torch.equal(handler.reload(state), view)
+
+
+def test_other_tensors_keep_megatrons_contiguous_copy(handler):
+    for tensor in (torch.randn(4, 6), torch.randn(6, 4)[:, :2]):
+        state = _offload(handler, tensor)
+        assert state[1].is_contiguous()
+        back = handler.reload(state)
+        assert back.is_contiguous() and torch.equal(back, tensor)
+
+
+class _Stream:
+    """The compute stream as tensor_pop uses it: it notes what it waited for."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def wait_event(self, event) -> None:
+        self.log.append(("wait", event))
+
+
+class _TimingEvent:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def record(self, stream) -> None:
+        self.log.append(("record", self.name))
+
+
+class _Timer:
+    """A CopyTimer whose events note when they are recorded."""
+
+    def __init__(self, log: list) -> None:
+        self.log, self.events, self.recorded = log, iter(("start", "end")), []
+
+    def event(self):
+        return _TimingEvent(self.log, next(self.events))
+
+    def record(self, direction, start, end, nbytes) -> None:
+        self.recorded.append((direction, start.name, end.name, nbytes))
+
+
+@pytest.mark.parametrize("waits", [True, False])
+@pytest.mark.parametrize("timed", [True, False])
+def test_a_reload_on_the_compute_stream_waits_for_its_offload_copy(monkeypatch, waits, timed):
+    """Megatron-LM issue 7398: tensor_pop reloads an offloaded tensor on the compute stream;
+    with reload_waits_for_offload that stream first waits for the group's offload event (and
+    the reload is timed, with a timer); off, Megatron's tensor_pop alone."""
+    log: list = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: _Stream(log))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timer = _Timer(log) if timed else None
+    choices = owned.PlanChoices(reload_waits_for_offload=waits, copy_timer=timer)
+    chunk = _bare(owned.OwnedChunkHandler, choices=choices, cpu_tensor_pool=_pool())
+    group = fgo.OffloadTensorGroup("core_attn")
+    chunk.offload_groups = [group]
+    saved, kept = torch.randn(4, 8), torch.randn(3)
+    group.push_tensor((1, 0), _offload(chunk, saved))  # offloaded: (device, host, pooled)
+    group.push_tensor((1, 1), kept)  # kept on the device
+    back = chunk.tensor_pop((1, 0))
+    assert torch.equal(back, saved) and (1, 0) not in group._tensors
+    expected = [("wait", group._offload_event)] if waits else []
+    if timed:
+        expected += [("record", "start"), ("record", "end")]
+        assert timer.recorded == [("h2d", "start", "end", saved.numel() * 4)]
+    assert log == expected
+    log.clear()
+    assert chunk.tensor_pop((1, 1)) is kept and log == []  # no copy: no wait, no timing
+    plain = torch.randn(2)
+    assert chunk.tensor_pop(plain) is plain and log == []  # a tensor Megatron did not tag
+
+
+def _megatron_code() -> dict[str, object]:
+    """Every name of Megatron's offload module, and every method of its classes."""
+    found: dict[str, object] = dict(vars(fgo))
+    for name, value in vars(fgo).items():
+        if inspect.isclass(value) and value.__module__ == fgo.__name__:
+            for attr, member in vars(value).items():
+                if inspect.isfunction(member) or isinstance(
+                    member, (classmethod, staticmethod, property)
+                ):
+                    found[f"{name}.{attr}"] = member
+    return found
+
+
+def test_megatrons_classes_and_module_keep_their_own_code(monkeypatch, cpu_streams):
+    """Building a runtime's plan and its handlers replaces nothing in Megatron."""
+    before = _megatron_code()
+    manager = owned.OwnedOffloadManager(
+        dataclasses.replace(DENSE, fraction_placement="spread"), pool=_pool()
+    )
+    monkeypatch.setattr(fgo.PipelineOffloadManager, "OFFLOAD_MGR", manager)
+    manager.init_model_chunk_offload_handler(0, None, None, 5, 0, 0.5)
+    assert _megatron_code() == before
+    for name, member in before.items():
+        function = getattr(member, "__func__", member)
+        if inspect.isfunction(function) and "." in name:
+            assert function.__module__ == fgo.__name__, name
+
+
+@pytest.mark.parametrize(
+    ("count", "fraction"), [(75, 0.5), (10, 0.3), (8, 1.0), (8, 0.0), (7, 0.9)]
+)
+def test_spread_choice_offloads_as_many_groups_as_megatrons_rule(count, fraction):
+    choice = owned.spread_choice(count, fraction)
+    assert sum(choice) == count - int(count * (1 - fraction))
+
+
+def test_spread_choice_alternates_at_one_half():
+    assert owned.spread_choice(6, 0.5) == [True, False] * 3
+
+
+class _Chunk:
+    """What post_warmup_callback reads of a ChunkOffloadHandler: its groups (Megatron's own
+    OffloadTensorGroup, with the bytes a warm-up step would have counted)."""
+
+    def __init__(self, names: list[str], layers: int) -> None:
+        self.is_warmup = True
+        self.offload_groups = []
+        for _ in range(layers):
+            for name in names:
+                group = fgo.OffloadTensorGroup(name)
+                group.total_offload_bytes = 100
+                self.offload_groups.append(group)
+
+    def get_max_deduplicated_groups(self) -> int:
+        return len({group._name for group in self.offload_groups})
+
+
+def _warmed_up_manager(
+    choices: owned.PlanChoices,
+    fraction: float,
+    names: tuple[str, ...] = ("core_attn", "attn_proj"),
+):
+    chunk = _Chunk(list(names), layers=5)
+    manager = _bare(
+        owned.OwnedOffloadManager,
+        choices=choices,
+        _is_warmup=True,
+        _cached_chunks_forward=[chunk],
+        _cached_chunks_backward=[chunk],
+        _offload_margin=0,
+        _pp_rank=0,
+        _delta_offload_bytes_across_pp_ranks=0,
+        _activation_offload_fraction=fraction,
+    )
+    return manager, chunk
+
+
+@pytest.fixture
+def printed(monkeypatch):
+    """The summary tables Megatron would print (they need torch.distributed)."""
+    tables: list[dict] = []
+    monkeypatch.setattr(fgo, "print_offload_summary_table", lambda table: tables.append(table))
+    return tables
+
+
+def test_spread_placement_offloads_evenly_spaced_groups(printed):
+    manager, chunk = _warmed_up_manager(owned.PlanChoices(fraction_placement="spread"), 0.5)
+    manager.post_warmup_callback()
+    # Megatron keeps the last group of each module on the GPU; of each module's other 4
+    # (layers 0-3), every other layer offloads: layers 0 and 2.
+    offloaded = [group.offload for group in chunk.offload_groups]
+    assert offloaded == [True, True, False, False, True, True, False, False, False, False]
+    assert printed == [{"core_attn": 200, "attn_proj": 200}]  # printed once, as trained
+    assert manager._offload_summary_total_bytes == 400
+    assert manager._activation_offload_fraction == 0.5
+    assert not manager._is_warmup and not chunk.is_warmup
+
+
+@pytest.mark.parametrize("placement", ["earliest", None])
+def test_earliest_placement_is_megatrons_own(printed, placement):
+    choices = (
+        owned.PlanChoices()
+        if placement is None
+        else owned.PlanChoices(fraction_placement=placement)
+    )
+    manager, chunk = _warmed_up_manager(choices, 0.5)
+    manager.post_warmup_callback()
+    assert [group.offload for group in chunk.offload_groups] == [True] * 4 + [False] * 6
+    assert printed == [{"core_attn": 200, "attn_proj": 200}]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_spread_keeps_megatrons_other_steps(printed, fraction):
+    """The spread placement's own copy of Megatron's callback keeps on the GPU what Megatron's
+    other steps keep there (the last group of each module, the pipeline ranks' delta): at a
+    fraction of 1 it is Megatron's callback; below, it offloads a subset of those groups."""
+
+    def placed(placement: str, fraction: float):
+        choices = owned.PlanChoices(fraction_placement=placement)
+        manager, chunk = _warmed_up_manager(choices, fraction, ("core_attn", "attn_proj", "x"))
+        manager._pp_rank, manager._delta_offload_bytes_across_pp_ranks = 1, 150
+        manager.post_warmup_callback()
+        assert manager._offload_margin == 0 and not manager._is_warmup
+        offloaded = [group.offload for group in chunk.offload_groups]
+        return offloaded, manager._offload_summary_bytes
+
+    megatron, megatron_summary = placed("earliest", 1.0)
+    spread, spread_summary = placed("spread", fraction)
+    assert megatron[:2] == [False, False] and megatron[-3:] == [False] * 3
+    if fraction == 1.0:
+        assert (spread, spread_summary) == (megatron, megatron_summary)
+    else:
+        assert all(m for s, m in zip(spread, megatron, strict=True) if s)
+        assert 0 < sum(spread) < sum(megatron)
+    assert printed == [megatron_summary, spread_summary]
+
+
+@pytest.mark.parametrize("pool_expert_groups", [True, False, None])
+def test_expert_groups_are_pooled_after_warmup_only_where_shapes_are_static(
+    printed, pool_expert_groups
+):
+    choices = owned.PlanChoices(fraction_placement="spread")
+    if pool_expert_groups is not None:
+        choices = dataclasses.replace(choices, pool_expert_groups=pool_expert_groups)
+    manager, chunk = _warmed_up_manager(choices, 1.0, ("core_attn", "expert_fc1", "moe_act"))
+    pooled = {g._name: g.use_cpu_pool for g in chunk.offload_groups}
+    assert pooled == {"core_attn": True, "expert_fc1": False, "moe_act": False}  # Megatron's
+    manager.post_warmup_callback()
+    expected = pool_expert_groups is True
+    for group in chunk.offload_groups:
+        assert group.use_cpu_pool is (True if group._name == "core_attn" else expected)
+    assert not manager._is_warmup  # Megatron's own callback ran too
+
+
+@pytest.fixture
+def cpu_streams(monkeypatch):
+    """Megatron's manager makes CUDA streams in its constructor: stand-ins here."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: SimpleNamespace())
+
+
+def _chunk_state(chunk) -> dict:
+    return {
+        k: v for k, v in vars(chunk).items() if k not in ("choices", "d2h_stream", "h2d_stream")
+    }
+
+
+def _manager_state(manager) -> dict:
+    """A manager's state after creating handlers, with handlers named by creation order."""
+    order = {id(chunk): index for index, chunk in enumerate(manager._cached_chunks_forward)}
+    state = {}
+    for key in ("_vpp", "_pp_rank", "_activation_offload_fraction", "_is_warmup"):
+        state[key] = getattr(manager, key)
+    state["_delta"] = manager._delta_offload_bytes_across_pp_ranks
+    state["_queue"] = [order[id(c)] for c in manager._queue]
+    state["_stages"] = [[order[id(c)] for c in stage] for stage in manager._stages]
+    state["_backward"] = [order[id(c)] for c in manager._cached_chunks_backward]
+    state["_cur"] = order[id(manager._cur_forward_chunk)]
+    state["chunks"] = [
+        (c.vpp_rank, c.min_offloaded_tensor_size, c._max_inflight_offloads)
+        for c in manager._cached_chunks_forward
+    ]
+    return state
+
+
+def test_the_manager_creates_owned_handlers_as_megatrons_creates_its_own(monkeypatch, cpu_streams):
+    """Two virtual pipeline stages, so that Megatron's staging and flushing take part."""
+    calls = [(0, 2, 0, 5, 7, 0.5, None), (0, 2, 1, 5, 7, 0.5, None), (0, 2, 0, 5, 7, 0.5, 3)]
+    calls += [(0, 2, 1, 5, 7, 0.5, 3)]
+    pool = _pool()
+    managers = [fgo.PipelineOffloadManager(), owned.OwnedOffloadManager(DENSE, pool=pool)]
+    for manager in managers:
+        monkeypatch.setattr(fgo.PipelineOffloadManager, "OFFLOAD_MGR", manager)
+        for *args, inflight in calls:
+            manager.init_model_chunk_offload_handler(*args, max_inflight_offloads=inflight)
+    megatron, ours = managers
+    assert _manager_state(ours) == _manager_state(megatron)
+    for chunk in ours._cached_chunks_forward:
+        assert type(chunk) is owned.OwnedChunkHandler and chunk.choices is DENSE
+        assert chunk.cpu_tensor_pool is pool and ours.cpu_tensor_pool is pool
+        assert chunk.d2h_stream is ours.d2h_stream and chunk.h2d_stream is ours.h2d_stream
+    pairs = zip(ours._cached_chunks_forward, megatron._cached_chunks_forward, strict=True)
+    for mine, theirs in pairs:
+        assert _chunk_state(mine).keys() == _chunk_state(theirs).keys()
+    # Once the plan is recorded, neither creates handlers.
+    for manager in managers:
+        manager._is_warmup = False
+        manager.init_model_chunk_offload_handler(0, 2, 0, 5)
+    assert len(ours._cached_chunks_forward) == len(megatron._cached_chunks_forward) == 4
+
+
+def test_a_manager_without_a_pool_makes_its_own(cpu_streams):
+    manager = owned.OwnedOffloadManager(DENSE)
+    assert isinstance(manager.cpu_tensor_pool, owned.OwnedHostPool)
+    assert manager.cpu_tensor_pool.lean is True
+
+
+@pytest.mark.parametrize(("lean_hooks", "capturing"), [(True, False), (True, True), (False, False)])
+def test_lean_hooks_run_only_outside_graph_capture(monkeypatch, lean_hooks, capturing):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    chunk = _bare(
+        owned.OwnedChunkHandler, choices=owned.PlanChoices(lean_hooks=lean_hooks), do_offload=False
+    )
+    assert chunk._lean_now() is (lean_hooks and not capturing)
+    called: list[str] = []
+    for name in ("on_group_commit_forward", "on_group_start_backward", "on_group_commit_backward"):
+        monkeypatch.setattr(
+            fgo.ChunkOffloadHandler, name, lambda self, *a, _name=name: called.append(_name)
+        )
+    for name in ("_lean_bulk_offload_group", "_lean_bulk_reload_group"):
+        monkeypatch.setattr(
+            owned.OwnedChunkHandler, name, lambda self, *a, _name=name: called.append(_name)
+        )
+    for name in ("bulk_offload_group", "bulk_reload_group"):
+        monkeypatch.setattr(
+            fgo.ChunkOffloadHandler, name, lambda self, *a, _name=name: called.append(_name)
+        )
+    chunk.on_group_commit_forward("core_attn", [])
+    chunk.on_group_start_backward()
+    chunk.on_group_commit_backward("core_attn")
+    chunk.bulk_offload_group(SimpleNamespace())
+    chunk.bulk_reload_group()
+    if chunk._lean_now():  # the lean hooks return at once with offloading off
+        assert called == ["_lean_bulk_offload_group", "_lean_bulk_reload_group"]
+    else:  # Megatron's own (the bulk copies untimed: this plan has no timer)
+        assert called == [
+            "on_group_commit_forward",
+            "on_group_start_backward",
+            "on_group_commit_backward",
+            "bulk_offload_group",
+            "bulk_reload_group",
+        ]
+
+
+def _pool_run(pool):
+    """The same allocations and frees through one pool: what a step does to it."""
+    shape = torch.Size([4, 8])
+    first = [pool.allocate(shape, torch.bfloat16) for _ in range(3)]
+    other = pool.allocate(torch.Size([2]), torch.float32)
+    for tensor in first[:2]:
+        pool.free(tensor)
+    again = pool.allocate(shape, torch.bfloat16)
+    pool.free(other)
+    pool.reset()
+    after_reset = pool.allocate(shape, torch.bfloat16)
+    reuse = [again is first[0], after_reset is first[0]]
+    free_counts = {key: len(entry["free"]) for key, entry in pool._pools.items()}
+    return pool._stats, reuse, free_counts, pool
+
+
+def test_the_lean_pinned_pool_keeps_megatrons_counts_and_reuse():
+    lean = _pool_run(_pool(lean=True))
+    megatron = _pool_run(fgo.OffloadTensorPool(device="cpu", pin_memory=False))
+    assert lean[:3] == megatron[:3]  # both pools alive (a pool's __del__ zeroes its counts)
+
+
+@pytest.mark.parametrize("lean_hooks", [True, False])
+def test_a_plan_without_lean_hooks_keeps_megatrons_pool(lean_hooks):
+    *_, pool = _pool_run(_pool(lean=lean_hooks))  # False: Megatron's allocate and free
+    # The lean free keeps the identities of the pool's tensors beside its lists.
+    assert bool(pool._identities) is lean_hooks
+
+
+def test_the_lean_pool_refuses_a_tensor_it_did_not_make_as_megatron_does():
+    *_, pool = _pool_run(_pool())
+    with pytest.raises(ValueError, match="doesn't belong to this pool"):
+        pool.free(torch.empty(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="No pool exists"):
+        pool.free(torch.empty(3, 3))
+
+
+def test_owned_identities_follow_the_pools_list():
+    pool = _pool()
+    key = (torch.Size([1]), torch.float32)
+    made = [torch.empty(1), torch.empty(1)]
+    pool._pools[key] = {"free": deque(), "all": list(made), "allocated_count": 0}
+    assert pool._owned(key) == {id(t) for t in made}
+    pool._pools[key]["all"].append(torch.empty(1))
+    assert id(pool._pools[key]["all"][-1]) in pool._owned(key)
+    # An entry released and made again (another list of the same length): read again.
+    again = [torch.empty(1) for _ in range(3)]
+    pool._pools[key] = {"free": deque(), "all": again, "allocated_count": 0}
+    assert pool._owned(key) == {id(t) for t in again}
+
+
+def test_the_pool_notes_the_entries_each_plan_draws_and_releases_them():
+    pool = _pool()
+    pool.plan = (1, 256)
+    a = pool.allocate(torch.Size([256, 4]), torch.bfloat16)
+    pool.plan = (2, 256)
+    pool.free(a)
+    pool.allocate(torch.Size([256, 4]), torch.bfloat16)
+    pool.allocate(torch.Size([256]), torch.float32)
+    key, other = (torch.Size([256, 4]), torch.bfloat16), (torch.Size([256]), torch.float32)
+    assert pool.keys_by_plan == {(1, 256): {key}, (2, 256): {key, other}}
+    assert pool.pinned_bytes() == 256 * 4 * 2 + 256 * 4
+    pool.release({other})
+    assert list(pool._pools) == [key] and pool.pinned_bytes() == 256 * 4 * 2
+
+
+class _Duck:
+    """What the offload check reads of a tensor, on a "cuda" device (there is none here)."""
+
+    def __init__(self, numel: int, **marks: object) -> None:
+        self.device = SimpleNamespace(type="cuda")
+        self._numel = numel
+        for name, value in marks.items():
+            setattr(self, name, value)
+
+    def numel(self) -> int:
+        return self._numel
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        _Duck(10),
+        _Duck(2),
+        _Duck(10, _do_not_offload=True),
+        _Duck(10, _TE_do_not_offload=True),
+        _Duck(10, get_data_tensors=lambda: [_Duck(1, _TE_do_not_offload=True)]),
+        _Duck(10, get_data_tensors=lambda: [None, _Duck(1)]),
+        torch.empty(10),  # on the CPU
+        torch.nn.Parameter(torch.empty(10)),
+    ],
+)
+def test_the_lean_offload_check_answers_as_megatrons(tensor):
+    chunk = _bare(owned.OwnedChunkHandler, choices=DENSE, min_offloaded_tensor_size=5)
+    megatron = fgo.ChunkOffloadHandler.tensor_need_offloading_checker
+    assert chunk.tensor_need_offloading_checker(tensor) is megatron(chunk, tensor)
+
+
+def test_copy_timer_reuses_the_events_it_has_read():
+    timer = owned.CopyTimer()
+    start, end = _Event(0), _Event(5)
+    timer.record("d2h", start, end, 10)
+    timer.collect()
+    assert {timer.event(), timer.event()} == {start, end}
+
+
+# --- fingerprints ----------------------------------------------------------------------------
+
+
+def test_the_installed_megatron_core_is_the_one_the_overrides_were_checked_against():
+    """Fails when megatron-core's offload code changed: read the named functions' new source,
+    update the overrides that stand in for or rely on them, then their FINGERPRINTS digests."""
+    installed = owned.installed_fingerprints()
+    changed = {
+        entry.name: (entry.digest, installed[entry.name])
+        for entry in owned.FINGERPRINTS
+        if installed[entry.name] != entry.digest
+    }
+    assert not changed, f"(checked, installed) digests: {changed}"
+
+
+def test_every_override_is_fingerprinted_with_its_reason_and_removal():
+    names = [entry.name for entry in owned.FINGERPRINTS]
+    assert len(names) == len(set(names))
+    for entry in owned.FINGERPRINTS:
+        assert entry.stands_in_for and entry.remove_when, entry.name
+    pairs = (
+        (owned.OwnedChunkHandler, fgo.ChunkOffloadHandler),
+        (owned.OwnedOffloadManager, fgo.PipelineOffloadManager),
+        (owned.OwnedHostPool, fgo.OffloadTensorPool),
+    )
+    for ours, megatrons in pairs:
+        for name, member in vars(ours).items():
+            if not inspect.isfunction(member) or not hasattr(megatrons, name):
+                continue
+            qualified = f"{megatrons.__name__}.{name}"
+            assert qualified in names, f"{qualified} is overridden but not fingerprinted"
+            if name == "__init__":  # Megatron's constructor runs first, then ours adds fields
+                continue
+            doc = inspect.getdoc(member) or ""
+            assert "remove when" in doc.lower() and "stands in for" in doc.lower(), qualified
+
+
+@pytest.fixture
+def fresh_check():
+    owned._checked.cache_clear()
+    yield
+    owned._checked.cache_clear()
+
+
+def test_a_changed_megatron_function_refuses_offloading_with_one_line(monkeypatch, fresh_check):
+    from nemo_rl_offload.offload.runtime import OffloadRuntime
+
+    source = owned._source
+
+    def changed(obj):
+        text = source(obj)
+        if obj is fgo.ChunkOffloadHandler.tensor_pop:
+            text = text.replace("return tensor\n", "return tensor.clone()\n")
+        return text
+
+    monkeypatch.setattr(owned, "_source", changed)
+    assert owned.changed_megatron_code() == ["ChunkOffloadHandler.tensor_pop"]
+    with pytest.raises(UserInputError) as raised:
+        owned.require_checked_megatron()
+    (line,) = raised.value.problems
+    assert line.startswith("megatron-core's ChunkOffloadHandler.tensor_pop changed since")
+    assert f"pin megatron-core=={owned.CHECKED_MEGATRON_VERSION}" in line
+    assert "nemo_rl_offload/offload/owned.py" in line
+    config = SimpleNamespace(fine_grained_activation_offloading=True)
+    with pytest.raises(UserInputError):
+        OffloadRuntime(config)
+    OffloadRuntime(SimpleNamespace(fine_grained_activation_offloading=False))  # off: no check
+
+
+def test_a_missing_megatron_function_counts_as_changed(monkeypatch, fresh_check):
+    source = owned._source
+
+    def missing(obj):
+        if obj is fgo._te_do_not_offload:
+            raise OSError("could not get source code")
+        return source(obj)
+
+    monkeypatch.setattr(owned, "_source", missing)
+    assert owned.changed_megatron_code() == ["_te_do_not_offload"]
+    assert owned.installed_fingerprints()["_te_do_not_offload"] is None
+
+
+def test_fingerprints_ignore_formatting_comments_docstrings_and_debug_messages(monkeypatch):
+    monkeypatch.setattr(owned, "_source", lambda text: text)
+    plain = "def f(self, x):\n    if x:\n        return self.g(x, 1)\n    return None\n"
+    noisy = (
+        '    def f(self,\n          x):  # a comment\n        """Doc."""\n'
+        '        debug_rank(f"f {x}")\n        if x:\n'
+        "            return self.g(\n                x, 1\n            )\n"
+        "        return None\n"
+    )
+    assert owned.fingerprint(plain) == owned.fingerprint(noisy)
+    assert owned.fingerprint(plain) != owned.fingerprint(plain.replace("1)", "2)"))
+    only_debug = "def f():\n    debug_rank('x')\n"
+    assert owned.fingerprint(only_debug) == owned.fingerprint("def f():\n    pass\n")
