@@ -99,7 +99,8 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's clipped-ratio policy-gradient loss plus an optional KL penalty to the reference.
 
-    ``advantages`` is per sequence ([batch]) and broadcast over its tokens. Returns the sum over
+    ``advantages`` is per sequence ([batch]) and broadcast over its tokens, or already per token
+    ([batch, seq], a packed row holding several sequences). Returns the sum over
     masked tokens and metrics (sums, to be divided by the token count once). Padded positions
     hold arbitrary old and reference log-probabilities; they are replaced by the policy's own
     there, so their ratio is 1 and their KL 0: an overflowing exp would turn the masked sum and
@@ -107,7 +108,7 @@ def grpo_loss(
     keep = mask > 0
     old_logprobs = torch.where(keep, old_logprobs, logprobs.detach())
     ratio = torch.exp(logprobs - old_logprobs)
-    adv = advantages.unsqueeze(-1)
+    adv = advantages if advantages.dim() == logprobs.dim() else advantages.unsqueeze(-1)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - ratio_clip_min, 1 + ratio_clip_max) * adv
     per_token = -torch.minimum(unclipped, clipped)

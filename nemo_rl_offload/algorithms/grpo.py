@@ -180,7 +180,10 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
             int(cfg["num_prompts_per_step"]),
             int(cfg["num_generations_per_prompt"]),
         )
-        micro = int(policy_cfg["train_micro_batch_size"])
+        # With token budgets (packing, dynamic batching) each rank takes an equal share.
+        micro = (
+            1 if batching.token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
+        )
         if (num_prompts * group) % (micro * policy.dp_size):
             raise UserInputError(
                 f"grpo.num_prompts_per_step: {num_prompts} prompts x {group} generations do not "
@@ -220,18 +223,14 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
                 TokenSequence(p.ids + r, len(p.ids), {"advantages": float(a)}, p.loss_multiplier)
                 for p, r, a in zip(prompts, responses, advantages.tolist(), strict=True)
             ]
-            mbs = batching.microbatches(
-                sequences, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
-            )
-            batching.attach_rows(
-                mbs, "old_logprobs", run.forward_only(sequences, policy.token_logprobs)
-            )
+            batches = run.training_batches(sequences, policy.dp_size)
+            batches.attach("old_logprobs", run.forward_only(sequences, policy.token_logprobs))
             if kl_penalty > 0:
                 reference = run.forward_only(
                     sequences, lambda forward: policy.token_logprobs(forward, reference=True)
                 )
-                batching.attach_rows(mbs, "reference_logprobs", reference)
-            metrics = policy.train(batching.split(mbs, policy.dp_size), loss_spec)
+                batches.attach("reference_logprobs", reference)
+            metrics = policy.train(batches.shards, loss_spec)
             elapsed = time.perf_counter() - start
             run.log_train_step(
                 step,

@@ -67,9 +67,7 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int
     return _first_fit(order, lengths, capacity)
 
 
-def first_fit_shuffle(
-    lengths: Sequence[int], capacity: int, *, seed: int = 0
-) -> list[list[int]]:
+def first_fit_shuffle(lengths: Sequence[int], capacity: int, *, seed: int = 0) -> list[list[int]]:
     """A seeded random order, each into the first pack with room (seeded, so a resumed run
     packs as the original did)."""
     order = list(np.random.default_rng(seed).permutation(len(lengths)))
@@ -100,7 +98,9 @@ def modified_first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list
     medium = sorted(
         (it for it in items if capacity / 3 < it[1] <= capacity / 2), key=lambda it: -it[1]
     )
-    small = sorted((it for it in items if capacity / 6 < it[1] <= capacity / 3), key=lambda it: it[1])
+    small = sorted(
+        (it for it in items if capacity / 6 < it[1] <= capacity / 3), key=lambda it: it[1]
+    )
     tiny = sorted((it for it in items if it[1] <= capacity / 6), key=lambda it: it[1])
     bins: list[list[tuple[int, int]]] = [[it] for it in large]
 
@@ -233,8 +233,13 @@ class BatchingSettings:
 def pack_length(section: dict[str, Any]) -> int | None:
     """The training pack length of a policy section with sequence packing on, else None: the
     one step length the offload runtime pads to (one plan per micro-batch count)."""
-    settings = BatchingSettings.from_policy(section)
-    return settings.pack_length() if settings.mode == "packing" else None
+    packing_cfg = section.get("sequence_packing")
+    if not (isinstance(packing_cfg, dict) and packing_cfg.get("enabled")):
+        return None
+    try:
+        return BatchingSettings.from_policy(section).pack_length()
+    except (TypeError, ValueError):  # a malformed section: the schema reports it
+        return None
 
 
 # ---------------------------------------------------------------------------- micro-batches
@@ -363,9 +368,7 @@ def _packed_batches(
     bins = pack(lengths, length, settings.algorithm, bins_multiple_of=shards if training else 1)
     per_rank: list[list[list[int]]] = [bins[d::shards] for d in range(shards)]
     if settings.largest_first:  # each rank's largest packs first, the packer's order otherwise
-        per_rank = [
-            sorted(r, key=lambda b: -sum(lengths[i] for i in b)) for r in per_rank
-        ]
+        per_rank = [sorted(r, key=lambda b: -sum(lengths[i] for i in b)) for r in per_rank]
     places: list[Place | None] = [None] * len(sequences)
     out: list[list[dict[str, np.ndarray]]] = []
     index = 0

@@ -505,7 +505,9 @@ class PolicyWorker:
         from nemo_rl_offload.models.train_step import forward_outputs
 
         keys = ("input_ids", "labels") if with_labels else ("input_ids",)
-        inputs = [{key: mb[key] for key in keys} for mb in microbatches]
+        # A pack's segment offsets and per-segment positions are model inputs too.
+        keys += ("cu_seqlens", "position_ids")
+        inputs = [{key: mb[key] for key in keys if key in mb} for mb in microbatches]
         with self.runtime.forward_only():
             model.eval()
             try:
