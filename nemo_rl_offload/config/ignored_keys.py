@@ -450,10 +450,6 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             "sequences); sequences inside a pack need no padding here",
             _always,
         ),
-        f"{where}.logprob_chunk_size": Unused(
-            "log-probabilities are taken over the whole vocabulary at once; chunking only "
-            "saves memory"
-        ),
         f"{where}.refit_buffer_size_gb": Unused(_NO_REFIT, _always),
         f"{where}.offload_optimizer_for_logprob": Unused(_SPEED_ONLY, _one_of(False)),
         f"{where}.hf_config_overrides": Unused(

@@ -770,6 +770,17 @@ def _token_batching(ctx: _Context) -> None:
         )
 
 
+def _logprob_chunk(ctx: _Context) -> None:
+    """``logprob_chunk_size`` (``models.chunked_logprobs``): positions per chunk, null for
+    none."""
+    chunk = ctx.policy_cfg.get("logprob_chunk_size")
+    if chunk is not None and not (_is_int(chunk) and chunk >= 1):
+        ctx.error(
+            f"{ctx.where}.logprob_chunk_size: must be an integer >= 1 (positions per chunk) or "
+            f"null for no chunking (got: {chunk})"
+        )
+
+
 _RULES = (
     _backend,
     _overrides,
@@ -787,4 +798,5 @@ _RULES = (
     _environment,
     _tensor_sizes,
     _token_batching,
+    _logprob_chunk,
 )

@@ -116,11 +116,6 @@ WARNED = [
         ["policy.dtensor_cfg"],
     ),
     (
-        {"policy": {"logprob_chunk_size": None}},
-        {"policy": {"logprob_chunk_size": 2048}},
-        ["policy.logprob_chunk_size"],
-    ),
-    (
         {"checkpointing": {"save_optimizer": True, "model_save_format": "safetensors"}},
         {"checkpointing": {"save_optimizer": False, "model_save_format": "torch_save"}},
         ["checkpointing.save_optimizer", "checkpointing.model_save_format"],
