@@ -504,6 +504,10 @@ class PolicyWorker:
         log-probabilities) with labels, else logits."""
         from nemo_rl_offload.models.train_step import forward_outputs
 
+        if not microbatches:
+            # A data-parallel rank with no share of the pass (fewer packs than ranks): the
+            # ranks of its group all have none, so no collective waits for it.
+            return []
         keys = ("input_ids", "labels") if with_labels else ("input_ids",)
         # A pack's segment offsets and per-segment positions are model inputs too.
         keys += ("cu_seqlens", "position_ids")
