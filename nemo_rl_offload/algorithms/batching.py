@@ -5,7 +5,8 @@ that must not train, e.g. a cut over-long prompt, without any of its tokens coun
 t of a micro-batch holds token t as input and token t+1 as label; the loss mask is 1 exactly
 where that label is a response token, so prompt and padding never count. Rows are right-padded
 to the longest row of their micro-batch, rounded up to ``round_to`` (fewer distinct shapes keep
-offload plans and kernels reusable).
+offload plans and kernels reusable). Micro-batches by token budget (sequence packing, dynamic
+batching) are built by :mod:`.packing` from the same sequences.
 """
 
 from __future__ import annotations

@@ -314,9 +314,12 @@ class Batches:
             raise ValueError(f"{len(per_sequence)} values for {len(self.places)} sequences")
         values = [np.asarray(v) for v in per_sequence]
         scalar = values[0].ndim == 0 if values else True
+        by_mb: dict[int, list[tuple[int, Place]]] = {}
+        for i, place in enumerate(self.places):
+            by_mb.setdefault(place[0], []).append((i, place))
         for index, mb in enumerate(mbs):
             rows, length = mb["input_ids"].shape
-            members = [(i, p) for i, p in enumerate(self.places) if p[0] == index]
+            members = by_mb.get(index, [])
             packed = "cu_seqlens" in mb
             if scalar and not packed:
                 out = np.zeros(rows, dtype=values[0].dtype)

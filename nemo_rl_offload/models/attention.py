@@ -197,9 +197,9 @@ class SDPACoreAttention(MegatronModule):
 
             max_len = int(params.max_seqlen_q or query.size(0))
             context = varlen_attn(
-                query,
-                key,
-                value,
+                query.contiguous(),
+                key.contiguous(),
+                value.contiguous(),
                 cu_q.to(torch.int32),
                 cu_kv.to(torch.int32),
                 max_len,
