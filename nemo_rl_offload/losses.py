@@ -84,32 +84,59 @@ def group_advantages(
     return advantages
 
 
+def sequence_index(mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, seq]: the index of each position's sequence within the micro-batch, -1 for a
+    position of no sequence. Without ``segments`` a row is one sequence; a packed row holds
+    several (``segment_ids``, per row from 0, -1 on padding) and its sequences are numbered
+    after the previous rows'."""
+    if segments is None:
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        return rows.unsqueeze(-1).expand(mask.shape)
+    segments = segments.to(device=mask.device, dtype=torch.long)
+    per_row = segments.max(dim=-1).values.clamp(min=-1) + 1
+    offsets = torch.cumsum(per_row, 0) - per_row
+    return torch.where(segments >= 0, segments + offsets.unsqueeze(-1), -1)
+
+
 def per_sequence_sum(
-    values: torch.Tensor, mask: torch.Tensor, batch: dict | None = None
+    values: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Sum of each sequence's masked token values, [rows].
+    """Sum of each sequence's masked token values, [sequences].
 
     Every reduction of token values to one value per sequence goes through here (GSPO's
     sequence ratio, per-sequence loss averaging, the sequence log-probability error), together
-    with :func:`per_token` for the way back, so that rows holding several sequences need only
-    these two to change. Today a row is one sequence and ``batch`` is not read."""
-    return (values * mask).sum(dim=-1)
+    with :func:`per_token` for the way back, so that packed rows (``segments``, see
+    :func:`sequence_index`) reduce per sequence, not per row."""
+    if segments is None:
+        return (values * mask).sum(dim=-1)
+    index = sequence_index(mask, segments)
+    live = index >= 0
+    count = int(index.max().item()) + 1 if bool(live.any()) else 0
+    out = torch.zeros(count, dtype=values.dtype, device=values.device)
+    return out.index_add(0, index[live], (values * mask)[live])
 
 
 def per_token(
-    per_sequence: torch.Tensor, mask: torch.Tensor, batch: dict | None = None
+    per_sequence: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Each sequence's value on every position of its row, [rows, seq]: the way back from
-    :func:`per_sequence_sum` (see there)."""
-    return per_sequence.unsqueeze(-1).expand(mask.shape)
+    """Each sequence's value on every position of that sequence, [rows, seq] (0 on positions of
+    no sequence): the way back from :func:`per_sequence_sum`. A value already per token (a
+    packed micro-batch's advantages) is returned as it is."""
+    if per_sequence.dim() == mask.dim():
+        return per_sequence
+    if segments is None:
+        return per_sequence.unsqueeze(-1).expand(mask.shape)
+    index = sequence_index(mask, segments)
+    spread = per_sequence[index.clamp(min=0)]
+    return torch.where(index >= 0, spread, torch.zeros_like(spread))
 
 
 def per_sequence_mean(
-    values: torch.Tensor, mask: torch.Tensor, batch: dict | None = None
+    values: torch.Tensor, mask: torch.Tensor, segments: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Mean of each sequence's masked token values, [rows] (0 for a sequence without any)."""
-    tokens = per_sequence_sum(torch.ones_like(values), mask, batch)
-    return per_sequence_sum(values, mask, batch) / tokens.clamp(min=1)
+    """Mean of each sequence's masked token values, [sequences] (0 for one without any)."""
+    tokens = per_sequence_sum(torch.ones_like(values), mask, segments)
+    return per_sequence_sum(values, mask, segments) / tokens.clamp(min=1)
 
 
 def kl_estimate(
@@ -223,13 +250,17 @@ def effective_kl_penalty(loss_cfg: dict) -> float:
 
 
 def _importance_weights(
-    old: torch.Tensor, generation: torch.Tensor, mask: torch.Tensor, o: PolicyLossOptions
+    old: torch.Tensor,
+    generation: torch.Tensor,
+    mask: torch.Tensor,
+    o: PolicyLossOptions,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token weights exp(old - generation) (per sequence under GSPO: the exponential of
     the sequence's summed log-ratio), truncated as ``o`` says, and their metric sums."""
     log_ratio = old - generation
     if o.sequence_level_ratios:
-        weights = per_token(torch.exp(per_sequence_sum(log_ratio, mask)), mask)
+        weights = per_token(torch.exp(per_sequence_sum(log_ratio, mask, segments)), mask, segments)
     else:
         weights = torch.exp(log_ratio)
     weights = _finite(weights).detach()
@@ -247,11 +278,11 @@ def _importance_weights(
         metrics["is_oob_sum"] = masked_sum((~kept).float(), mask)
         weights = torch.where(kept, weights, torch.zeros_like(weights))
     elif o.truncated_is_type == "seq-mask-tis":
-        geometric = torch.exp(per_sequence_mean(_finite(log_ratio), mask))
+        geometric = torch.exp(per_sequence_mean(_finite(log_ratio), mask, segments))
         kept = ((geometric >= o.truncated_is_ratio_min) & (geometric <= high)).float()
-        live = (per_sequence_sum(torch.ones_like(mask), mask) > 0).float()
+        live = (per_sequence_sum(torch.ones_like(mask), mask, segments) > 0).float()
         metrics["is_oob_seqsum"] = ((1 - kept) * live).sum()
-        weights = weights * per_token(kept, mask)
+        weights = weights * per_token(kept, mask, segments)
     else:
         raise ValueError(
             f"unknown truncated_importance_sampling_type {o.truncated_is_type!r}; "
@@ -275,11 +306,14 @@ def grpo_loss(
     generation_logprobs: torch.Tensor | None = None,
     rewards: torch.Tensor | None = None,
     nll_scale: float = 1.0,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO's clipped-ratio policy-gradient loss plus an optional KL penalty to the reference
     (NeMo-RL's ClippedPGLoss with ``options``).
 
-    ``advantages`` is per sequence ([batch]) and broadcast over its tokens. Returns the loss
+    ``advantages`` is per sequence ([batch]) and broadcast over its tokens, or already per
+    token (a packed micro-batch, whose rows hold the sequences that ``segments`` mark: see
+    :func:`sequence_index`; every per-sequence value is then per packed sequence). Returns the loss
     summed over masked tokens (over sequences of per-sequence means when
     ``options.token_level_loss`` is false) and metrics (sums, see :func:`grpo_metric_means`).
     Padded positions hold arbitrary old, generation and reference log-probabilities; they are
@@ -303,7 +337,7 @@ def grpo_loss(
     generation = None
     if generation_logprobs is not None:
         generation = torch.where(keep, generation_logprobs, old)
-    adv = per_token(advantages, mask)
+    adv = per_token(advantages, mask, segments)
 
     if o.force_on_policy_ratio:
         ratio = torch.exp(logprobs - own)  # 1, with the policy gradient's derivative
@@ -313,7 +347,9 @@ def grpo_loss(
     else:
         log_ratio = logprobs - old
         if o.sequence_level_ratios:
-            ratio = per_token(torch.exp(per_sequence_mean(log_ratio, mask)), mask)
+            ratio = per_token(
+                torch.exp(per_sequence_mean(log_ratio, mask, segments)), mask, segments
+            )
         else:
             ratio = torch.exp(log_ratio)
         clipped_ratio = ratio.clamp(1 - ratio_clip_min, 1 + ratio_clip_max)
@@ -329,15 +365,15 @@ def grpo_loss(
     metrics: dict[str, torch.Tensor] = {
         "clip_fraction_sum": masked_sum((ratio != clipped_ratio).float(), mask).detach(),
         "response_tokens_sum": mask.sum().detach(),
-        "sequences_seqsum": (per_sequence_sum(ones, mask) > 0).float().sum(),
+        "sequences_seqsum": (per_sequence_sum(ones, mask, segments) > 0).float().sum(),
     }
     if generation is not None:
-        weights, is_metrics = _importance_weights(old, generation, mask, o)
+        weights, is_metrics = _importance_weights(old, generation, mask, o, segments)
         metrics.update(is_metrics)
         error = torch.exp((generation - old).abs() * mask)
         metrics["token_mult_prob_error_sum"] = masked_sum(error, mask)
         if o.sequence_level_ratios:
-            per_sequence = per_sequence_mean(weights, mask)  # one value per sequence
+            per_sequence = per_sequence_mean(weights, mask, segments)  # one value per sequence
             metrics["sampling_importance_ratio_seqsum"] = per_sequence.sum()
         else:
             metrics["sampling_importance_ratio_sum"] = masked_sum(weights, mask)
@@ -349,7 +385,7 @@ def grpo_loss(
     def reduce(values: torch.Tensor) -> torch.Tensor:
         if o.token_level_loss:
             return masked_sum(values, mask)
-        return per_sequence_mean(values, mask).sum()
+        return per_sequence_mean(values, mask, segments).sum()
 
     loss = reduce(per_tok)
     if reference_logprobs is not None and kl_penalty:
@@ -371,7 +407,7 @@ def grpo_loss(
         loss = loss + kl_penalty * reduce(kl)
         metrics["kl_sum"] = masked_sum(kl, mask).detach()
     if o.positive_example_nll_weight > 0 and rewards is not None:
-        positive = mask * per_token((rewards > 0).to(mask.dtype), mask)
+        positive = mask * per_token((rewards > 0).to(mask.dtype), mask, segments)
         nll = -masked_sum(logprobs, positive)
         loss = loss + o.positive_example_nll_weight * nll_scale * nll
         metrics["positive_nll_sum"] = nll.detach()
@@ -488,7 +524,9 @@ def _grpo_fn(spec: dict, batch: dict, output: torch.Tensor):
         options=options,
         generation_logprobs=batch.get("generation_logprobs"),
         rewards=batch.get("rewards"),
-        nll_scale=1.0 if scale is None else float(scale.reshape(-1)[0]),
+        # one value for the whole step, repeated on every row (or sequence position of a pack)
+        nll_scale=1.0 if scale is None else float(scale.max()),
+        segments=batch.get("segment_ids"),
     )
     # The step divides by this count: tokens, or sequences for per-sequence averaging.
     count = mask.sum() if options.token_level_loss else metrics["sequences_seqsum"]

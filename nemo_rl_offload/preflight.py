@@ -130,9 +130,12 @@ def _runtime_settings(
         return resolved
     if isinstance(section.get("max_total_sequence_length"), int):
         buckets, default = step_buckets(section)
+        packed = (section.get("sequence_packing") or {}).get("enabled")
         resolved["offload_sequence_length_buckets"] = (
             buckets,
-            "default (up to max_total_sequence_length)"
+            f"{where}.sequence_packing.train_mb_tokens (every pack has this length)"
+            if packed
+            else "default (up to max_total_sequence_length)"
             if default
             else f"{path}.offload_sequence_length_buckets",
         )
@@ -281,8 +284,17 @@ def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Re
                 "size, so the log-probabilities of the ratio's old policy would not be the "
                 "training pass's (NeMo-RL refuses this too); set them equal"
             )
-    max_input = (recipe.get("data") or {}).get("max_input_seq_length")
     policy = recipe.get("policy") if isinstance(recipe.get("policy"), dict) else {}
+    if algorithm == "dpo":
+        for key in ("sequence_packing", "dynamic_batching"):
+            if ((policy.get(key) or {}) if isinstance(policy.get(key), dict) else {}).get(
+                "enabled"
+            ):
+                report.errors.append(
+                    f"policy.{key}: not supported for DPO (as in NeMo-RL: chosen and rejected "
+                    f"responses train as pairs of padded rows); set policy.{key}.enabled: false"
+                )
+    max_input = (recipe.get("data") or {}).get("max_input_seq_length")
     max_total = policy.get("max_total_sequence_length")
     if isinstance(max_input, int) and max_input < 1:
         report.errors.append(

@@ -5,7 +5,8 @@ that must not train, e.g. a cut over-long prompt, without any of its tokens coun
 t of a micro-batch holds token t as input and token t+1 as label; the loss mask is 1 exactly
 where that label is a response token, so prompt and padding never count. Rows are right-padded
 to the longest row of their micro-batch, rounded up to ``round_to`` (fewer distinct shapes keep
-offload plans and kernels reusable).
+offload plans and kernels reusable). Micro-batches by token budget (sequence packing, dynamic
+batching) are built by :mod:`.packing` from the same sequences.
 """
 
 from __future__ import annotations
@@ -142,10 +143,20 @@ def attach_rows(mbs: Sequence[dict[str, np.ndarray]], key: str, rows: Sequence[A
         raise ValueError(f"{len(rows)} rows for micro-batches of {start} rows")
 
 
+def token_budgeted(policy_cfg: dict) -> bool:
+    """Whether micro-batches are formed by token count (sequence packing or dynamic batching)
+    rather than train_micro_batch_size rows."""
+    return any(
+        (policy_cfg.get(key) or {}).get("enabled")
+        for key in ("sequence_packing", "dynamic_batching")
+    )
+
+
 def check_batch_sizes(policy_cfg: dict, dp_size: int) -> None:
-    """The global batch must split evenly into data-parallel shards of whole micro-batches."""
+    """The global batch must split evenly into data-parallel shards of whole micro-batches
+    (with token budgets, into equal shards: micro-batches are then formed by tokens)."""
     gbs = int(policy_cfg["train_global_batch_size"])
-    mbs = int(policy_cfg["train_micro_batch_size"])
+    mbs = 1 if token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
     if gbs % (mbs * dp_size):
         raise UserInputError(
             f"policy.train_global_batch_size: {gbs} does not split into {dp_size} data-parallel "

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_rl_offload.algorithms import batching
+from nemo_rl_offload.algorithms import batching, packing
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup
 from nemo_rl_offload.config import checkpointing
@@ -236,19 +236,48 @@ class Run:
             rows = int(section["train_micro_batch_size"]) * (2 if self.algorithm == "dpo" else 1)
         return int(rows)
 
+    def batching(self, where: str = "policy") -> packing.BatchingSettings:
+        """How ``where``'s workers group sequences: padded rows, sequence packing or dynamic
+        batching (``algorithms.packing``)."""
+        return packing.BatchingSettings.from_policy(
+            self.recipe[where], pair_rows=self.algorithm == "dpo"
+        )
+
+    def training_batches(self, sequences: list[TokenSequence], dp_size: int) -> packing.Batches:
+        """A training step's micro-batches per data-parallel rank, as the policy's batching
+        settings group them; ``attach`` puts per-sequence results on them."""
+        return packing.training_batches(
+            sequences, self.batching(), dp_size, pad_id=self.tokenizer.pad_id
+        )
+
     def forward_only(
-        self, sequences: list[TokenSequence], run_pass: Any, *, where: str = "policy", **kw: Any
+        self,
+        sequences: list[TokenSequence],
+        run_pass: Any,
+        *,
+        where: str = "policy",
+        keep_labels: bool = True,
     ) -> list[Any]:
         """Per-sequence results of a forward-only pass of ``where``'s workers over
-        micro-batches of :meth:`logprob_rows` (batching.forward_only)."""
-        return batching.forward_only(
-            sequences,
-            self.logprob_rows(where),
-            run_pass,
-            pad_id=self.tokenizer.pad_id,
-            round_to=self.round_to,
-            **kw,
-        )
+        micro-batches of :meth:`logprob_rows` rows, or of ``logprob_mb_tokens`` tokens with
+        sequence packing or dynamic batching (``batching.forward_only`` says how results map
+        back)."""
+        settings = self.batching(where)
+        if settings.mode == "rows":
+            return batching.forward_only(
+                sequences,
+                self.logprob_rows(where),
+                run_pass,
+                pad_id=self.tokenizer.pad_id,
+                round_to=self.round_to,
+                keep_labels=keep_labels,
+            )
+        batches = packing.forward_batches(sequences, settings, pad_id=self.tokenizer.pad_id)
+        mbs = batches.flat
+        if not keep_labels:
+            for mb in mbs:
+                del mb["labels"]
+        return batches.per_sequence(run_pass(mbs))
 
     def encode_examples(self, examples: list[dict[str, Any]], split: str) -> list[EncodedExample]:
         """Tokenize one split: an example longer than max_total_sequence_length is refused,

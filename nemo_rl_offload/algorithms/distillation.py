@@ -80,7 +80,10 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
         env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
         num_prompts = int(cfg["num_prompts_per_step"])
         group = int(cfg.get("num_generations_per_prompt", 1))
-        micro = int(policy_cfg["train_micro_batch_size"])
+        # With token budgets (packing, dynamic batching) each rank takes an equal share.
+        micro = (
+            1 if batching.token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
+        )
         if (num_prompts * group) % (micro * policy.dp_size):
             raise UserInputError(
                 f"distillation.num_prompts_per_step: {num_prompts} x {group} responses do not "
@@ -127,10 +130,8 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
                 TokenSequence(p.ids + r, len(p.ids), loss_multiplier=p.loss_multiplier)
                 for p, r in zip(prompts, responses, strict=True)
             ]
-            mbs = batching.microbatches(
-                sequences, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
-            )
-            for mb in mbs:
+            batches = run.training_batches(sequences, policy.dp_size)
+            for mb in batches.flat:
                 del mb["labels"]  # the loss reads the student's logits, not label logprobs
             scores = run.forward_only(
                 sequences,
@@ -140,10 +141,10 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
                 where="teacher",
                 keep_labels=False,
             )
-            batching.attach_rows(mbs, "teacher_logprobs", [values for values, _ in scores])
+            batches.attach("teacher_logprobs", [values for values, _ in scores])
             if top_k is not None:
-                batching.attach_rows(mbs, "teacher_indices", [indices for _, indices in scores])
-            metrics = policy.train(batching.split(mbs, policy.dp_size), spec)
+                batches.attach("teacher_indices", [indices for _, indices in scores])
+            metrics = policy.train(batches.shards, spec)
             elapsed = time.perf_counter() - start
             run.log_train_step(
                 step,

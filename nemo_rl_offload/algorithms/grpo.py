@@ -335,7 +335,10 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
             int(cfg["num_prompts_per_step"]),
             int(cfg["num_generations_per_prompt"]),
         )
-        micro = int(policy_cfg["train_micro_batch_size"])
+        # With token budgets (packing, dynamic batching) each rank takes an equal share.
+        micro = (
+            1 if batching.token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
+        )
         if (num_prompts * group) % (micro * policy.dp_size):
             raise UserInputError(
                 f"grpo.num_prompts_per_step: {num_prompts} prompts x {group} generations do not "
@@ -369,30 +372,34 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
             )
             sequences, _ = training_sequences(groups, cfg)
             final_rewards = torch.cat([g.rewards for g in groups]).tolist()
-            mbs = batching.microbatches(
-                sequences, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
-            )
-            batching.attach_rows(
-                mbs,
-                "generation_logprobs",
-                loss_inputs.generation_rows(sequences, [lp for g in groups for lp in g.logprobs]),
+            generation = loss_inputs.generation_rows(
+                sequences, [lp for g in groups for lp in g.logprobs]
             )
             loss_metrics: dict[str, float] = {}
+            old_logprobs = None
             if options.needs_old_logprobs or error_threshold is not None:
-                batching.attach_rows(
-                    mbs, "old_logprobs", run.forward_only(sequences, policy.token_logprobs)
+                old_logprobs = run.forward_only(sequences, policy.token_logprobs)
+                loss_metrics, dropped = loss_inputs.seq_logprob_error(
+                    sequences, generation, old_logprobs, final_rewards, error_threshold
                 )
-                loss_metrics = loss_inputs.seq_logprob_error(mbs, final_rewards, error_threshold)
+                for index in dropped:
+                    sequences[index].loss_multiplier = 0.0
+            batches = run.training_batches(sequences, policy.dp_size)
+            batches.attach("generation_logprobs", generation)
+            if old_logprobs is not None:
+                batches.attach("old_logprobs", old_logprobs)
             if options.positive_example_nll_weight > 0:
-                loss_inputs.attach_positive_nll(
-                    mbs, final_rewards, token_level=options.token_level_loss
+                scale = loss_inputs.positive_nll_scale(
+                    sequences, final_rewards, token_level=options.token_level_loss
                 )
+                batches.attach("rewards", np.asarray(final_rewards, dtype=np.float32))
+                batches.attach("positive_nll_scale", np.full(len(sequences), scale, np.float32))
             if kl_penalty > 0:
                 reference = run.forward_only(
                     sequences, lambda forward: policy.token_logprobs(forward, reference=True)
                 )
-                batching.attach_rows(mbs, "reference_logprobs", reference)
-            metrics = policy.train(batching.split(mbs, policy.dp_size), loss_spec)
+                batches.attach("reference_logprobs", reference)
+            metrics = policy.train(batches.shards, loss_spec)
             loss_metrics.update(losses.grpo_metric_means(metrics))
             elapsed = time.perf_counter() - start
             run.log_train_step(

@@ -45,38 +45,48 @@ def generation_rows(
     return rows
 
 
+def response_mask(sequence: TokenSequence) -> np.ndarray:
+    """A sequence's loss mask on its label positions (position t holds token t+1's): its
+    loss multiplier over the response, 0 over the prompt, as the training micro-batch has it."""
+    mask = np.zeros(len(sequence.ids) - 1, dtype=np.float32)
+    mask[max(sequence.prompt_len - 1, 0) :] = sequence.loss_multiplier
+    return mask
+
+
 def seq_logprob_error(
-    mbs: list[dict[str, np.ndarray]], rewards: Sequence[float], threshold: float | None
-) -> dict[str, float]:
+    sequences: Sequence[TokenSequence],
+    generation: Sequence[np.ndarray],
+    old: Sequence[np.ndarray],
+    rewards: Sequence[float],
+    threshold: float | None,
+) -> tuple[dict[str, float], list[int]]:
     """NeMo-RL's per-sequence multiplicative probability error (the mean over a sequence's
     response tokens of exp(|generation - training log-probability|)): its max, mean and min
-    over the sequences that train, and, with ``threshold``, every sequence above it leaves the
-    step (its loss mask becomes 0), as NeMo-RL's sample mask does. Needs ``old_logprobs`` and
-    ``generation_logprobs`` on ``mbs``."""
+    over the sequences that train, and, with ``threshold``, the indices of the sequences above
+    it, which leave the step (the caller sets their loss multiplier to 0, as NeMo-RL's sample
+    mask does). Per sequence, before the micro-batches are laid out, so that it holds for padded
+    rows, packs and token-budgeted batches alike."""
     errors, live = [], []
-    for mb in mbs:
-        mask = torch.from_numpy(mb["loss_mask"])
-        gen = torch.from_numpy(mb["generation_logprobs"])
-        old = torch.from_numpy(mb["old_logprobs"])
-        error = losses.per_sequence_mean(torch.exp((gen - old).abs() * mask), mask)
-        errors.append(error)
-        live.append(losses.per_sequence_sum(torch.ones_like(mask), mask) > 0)
-    error, valid = torch.cat(errors), torch.cat(live)
+    for sequence, gen, prev in zip(sequences, generation, old, strict=True):
+        mask = response_mask(sequence)
+        n = len(mask)
+        diff = np.abs(
+            np.asarray(gen, dtype=np.float64)[:n] - np.asarray(prev, dtype=np.float64)[:n]
+        )
+        tokens = float(mask.sum())
+        errors.append(float((np.exp(diff * mask) * mask).sum()) / max(tokens, 1.0))
+        live.append(tokens > 0)
+    error, valid = torch.tensor(errors), torch.tensor(live, dtype=torch.bool)
     metrics = _spread("seq_mult_prob_error", error[valid])
     if threshold is None:
-        return metrics
+        return metrics, []
     dropped = valid & (error > threshold)
-    start = 0
-    for mb in mbs:
-        count = mb["loss_mask"].shape[0]
-        mb["loss_mask"][dropped[start : start + count].numpy()] = 0.0
-        start += count
     reward = torch.tensor(list(rewards), dtype=torch.float)
     masked = int(dropped.sum())
     metrics["num_masked_seqs_by_logprob_error"] = float(masked)
     metrics["masked_correct_pct"] = float((reward[dropped] == 1).sum()) / masked if masked else 0.0
     metrics.update(_spread("seq_mult_prob_error", error[valid & ~dropped], "_after_mask"))
-    return metrics
+    return metrics, torch.nonzero(dropped).flatten().tolist()
 
 
 def _spread(name: str, values: torch.Tensor, suffix: str = "") -> dict[str, float]:
@@ -89,23 +99,17 @@ def _spread(name: str, values: torch.Tensor, suffix: str = "") -> dict[str, floa
     }
 
 
-def attach_positive_nll(
-    mbs: list[dict[str, np.ndarray]], rewards: Sequence[float], *, token_level: bool
-) -> None:
-    """``loss_fn.positive_example_nll_weight``: each row's reward (positive ones are the
-    examples) and the scale that makes the NLL term a mean over the step's positive tokens once
-    the step divides by its count (tokens, or sequences with ``token_level_loss`` false).
-    NeMo-RL takes that mean per micro-batch; over a whole step it is the same when the step is
-    one micro-batch."""
-    reward_rows = np.asarray(list(rewards), dtype=np.float32)
-    start, positive_tokens, count = 0, 0.0, 0.0
-    for mb in mbs:
-        rows = mb["loss_mask"].shape[0]
-        mb["rewards"] = reward_rows[start : start + rows]
-        tokens = mb["loss_mask"].sum(axis=-1)
-        positive_tokens += float(tokens[mb["rewards"] > 0].sum())
-        count += float(tokens.sum()) if token_level else float((tokens > 0).sum())
-        start += rows
-    scale = count / positive_tokens if positive_tokens else 0.0
-    for mb in mbs:
-        mb["positive_nll_scale"] = np.full(mb["loss_mask"].shape[0], scale, dtype=np.float32)
+def positive_nll_scale(
+    sequences: Sequence[TokenSequence], rewards: Sequence[float], *, token_level: bool
+) -> float:
+    """``loss_fn.positive_example_nll_weight``: the scale that makes the NLL term of the
+    positive examples (reward > 0) a mean over the step's positive tokens once the step divides
+    by its count (tokens, or sequences with ``token_level_loss`` false). NeMo-RL takes that mean
+    per micro-batch; over a whole step it is the same when the step is one micro-batch. The
+    rewards and this scale go on the micro-batches (``rewards``, ``positive_nll_scale``)."""
+    positive_tokens, count = 0.0, 0.0
+    for sequence, reward in zip(sequences, rewards, strict=True):
+        tokens = float(response_mask(sequence).sum())
+        positive_tokens += tokens if reward > 0 else 0.0
+        count += tokens if token_level else float(tokens > 0)
+    return count / positive_tokens if positive_tokens else 0.0

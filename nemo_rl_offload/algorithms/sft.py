@@ -43,10 +43,7 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
         check_batch_sizes(policy_cfg, policy.dp_size)
         run.restore(policy)
         sampler = run.sampler(len(train), int(cfg["seed"]))
-        gbs, micro = (
-            int(policy_cfg["train_global_batch_size"]),
-            int(policy_cfg["train_micro_batch_size"]),
-        )
+        gbs = int(policy_cfg["train_global_batch_size"])
         # Validation is a forward-only pass: val_micro_batch_size, else logprob_batch_size.
         val_micro = int(cfg.get("val_micro_batch_size") or run.logprob_rows())
         if cfg.get("val_at_start") and run.start_step == 0:
@@ -55,12 +52,7 @@ def run_sft(config_path: str, overrides: list[str]) -> int:
             if sampler.epoch >= int(cfg["max_num_epochs"]):
                 break
             batch = [train[i] for i in sampler.take(gbs)]
-            shards = [
-                batching.microbatches(
-                    shard, micro, pad_id=run.tokenizer.pad_id, round_to=run.round_to
-                )
-                for shard in batching.split(batch, policy.dp_size)
-            ]
+            shards = run.training_batches(batch, policy.dp_size).shards
             start = time.perf_counter()
             metrics = policy.train(shards, {"name": "nll"})
             elapsed = time.perf_counter() - start

@@ -432,19 +432,14 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             "NeMo-RL's DTensor backend is not used: this backend always trains with megatron_cfg",
             _switched_off,
         ),
-        f"{where}.sequence_packing": Unused(
-            "micro-batches are padded rows of train_micro_batch_size; the loss is normalized "
-            "over the global batch, so packing changes only speed and memory",
-            _switched_off,
+        f"{where}.sequence_packing.fuse_loss": Unused(
+            "the loss always runs once over the whole pack (what fusing buys in NeMo-RL)",
+            _always,
         ),
-        f"{where}.dynamic_batching": Unused(
-            "micro-batches are padded rows of train_micro_batch_size; the loss is normalized "
-            "over the global batch, so token-budget batching changes only speed and memory",
-            _switched_off,
-        ),
-        f"{where}.logprob_chunk_size": Unused(
-            "log-probabilities are taken over the whole vocabulary at once; chunking only "
-            "saves memory"
+        f"{where}.sequence_packing.sequence_length_round": Unused(
+            "packs are padded to make_sequence_length_divisible_by (as NeMo-RL pads packed "
+            "sequences); sequences inside a pack need no padding here",
+            _always,
         ),
         f"{where}.refit_buffer_size_gb": Unused(_NO_REFIT, _always),
         f"{where}.offload_optimizer_for_logprob": Unused(_SPEED_ONLY, _one_of(False)),

@@ -12,6 +12,14 @@ same tensor-parallel head partitioning, grouped-query attention with Megatron's 
 mapping (query head i uses key/value group i // (heads / groups)), the same softmax scale and
 dropout RNG handling. Features that the local DotProductAttention rejects or that SDPA cannot
 express are rejected here with an error that says so.
+
+Packed sequences (``policy.sequence_packing``): Megatron hands the attention ``PackedSeqParams``
+in the THD layout ([tokens, heads, dim], the batch dimension squeezed away) with ``cu_seqlens``,
+the offsets at which each sequence of the pack starts. No token may attend across a boundary,
+so each segment is attended causally on its own: on CUDA in half precision through torch's
+variable-length flash kernel (``torch.nn.attention.varlen``), which reads the offsets on the
+device; elsewhere (CPU, float32, dropout, deterministic mode) one SDPA call per segment. Both
+keep memory linear in the pack's length: no [tokens x tokens] mask is ever built.
 """
 
 from __future__ import annotations
@@ -113,14 +121,12 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
-        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn]."""
-        if packed_seq_params is not None:
-            raise NotImplementedError(
-                "SDPACoreAttention: packed sequences (packed_seq_params) are not supported; "
-                "pad the micro-batch instead, or use transformer_impl: transformer_engine"
-            )
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn];
+        packed (THD): query [t, np, hn], key/value [t, ng, hn] -> context [t, np * hn]."""
         if attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention: attention_bias is not supported")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
 
         sq, sk = query.size(0), key.size(0)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -163,3 +169,85 @@ class SDPACoreAttention(MegatronModule):
             )
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return context.permute(2, 0, 1, 3).reshape(sq, query.size(1), -1)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
+        """Causal attention within each segment of a THD pack (see the module docstring)."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(
+                f"SDPACoreAttention: packed format {params.qkv_format!r} (only 'thd')"
+            )
+        if params.cu_seqlens_q_padded is not None and not torch.equal(
+            params.cu_seqlens_q_padded, params.cu_seqlens_q
+        ):
+            raise NotImplementedError(
+                "SDPACoreAttention: padding between packed sequences (cu_seqlens_q_padded)"
+            )
+        if query.dim() == 4:  # [t, 1, heads, dim]: a caller that did not squeeze the batch
+            query, key, value = (t.squeeze(1) for t in (query, key, value))
+        if self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError("SDPACoreAttention: packed sequences need causal attention")
+        cu_q = params.cu_seqlens_q
+        cu_kv = params.cu_seqlens_kv if params.cu_seqlens_kv is not None else cu_q
+        if not torch.equal(cu_q, cu_kv):
+            raise NotImplementedError("SDPACoreAttention: packed queries and keys must align")
+        grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        dropout_p = self.dropout_p if self.training else 0.0
+        if self._varlen_usable(query, dropout_p):
+            from torch.nn.attention.varlen import varlen_attn
+
+            max_len = int(params.max_seqlen_q or query.size(0))
+            context = varlen_attn(
+                query.contiguous(),
+                key.contiguous(),
+                value.contiguous(),
+                cu_q.to(torch.int32),
+                cu_kv.to(torch.int32),
+                max_len,
+                max_len,
+                scale=self.softmax_scale,
+                window_size=(-1, 0),  # causal
+                enable_gqa=grouped,
+            )
+            return context.reshape(query.size(0), -1)
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if dropout_p > 0.0 and not self.config.sequence_parallel
+            else contextlib.nullcontext()
+        )
+        bounds = cu_q.tolist()
+        pieces = []
+        with rng, self._kernels():
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+                if end <= start:
+                    continue
+                # [len, heads, dim] -> [1, heads, len, dim]
+                q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    dropout_p=dropout_p,
+                    is_causal=end - start > 1,
+                    scale=self.softmax_scale,
+                    enable_gqa=grouped,
+                )
+                pieces.append(out.squeeze(0).transpose(0, 1))
+        context = torch.cat(pieces, dim=0) if pieces else query.new_zeros(query.shape)
+        if context.size(0) != query.size(0):
+            raise ValueError(
+                f"SDPACoreAttention: cu_seqlens cover {context.size(0)} of {query.size(0)} tokens"
+            )
+        return context.reshape(query.size(0), -1)
+
+    def _varlen_usable(self, query: Tensor, dropout_p: float) -> bool:
+        """torch's variable-length flash kernel: CUDA, half precision, no dropout (it has
+        none), and not under deterministic mode (its backward accumulates with atomics)."""
+        if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        if dropout_p > 0.0 or self.config.deterministic_mode:
+            return False
+        try:
+            from torch.nn.attention import varlen  # noqa: F401
+        except ImportError:
+            return False
+        return True

@@ -146,6 +146,7 @@ class PolicyWorker:
 
         from nemo_rl_offload.config.model_presets import architecture_for
         from nemo_rl_offload.models.builder import build_gpt_model
+        from nemo_rl_offload.models.chunked_logprobs import install as install_chunked_logprobs
         from nemo_rl_offload.models.parallel import initialize_megatron_parallel
         from nemo_rl_offload.models.step_graphs import (
             StepGraphs,
@@ -220,8 +221,11 @@ class PolicyWorker:
             # bound) were slower with them in two runs (docs/offloading.md).
             strided_copies=not is_moe or self.graphs is not None,
         )
+        # policy.logprob_chunk_size: the labels' log-probabilities in chunks of the sequence.
+        install_chunked_logprobs(model, self.section.get("logprob_chunk_size"))
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
+            install_chunked_logprobs(reference, self.section.get("logprob_chunk_size"))
             reference.load_state_dict(model.state_dict())
             reference.config.fine_grained_activation_offloading = False
             self.reference = self._precision_wrap(reference).eval()
@@ -474,18 +478,14 @@ class PolicyWorker:
         """The top-k next-token log-probabilities and their token ids per position (all of the
         vocabulary when k is None), for distillation teachers; computed on the last pipeline
         stage, where the logits are."""
-        import torch
-
+        from nemo_rl_offload.models.chunked_logprobs import topk_logprobs
         from nemo_rl_offload.models.generation import _full_vocab
 
         vocab = self.architecture.vocab_size
+        chunk = self.section.get("logprob_chunk_size")
 
         def top_k(batch: dict[str, Any], logits: Any) -> dict[str, Any]:
-            logprobs = torch.log_softmax(_full_vocab(logits)[..., :vocab].float(), dim=-1)
-            if k is None:
-                return {"values": logprobs}
-            values, indices = logprobs.topk(k, dim=-1)
-            return {"values": values, "indices": indices}
+            return topk_logprobs(_full_vocab(logits)[..., :vocab], k, chunk)
 
         outputs = self._forward(self.model, microbatches, top_k, with_labels=False)
         return [
@@ -504,8 +504,14 @@ class PolicyWorker:
         log-probabilities) with labels, else logits."""
         from nemo_rl_offload.models.train_step import forward_outputs
 
+        if not microbatches:
+            # A data-parallel rank with no share of the pass (fewer packs than ranks): the
+            # ranks of its group all have none, so no collective waits for it.
+            return []
         keys = ("input_ids", "labels") if with_labels else ("input_ids",)
-        inputs = [{key: mb[key] for key in keys} for mb in microbatches]
+        # A pack's segment offsets and per-segment positions are model inputs too.
+        keys += ("cu_seqlens", "position_ids")
+        inputs = [{key: mb[key] for key in keys if key in mb} for mb in microbatches]
         with self.runtime.forward_only():
             model.eval()
             try:

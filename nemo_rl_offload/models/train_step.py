@@ -52,17 +52,41 @@ def _default_position_ids(input_ids: Tensor) -> Tensor:
     return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
 
 
+def packed_seq_params(batch: dict[str, Tensor]) -> Any:
+    """Megatron's ``PackedSeqParams`` (THD) for a packed micro-batch (one row holding several
+    sequences, ``cu_seqlens`` the offsets where each starts, the pack's end last), else None.
+    The attention keeps tokens within their sequence and RoPE restarts at each offset."""
+    cu_seqlens = batch.get("cu_seqlens")
+    if cu_seqlens is None:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    # A host int: the longest segment (RoPE's table size; the flash kernel's bound).
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
 def _forward_step(loss_fn: LossFn, data_iterator: Iterator[dict[str, Tensor]], model: Any):
     """Megatron's forward_step_func: run one micro-batch, return its output and reducer."""
     batch = next(data_iterator)
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = _default_position_ids(batch["input_ids"])
+    packed = packed_seq_params(batch)
+    kwargs = {} if packed is None else {"packed_seq_params": packed}
     output = model(
         batch["input_ids"],
         position_ids,
         batch.get("attention_mask"),
         labels=batch.get("labels"),
+        **kwargs,
     )
     return output, functools.partial(_reduce, loss_fn, batch)
 
@@ -125,7 +149,8 @@ def run_microbatches(
 
     Each micro-batch is a dict with ``input_ids`` [b, s] and optionally ``position_ids``
     (default 0..s-1), ``attention_mask`` (default None: causal; right padding needs none),
-    ``labels`` (ask the model for per-token losses) and anything ``loss_fn`` reads. Gradients
+    ``labels`` (ask the model for per-token losses), ``cu_seqlens`` (a packed micro-batch of
+    one row: see :func:`packed_seq_params`) and anything ``loss_fn`` reads. Gradients
     accumulate into the parameters' existing gradients (zero them between steps), normalised
     per token over the step as the module docstring says. Forward-only passes run under
     ``torch.no_grad()`` and leave gradients untouched.
@@ -178,10 +203,13 @@ def run_microbatches(
 OutputFn = Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]]
 # The model's inputs: what a forward-only pass pads under pipeline parallelism.
 _MODEL_INPUTS = ("input_ids", "labels", "position_ids")
+# A packed micro-batch's segment offsets, a model input too (1-D, not padded as the others).
+_PACKING_INPUTS = ("cu_seqlens",)
 
 
 def _pad_to(batch: dict[str, Tensor], rows: int, length: int) -> dict[str, Tensor]:
-    """``batch``'s model inputs padded with zeros to [rows, length] (on the right and below)."""
+    """``batch``'s model inputs padded with zeros to [rows, length] (on the right and below);
+    a packed batch's padding becomes one more segment of its own."""
     padded = {}
     for key in _MODEL_INPUTS:
         if key not in batch:
@@ -190,6 +218,11 @@ def _pad_to(batch: dict[str, Tensor], rows: int, length: int) -> dict[str, Tenso
         grown = value.new_zeros((rows, length))
         grown[: value.shape[0], : value.shape[1]] = value
         padded[key] = grown
+    if "cu_seqlens" in batch:
+        cu_seqlens = batch["cu_seqlens"]
+        if int(cu_seqlens[-1]) < length:
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([length])])
+        padded["cu_seqlens"] = cu_seqlens
     return padded
 
 
@@ -218,7 +251,8 @@ def forward_outputs(
         length = max(shape[1] for shape in shapes)
         inputs = [_pad_to(mb, rows, length) for mb in microbatches]
     else:
-        inputs = [{k: mb[k] for k in _MODEL_INPUTS if k in mb} for mb in microbatches]
+        keys = _MODEL_INPUTS + _PACKING_INPUTS
+        inputs = [{k: mb[k] for k in keys if k in mb} for mb in microbatches]
 
     def loss_fn(batch: dict[str, Tensor], output: Tensor):
         results = output_fn(batch, output)

@@ -706,6 +706,85 @@ def _tensor_sizes(ctx: _Context) -> None:
         )
 
 
+def _token_batching(ctx: _Context) -> None:
+    """``sequence_packing`` and ``dynamic_batching`` (``algorithms.packing``): one at a time
+    (as in NeMo-RL), a known packing algorithm, token budgets that hold the longest sequence,
+    and the setups they cannot run in."""
+    packing_cfg = ctx.policy_cfg.get("sequence_packing") or {}
+    dynamic_cfg = ctx.policy_cfg.get("dynamic_batching") or {}
+    if not isinstance(packing_cfg, dict) or not isinstance(dynamic_cfg, dict):
+        return  # the schema reports it
+    packing_on, dynamic_on = bool(packing_cfg.get("enabled")), bool(dynamic_cfg.get("enabled"))
+    if packing_on and dynamic_on:
+        ctx.error(
+            f"{ctx.where}.sequence_packing: cannot be enabled together with "
+            f"{ctx.where}.dynamic_batching (as in NeMo-RL); disable one of them"
+        )
+        return
+    if not (packing_on or dynamic_on):
+        return
+    key = "sequence_packing" if packing_on else "dynamic_batching"
+    cfg = packing_cfg if packing_on else dynamic_cfg
+    if packing_on:
+        from nemo_rl_offload.algorithms.packing import PACKERS
+
+        algorithm = packing_cfg.get("algorithm")
+        if algorithm is not None and str(algorithm).lower() not in PACKERS:
+            ctx.error(
+                f"{ctx.where}.sequence_packing.algorithm: unknown packing algorithm "
+                f"{algorithm!r}; use one of {_fmt(PACKERS)}"
+            )
+    longest = ctx.policy_cfg.get("max_total_sequence_length")
+    multiple = ctx.policy_cfg.get("make_sequence_length_divisible_by") or 1
+    rounding = dynamic_cfg.get("sequence_length_round") or 1 if dynamic_on else 1
+    if _is_int(longest) and _is_int(multiple) and _is_int(rounding):
+        step = max(multiple, rounding)
+        need = -(-longest // step) * step
+        for budget in ("train_mb_tokens", "logprob_mb_tokens"):
+            value = cfg.get(budget)
+            if value is None:
+                continue
+            if not _is_int(value) or value < need:
+                ctx.error(
+                    f"{ctx.where}.{key}.{budget}: {value} cannot hold a sequence of "
+                    f"max_total_sequence_length {longest} (padded: {need}); set it to at "
+                    f"least {need}"
+                )
+    rounding_value = dynamic_cfg.get("sequence_length_round")
+    if (
+        dynamic_on
+        and rounding_value is not None
+        and not (_is_int(rounding_value) and rounding_value >= 1)
+    ):
+        ctx.error(
+            f"{ctx.where}.dynamic_batching.sequence_length_round: must be an integer >= 1 "
+            f"(got: {rounding_value})"
+        )
+    if packing_on and ctx.value("cuda_graph_impl") == "full_iteration":
+        ctx.error(
+            f"{ctx.where}.sequence_packing: cannot run with full_iteration CUDA graphs (the "
+            "boundaries of the packed sequences change every step and a captured graph would "
+            "replay the first step's); set cuda_graph_impl to none or disable packing"
+        )
+    pp = ctx.value("pipeline_model_parallel_size", 1)
+    if dynamic_on and _is_int(pp) and pp > 1:
+        ctx.error(
+            f"{ctx.where}.dynamic_batching: needs pipeline_model_parallel_size 1 (as in "
+            "NeMo-RL: the stages exchange micro-batches of one shape); use sequence_packing"
+        )
+
+
+def _logprob_chunk(ctx: _Context) -> None:
+    """``logprob_chunk_size`` (``models.chunked_logprobs``): positions per chunk, null for
+    none."""
+    chunk = ctx.policy_cfg.get("logprob_chunk_size")
+    if chunk is not None and not (_is_int(chunk) and chunk >= 1):
+        ctx.error(
+            f"{ctx.where}.logprob_chunk_size: must be an integer >= 1 (positions per chunk) or "
+            f"null for no chunking (got: {chunk})"
+        )
+
+
 _RULES = (
     _backend,
     _overrides,
@@ -722,4 +801,6 @@ _RULES = (
     _gradient_reduction,
     _environment,
     _tensor_sizes,
+    _token_batching,
+    _logprob_chunk,
 )

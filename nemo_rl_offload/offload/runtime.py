@@ -103,7 +103,14 @@ def pads_steps(offloading: bool, full_iteration_graphs: bool) -> bool:
 
 def step_buckets(policy_cfg: dict[str, Any]) -> tuple[list[int], bool]:
     """The length buckets a policy section's offloaded steps are padded to, and whether they
-    are the default (derived from its max_total_sequence_length and padding multiple)."""
+    are the default (derived from its max_total_sequence_length and padding multiple). With
+    sequence packing every training micro-batch is one pack of the same length, so that length
+    is the only bucket: one plan per micro-batch count."""
+    from nemo_rl_offload.algorithms.packing import pack_length
+
+    packed = pack_length(policy_cfg)
+    if packed is not None:
+        return [packed], False
     given = (policy_cfg.get("megatron_cfg") or {}).get("offload_sequence_length_buckets")
     if given:
         return list(given), False
@@ -128,16 +135,20 @@ def pad_microbatches(
     """Right-pad every per-token array (axis 1 is the sequence) to ``length`` with zeros.
 
     Zeros are safe: attention is causal, so right padding does not change earlier positions,
-    and padded positions have loss mask 0 (the losses ignore what padding holds there)."""
+    and padded positions have loss mask 0 (the losses ignore what padding holds there). A
+    packed micro-batch's padding becomes one more segment (``cu_seqlens``) of no sequence
+    (``segment_ids`` -1)."""
     padded = []
     for batch in microbatches:
         current = batch["input_ids"].shape[1]
         out = {}
         for key, value in batch.items():
-            if value.ndim >= 2 and value.shape[1] == current and current < length:
+            if key == "cu_seqlens" and current < length:
+                value = np.append(value, np.asarray(length, dtype=value.dtype))
+            elif value.ndim >= 2 and value.shape[1] == current and current < length:
                 widths = [(0, 0)] * value.ndim
                 widths[1] = (0, length - current)
-                value = np.pad(value, widths)
+                value = np.pad(value, widths, constant_values=-1 if key == "segment_ids" else 0)
             out[key] = value
         padded.append(out)
     return padded

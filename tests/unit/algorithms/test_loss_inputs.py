@@ -29,38 +29,43 @@ def test_generation_rows_sit_on_the_label_positions_of_the_response():
     np.testing.assert_allclose(mb["generation_logprobs"][1], [0, -0.3, -0.4, 0, 0])
 
 
-def _error_mbs() -> list[dict[str, np.ndarray]]:
-    mbs = batching.microbatches(_sequences(), 1, pad_id=0)
+def _error_inputs() -> tuple[list[np.ndarray], list[np.ndarray]]:
     generation = loss_inputs.generation_rows(_sequences(), [[-0.1, -0.2], [-0.3, -0.4]])
-    batching.attach_rows(mbs, "generation_logprobs", generation)
-    old = [row.copy() for row in generation]
+    old = [np.concatenate([row, [0.0, 0.0]]) for row in generation]  # a padded pass's rows
     old[1][1:3] += [1.0, 0.0]  # the second sequence: errors e^1 and 1
-    batching.attach_rows(mbs, "old_logprobs", old)
-    return mbs
+    return generation, old
 
 
-def test_seq_logprob_error_is_measured_and_masks_above_the_threshold():
-    mbs = _error_mbs()
-    metrics = loss_inputs.seq_logprob_error(mbs, [1.0, 1.0], None)
+def test_seq_logprob_error_is_measured_and_names_the_sequences_above_the_threshold():
+    generation, old = _error_inputs()
+    metrics, dropped = loss_inputs.seq_logprob_error(
+        _sequences(), generation, old, [1.0, 1.0], None
+    )
     high = (math.e + 1) / 2
     assert metrics["max_seq_mult_prob_error"] == pytest.approx(high, rel=1e-6)
     assert metrics["min_seq_mult_prob_error"] == pytest.approx(1.0)
-    assert mbs[1]["loss_mask"].sum() == 2  # no threshold: nothing leaves
+    assert dropped == []  # no threshold: nothing leaves
 
-    metrics = loss_inputs.seq_logprob_error(mbs, [1.0, 1.0], 1.5)
-    assert mbs[0]["loss_mask"].sum() == 2 and mbs[1]["loss_mask"].sum() == 0
+    metrics, dropped = loss_inputs.seq_logprob_error(_sequences(), generation, old, [1.0, 1.0], 1.5)
+    assert dropped == [1]
     assert metrics["num_masked_seqs_by_logprob_error"] == 1.0
     assert metrics["masked_correct_pct"] == 1.0
     assert metrics["max_seq_mult_prob_error_after_mask"] == pytest.approx(1.0)
 
 
+def test_a_sequence_that_does_not_train_has_no_error_to_measure():
+    generation, old = _error_inputs()
+    sequences = _sequences()
+    sequences[1].loss_multiplier = 0.0  # e.g. cut by data.max_input_seq_length
+    metrics, dropped = loss_inputs.seq_logprob_error(sequences, generation, old, [1.0, 1.0], 1.5)
+    assert dropped == [] and metrics["max_seq_mult_prob_error"] == pytest.approx(1.0)
+
+
 def test_positive_nll_scale_makes_the_term_a_mean_over_positive_tokens():
-    mbs = batching.microbatches(_sequences(), 1, pad_id=0)  # 2 + 2 response tokens
-    loss_inputs.attach_positive_nll(mbs, [1.0, 0.0], token_level=True)
-    assert [mb["rewards"].tolist() for mb in mbs] == [[1.0], [0.0]]
-    assert mbs[0]["positive_nll_scale"].tolist() == [2.0]  # 4 counted tokens / 2 positive
-    loss_inputs.attach_positive_nll(mbs, [1.0, 0.0], token_level=False)
-    assert mbs[1]["positive_nll_scale"].tolist() == [1.0]  # 2 sequences / 2 positive tokens
+    sequences = _sequences()  # 2 + 2 response tokens
+    assert loss_inputs.positive_nll_scale(sequences, [1.0, 0.0], token_level=True) == 2.0
+    assert loss_inputs.positive_nll_scale(sequences, [1.0, 0.0], token_level=False) == 1.0
+    assert loss_inputs.positive_nll_scale(sequences, [0.0, 0.0], token_level=True) == 0.0
 
 
 def test_use_kl_in_reward_takes_the_kl_out_of_grpo():

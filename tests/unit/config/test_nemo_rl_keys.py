@@ -80,21 +80,6 @@ WARNED = [
         ["policy.dtensor_cfg"],
     ),
     (
-        {"policy": {"sequence_packing": {"enabled": False}}},
-        {"policy": {"sequence_packing": {"enabled": True, "train_mb_tokens": 4096}}},
-        ["policy.sequence_packing"],
-    ),
-    (
-        {"policy": {"dynamic_batching": {"enabled": False}}},
-        {"policy": {"dynamic_batching": {"enabled": True}}},
-        ["policy.dynamic_batching"],
-    ),
-    (
-        {"policy": {"logprob_chunk_size": None}},
-        {"policy": {"logprob_chunk_size": 2048}},
-        ["policy.logprob_chunk_size"],
-    ),
-    (
         {"checkpointing": {"save_optimizer": True, "model_save_format": "safetensors"}},
         {"checkpointing": {"save_optimizer": False, "model_save_format": "torch_save"}},
         ["checkpointing.save_optimizer", "checkpointing.model_save_format"],

@@ -94,11 +94,22 @@ def test_dropout_applies_in_training_only(megatron_cpu):
     torch.testing.assert_close(noisy.eval()(q, k, v, None), expected)
 
 
-def test_packed_sequences_are_rejected_clearly(megatron_cpu):
+def test_packed_layouts_other_than_thd_without_gaps_are_rejected_clearly(megatron_cpu):
+    """THD packs are attended per segment (test_packed_sequences.py); other packed formats and
+    padding between packed sequences are not supported and say so."""
     sdpa, _ = _pair()
     q, k, v = _qkv(4, 4)
-    with pytest.raises(NotImplementedError, match="packed_seq_params"):
-        sdpa(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="only 'thd'"):
+        sdpa(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    gaps = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=torch.tensor([0, 3, 4], dtype=torch.int32),
+    )
+    with pytest.raises(NotImplementedError, match="padding between packed sequences"):
+        sdpa(q, k, v, None, packed_seq_params=gaps)
 
 
 def test_whole_model_equals_local_attention_model(build_tiny):

@@ -149,3 +149,92 @@ def test_fgo_model_trains_and_offloads_on_gpu(megatron_gpu, preset):
     assert losses[-1] < losses[0] - 0.5, losses
     offloaded = PipelineOffloadManager.get_instance().offload_summary_bytes
     assert sum(offloaded.values()) > 0, offloaded
+
+
+def _packed_params(bounds, device="cuda"):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+
+
+def test_packed_attention_uses_varlen_flash_and_equals_per_segment_attention(megatron_gpu):
+    """Sequence packing on GPU: torch's variable-length flash kernel (bf16) against one SDPA
+    call per segment, forward and backward."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_rl_offload.models.attention import SDPACoreAttention
+
+    heads, groups, dim = 8, 2, 64
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        attention_dropout=0.0,
+    )
+    attention = SDPACoreAttention(config, 1, AttnMaskType.causal, "self").cuda()
+    params = _packed_params([0, 100, 101, 357, 512])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    opts = {"device": "cuda", "dtype": torch.bfloat16, "generator": g}
+    q = torch.randn(512, heads, dim, **opts).requires_grad_()
+    k = torch.randn(512, groups, dim, **opts).requires_grad_()
+    v = torch.randn(512, groups, dim, **opts).requires_grad_()
+    assert attention._varlen_usable(q, 0.0)
+    out = attention(q, k, v, None, packed_seq_params=params)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    attention._varlen_usable = lambda *args: False  # the per-segment path
+    ref = attention(q, k, v, None, packed_seq_params=params)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    for grad, expected in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, expected, atol=5e-2, rtol=5e-2)
+
+
+def test_a_packed_bf16_model_gives_the_padded_token_losses_on_gpu(megatron_gpu):
+    """The whole model on GPU in bf16 (varlen attention, RoPE restarting per sequence)."""
+    import numpy as np
+    from megatron.core.transformer.module import Float16Module
+
+    from nemo_rl_offload.algorithms import packing
+    from nemo_rl_offload.algorithms.batching import TokenSequence, make_microbatch
+    from nemo_rl_offload.models.train_step import forward_outputs
+
+    model, _ = _build(precision="bfloat16")
+    model = Float16Module(model.config, model)
+    rng = np.random.default_rng(0)
+    sequences = [TokenSequence([int(t) for t in rng.integers(1, 384, n)], 2) for n in (70, 9, 45)]
+    padded = make_microbatch(sequences, pad_id=0)
+    packed = packing.pack_microbatch(sequences, pad_id=0, length=128)
+    keys = ("input_ids", "labels", "position_ids", "cu_seqlens")
+    to_gpu = lambda mb: {k: torch.tensor(mb[k]).cuda() for k in keys if k in mb}  # noqa: E731
+    loss = lambda batch, output: {"loss": output.float()}  # noqa: E731
+    (rows,) = forward_outputs(model, [to_gpu(padded)], loss)
+    (pack,) = forward_outputs(model, [to_gpu(packed)], loss)
+    start = 0
+    for row, seq in enumerate(sequences):
+        n = len(seq.ids) - 1
+        torch.testing.assert_close(
+            pack["loss"][0, start : start + n], rows["loss"][row, :n], atol=5e-2, rtol=5e-2
+        )
+        start += n + 1
+
+
+def test_chunked_label_loss_equals_megatrons_on_gpu_in_bf16(megatron_gpu):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from nemo_rl_offload.models.chunked_logprobs import chunked_label_loss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (4 * torch.randn(300, 2, 1000, device="cuda", generator=g)).to(torch.bfloat16)
+    labels = torch.randint(0, 1000, (2, 300), device="cuda", generator=g)
+    expected = vocab_parallel_cross_entropy(logits.clone(), labels.t().contiguous()).t()
+    torch.testing.assert_close(chunked_label_loss(labels, logits, 64), expected.float())

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from support.fake_offload import FakeManager as _FakeManager
+from support.fake_offload import fake_plans as _fake_plans
 
 from nemo_rl_offload.offload import owned, runtime
 
@@ -32,33 +34,6 @@ def test_plan_metrics_count_every_microbatch_and_skip_groups_kept_on_gpu():
     assert metrics["pinned_host_gib"] == 2 * 2**20 / 2**30
 
 
-class _FakeManager:
-    """The runtime's OwnedOffloadManager as the runtime sees it (Megatron's constructor needs
-    CUDA streams), installed in a class-level singleton as in Megatron's manager class."""
-
-    OFFLOAD_MGR = None
-    made = 0
-
-    def __init__(self, choices=None, pool=None) -> None:
-        type(self).made += 1
-        self.enabled = True
-        self.choices = choices
-        self._cached_chunks_forward = []
-        self.cpu_tensor_pool = pool
-
-    @classmethod
-    def get_instance(cls):
-        if cls.OFFLOAD_MGR is None:
-            cls.OFFLOAD_MGR = cls()
-        return cls.OFFLOAD_MGR
-
-    def disable_offload(self):
-        self.enabled = False
-
-    def enable_offload(self):
-        self.enabled = True
-
-
 def _runtime(
     monkeypatch,
     on: bool = True,
@@ -68,21 +43,6 @@ def _runtime(
     _fake_plans(monkeypatch)
     config = SimpleNamespace(fine_grained_activation_offloading=on)
     return runtime.OffloadRuntime(config, host_budget_bytes=budget, sequence_buckets=buckets)
-
-
-def _fake_plans(monkeypatch) -> None:
-    """Plans made as the runtime makes them, of :class:`_FakeManager`, sharing the runtime's
-    own pool (unpinned: there is no GPU)."""
-    monkeypatch.setattr(runtime.OffloadRuntime, "_manager", staticmethod(lambda: _FakeManager))
-    monkeypatch.setattr(
-        runtime.OffloadRuntime, "_new_manager", lambda rt: _FakeManager(rt.choices, rt._pool)
-    )
-    monkeypatch.setattr(
-        runtime.OffloadRuntime,
-        "_new_pool",
-        lambda rt: owned.OwnedHostPool(lean=rt.choices.lean_hooks, device="cpu", pin_memory=False),
-    )
-    _FakeManager.OFFLOAD_MGR, _FakeManager.made = None, 0
 
 
 KIB = 2**10
