@@ -25,6 +25,7 @@ keep memory linear in the pack's length: no [tokens x tokens] mask is ever built
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -196,6 +197,17 @@ class SDPACoreAttention(MegatronModule):
             from torch.nn.attention.varlen import varlen_attn
 
             max_len = int(params.max_seqlen_q or query.size(0))
+            accepts = _varlen_keywords()
+            options: dict[str, object] = {"scale": self.softmax_scale}
+            if "window_size" in accepts:
+                options["window_size"] = (-1, 0)  # causal
+            else:
+                options["is_causal"] = True
+            if grouped and "enable_gqa" in accepts:
+                options["enable_gqa"] = True
+            elif grouped:  # Megatron's mapping: query head i reads key/value group i // ratio
+                ratio = query.size(1) // key.size(1)
+                key, value = (t.repeat_interleave(ratio, dim=1) for t in (key, value))
             context = varlen_attn(
                 query.contiguous(),
                 key.contiguous(),
@@ -204,9 +216,7 @@ class SDPACoreAttention(MegatronModule):
                 cu_kv.to(torch.int32),
                 max_len,
                 max_len,
-                scale=self.softmax_scale,
-                window_size=(-1, 0),  # causal
-                enable_gqa=grouped,
+                **options,
             )
             return context.reshape(query.size(0), -1)
         rng = (
@@ -250,4 +260,17 @@ class SDPACoreAttention(MegatronModule):
             from torch.nn.attention import varlen  # noqa: F401
         except ImportError:
             return False
-        return True
+        accepts = _varlen_keywords()
+        return "window_size" in accepts or "is_causal" in accepts
+
+
+@functools.cache
+def _varlen_keywords() -> frozenset[str]:
+    """The keyword arguments of the installed torch's ``varlen_attn``: its signature changed
+    between torch releases (causality as ``is_causal`` or as a ``window_size``; grouped-query
+    attention as ``enable_gqa`` or not at all), so each call passes what this torch takes."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
