@@ -356,6 +356,8 @@ def check_recipe(
         report.warnings += loss_warnings
     if algorithm == "grpo" and isinstance(recipe.get("grpo"), dict):
         report.errors += grpo_options.check(recipe["grpo"])
+        if isinstance(recipe.get("policy"), dict):
+            report.warnings += grpo_options.sampling_warnings(recipe["policy"])
     unused_errors, unused_warnings = ignored_keys.check(recipe, starting=starting)
     report.errors += unused_errors
     report.warnings += unused_warnings

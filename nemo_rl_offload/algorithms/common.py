@@ -522,10 +522,12 @@ class Run:
         trainable: bool,
         with_reference: bool = False,
         gpu_fraction: float = 1.0,
+        logits_temperature: float = 1.0,
     ) -> PolicyGroup:
         """The workers of one policy section (``policy`` or ``teacher``), set up and ready;
         their environment carries what the offload rules require, and their warnings (e.g.
-        offloading not applied on CPU) are shown."""
+        offloading not applied on CPU) are shown. ``logits_temperature``: the temperature of
+        the distribution the workers' log-probabilities are taken from (GRPO's sampling one)."""
         group = PolicyGroup(
             self.recipe[where],
             where=where,
@@ -535,6 +537,7 @@ class Run:
             with_reference=with_reference,
             env_vars=self.report.worker_environment(where) or None,
             gpu_fraction=gpu_fraction,
+            logits_temperature=logits_temperature,
         )
         for line in group.warnings:
             print(f"warning: {line}", file=sys.stderr)

@@ -327,7 +327,13 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
         error_threshold = cfg.get("seq_logprob_error_threshold")
         run.connect()
         policy = run.start_group(
-            "policy", seed=seed, trainable=True, with_reference=holds_reference(run.recipe, "grpo")
+            "policy",
+            seed=seed,
+            trainable=True,
+            with_reference=holds_reference(run.recipe, "grpo"),
+            # NeMo-RL's training, old and reference log-probabilities are of the sampling
+            # distribution's temperature (top-k / top-p are not applied to them here)
+            logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
         )
         run.restore(policy)
         env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})

@@ -52,6 +52,27 @@ def check(grpo: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def sampling_warnings(policy: Mapping[str, Any]) -> list[str]:
+    """GRPO's log-probabilities are of the tempered distribution on both sides (sampler and
+    training), but neither side applies top-k / top-p, where NeMo-RL filters the policy's
+    training-time log-probabilities: say so where the recipe sets them."""
+    generation = policy.get("generation")
+    if not isinstance(generation, Mapping):
+        return []
+    top_k, top_p = generation.get("top_k"), generation.get("top_p")
+    filtered = [
+        name
+        for name, value, off in (("top_k", top_k, (None, 0, -1)), ("top_p", top_p, (None, 1.0)))
+        if value not in off
+    ]
+    return [
+        f"warning: policy.generation.{name}: sampling uses it, but GRPO's importance ratios and "
+        "KL here are of the tempered distribution without it (NeMo-RL also filters the "
+        "policy's training log-probabilities); leave it unset for NeMo-RL's exact ratios"
+        for name in filtered
+    ]
+
+
 def _check_advantage_clip(grpo: Mapping[str, Any]) -> list[str]:
     low, high = grpo.get("advantage_clip_low"), grpo.get("advantage_clip_high")
     if _number(low) and _number(high) and low > high:

@@ -59,6 +59,7 @@ class PolicyGroup:
         with_reference: bool = False,
         env_vars: dict[str, str] | None = None,
         gpu_fraction: float = 1.0,
+        logits_temperature: float = 1.0,
     ) -> None:
         num_workers, self.on_gpu = worker_count(cluster_cfg)
         self.where, self.holds_reference = where, with_reference
@@ -78,6 +79,7 @@ class PolicyGroup:
                 "on_gpu": self.on_gpu,
                 "trainable": trainable,
                 "with_reference": with_reference,
+                "logits_temperature": logits_temperature,
             },
         )
         address, port = self.group.run_on(0, "node_address")

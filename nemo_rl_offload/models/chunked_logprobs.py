@@ -1,4 +1,5 @@
-"""``policy.logprob_chunk_size``: label log-probabilities in chunks of the sequence.
+"""``policy.logprob_chunk_size``: label log-probabilities in chunks of the sequence; and
+GRPO's sampling temperature on the logits they come from (:func:`install`).
 
 Why: the model's per-token loss (minus each label's log-probability, what every algorithm's
 token log-probs and the SFT, GRPO and DPO losses come from) is Megatron's vocab-parallel cross
@@ -91,17 +92,25 @@ def chunked_label_loss(labels: Tensor, logits: Tensor, chunk: int) -> Tensor:
     return (-logprobs).transpose(0, 1).contiguous()
 
 
-def install(model: Any, chunk: int | None) -> None:
+def install(model: Any, chunk: int | None, temperature: float = 1.0) -> None:
     """Make ``model`` (a GPTModel, or a wrapper around one) compute its per-token loss in
-    chunks of ``chunk`` positions; None or 0 leaves it as it is."""
-    if not chunk:
+    chunks of ``chunk`` positions, and of the logits divided by ``temperature``: the
+    distribution GRPO's sampler draws from, whose log-probabilities NeMo-RL's training, old
+    and reference passes take (its ``apply_temperature_scaling``). None or 0 and 1.0 leave the
+    model as it is."""
+    if not chunk and temperature == 1.0:
         return
     inner = model
     while hasattr(inner, "module"):
         inner = inner.module
+    plain = inner.compute_language_model_loss  # Megatron's, bound to this model
 
     def compute_language_model_loss(self: Any, labels: Tensor, logits: Tensor) -> Tensor:
-        return chunked_label_loss(labels, logits, chunk)
+        if temperature != 1.0:
+            logits = logits / temperature
+        if chunk:
+            return chunked_label_loss(labels, logits, chunk)
+        return plain(labels, logits)
 
     inner.compute_language_model_loss = types.MethodType(compute_language_model_loss, inner)
 

@@ -10,10 +10,11 @@ logits are broadcast to the other stages, and every rank draws with the same gen
 so all tensor- and pipeline-parallel ranks agree on each token.
 
 Each sampled token comes with its log-probability under the model (:class:`Generated`): the
-log-softmax of the raw next-token logits over the model's whole vocabulary, before temperature,
-top-k and top-p, which is what the training forward computes for the same token (it applies no
-sampling settings). GRPO compares the two (importance sampling, the sequence log-probability
-error); another engine (e.g. one with a KV cache) returns the same pair.
+log-softmax over the model's whole vocabulary of the next-token logits divided by the sampling
+temperature (raw logits when greedy), before top-k and top-p: what GRPO's training forward
+computes for the same token (it takes the temperature too, as NeMo-RL's does, and no filter).
+GRPO compares the two (importance sampling, the sequence log-probability error); another engine
+(e.g. one with a KV cache) returns the same pair.
 """
 
 from __future__ import annotations
@@ -156,7 +157,10 @@ def sample(
             probs = torch.softmax(_filter_logits(logits, settings), dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         token = torch.where(done, torch.full_like(token, pad_id), token)
-        chosen = full.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(full, dim=-1)
+        scaled = full if settings.greedy else full / max(settings.temperature, 1e-6)
+        chosen = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
+            scaled, dim=-1
+        )
         ids[rows, lengths] = token
         logprobs[rows, lengths] = chosen
         lengths = torch.where(done, lengths, lengths + 1)

@@ -125,8 +125,12 @@ class PolicyWorker:
         on_gpu: bool,
         trainable: bool = True,
         with_reference: bool = False,
+        logits_temperature: float = 1.0,
     ) -> None:
         self.section, self.where = section, where
+        # GRPO's sampling temperature: its log-probabilities (training, old, reference) are
+        # those of logits / temperature, as the sampler's (chunked_logprobs.install).
+        self.logits_temperature = logits_temperature
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.on_gpu, self.trainable, self.with_reference = on_gpu, trainable, with_reference
         self.model: Any = None
@@ -222,10 +226,11 @@ class PolicyWorker:
             strided_copies=not is_moe or self.graphs is not None,
         )
         # policy.logprob_chunk_size: the labels' log-probabilities in chunks of the sequence.
-        install_chunked_logprobs(model, self.section.get("logprob_chunk_size"))
+        chunk = self.section.get("logprob_chunk_size")
+        install_chunked_logprobs(model, chunk, self.logits_temperature)
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
-            install_chunked_logprobs(reference, self.section.get("logprob_chunk_size"))
+            install_chunked_logprobs(reference, chunk, self.logits_temperature)
             reference.load_state_dict(model.state_dict())
             reference.config.fine_grained_activation_offloading = False
             self.reference = self._precision_wrap(reference).eval()

@@ -106,3 +106,18 @@ def test_the_checks_leave_wrongly_typed_values_to_the_schema():
     assert (
         grpo_options.check({"batch_multiplier": "2", "val_num_generations_per_prompt": "x"}) == []
     )
+
+
+def test_top_k_and_top_p_are_said_to_stay_out_of_the_ratios():
+    def lines(report) -> list[str]:
+        return [w for w in report.warnings if w.startswith("warning: policy.generation.top_")]
+
+    assert lines(report_for()) == []
+    assert (
+        lines(report_for("++policy.generation.top_k=null", "++policy.generation.top_p=1.0")) == []
+    )
+    warned = lines(report_for("++policy.generation.top_k=20", "++policy.generation.top_p=0.9"))
+    assert [w.split(":")[1].strip() for w in warned] == [
+        "policy.generation.top_k",
+        "policy.generation.top_p",
+    ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nemo_rl_offload.models.chunked_logprobs import install
 from nemo_rl_offload.models.generation import Generated, SamplingSettings, sample
 
 PROMPTS = [[5, 17, 3, 9], [8, 2], [30, 31, 32]]
@@ -34,6 +35,8 @@ def _training_logprobs(model, prompt: list[int], response: list[int]) -> torch.T
 )
 def test_generation_logprobs_equal_the_training_forward(build_tiny, settings):
     model, _ = build_tiny("tiny-dense")
+    if not settings.greedy:  # the policy workers' GRPO forward: logits / sampling temperature
+        install(model, None, settings.temperature)
     generated = sample(
         model,
         PROMPTS,
@@ -49,3 +52,21 @@ def test_generation_logprobs_equal_the_training_forward(build_tiny, settings):
         assert all(lp < 0 for lp in g.logprobs)
         expected = _training_logprobs(model, prompt, g.ids)
         torch.testing.assert_close(torch.tensor(g.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_a_sampling_temperature_changes_the_training_log_probabilities(build_tiny):
+    """The temperature the workers take (GRPO's) is the one the logits are divided by: the
+    log-probabilities of logits / T, not the raw ones."""
+    model, _ = build_tiny("tiny-dense")
+    prompt, response = PROMPTS[0], [4, 11, 6]
+    raw = _training_logprobs(model, prompt, response)
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[0].float()
+    start = len(prompt) - 1
+    wanted = torch.log_softmax(logits / 0.5, dim=-1)[start : start + len(response)]
+    expected = wanted.gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+    install(model, None, 0.5)
+    tempered = _training_logprobs(model, prompt, response)
+    torch.testing.assert_close(tempered, expected, atol=1e-4, rtol=0)
+    assert (tempered - raw).abs().max() > 1e-2
