@@ -277,12 +277,19 @@ def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Re
         )
         tp = megatron.get("tensor_model_parallel_size", 1)
         micro = section.get("train_micro_batch_size")
-        if isinstance(rows, int) and isinstance(tp, int) and tp >= 4 and rows != micro:
+        forced = ((recipe.get("loss_fn") or {}).get("force_on_policy_ratio") is True) and (
+            algorithm == "grpo"
+        )
+        waived = forced or bool(os.environ.get("NRL_IGNORE_TP_ACCURACY_CHECK"))
+        differs = isinstance(rows, int) and isinstance(tp, int) and tp >= 4 and rows != micro
+        if differs and not waived:
             report.errors.append(
                 f"{where}.logprob_batch_size: {rows} differs from train_micro_batch_size "
-                f"{micro} at tensor parallel size {tp}: at TP >= 4 results depend on the batch "
-                "size, so the log-probabilities of the ratio's old policy would not be the "
-                "training pass's (NeMo-RL refuses this too); set them equal"
+                f"{micro} at tensor parallel size {tp}: at TP >= 4 results depend on the "
+                "batch size, so the log-probabilities of the ratio's old policy would not "
+                "be the training pass's (NeMo-RL refuses this too); set them equal, or "
+                "loss_fn.force_on_policy_ratio: true (ratio 1), or set "
+                "NRL_IGNORE_TP_ACCURACY_CHECK=1 to accept it"
             )
     policy = recipe.get("policy") if isinstance(recipe.get("policy"), dict) else {}
     if algorithm == "dpo":

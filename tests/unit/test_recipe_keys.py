@@ -72,6 +72,23 @@ def test_logprob_batch_size_must_be_positive_and_matches_at_tp4():
     assert any(line.startswith("policy.logprob_batch_size: 64 differs") for line in tp4.errors)
     same = report_for("grpo", "++policy.megatron_cfg.tensor_model_parallel_size=4")
     assert not lines_about(same, "logprob_batch_size")
+    # NeMo-RL's ways out: a forced on-policy ratio reads no old log-probabilities, and its
+    # environment switch accepts the difference
+    forced = report_for(
+        "grpo",
+        "policy.logprob_batch_size=64",
+        "++policy.megatron_cfg.tensor_model_parallel_size=4",
+        "++loss_fn.force_on_policy_ratio=true",
+    )
+    assert not lines_about(forced, "logprob_batch_size")
+
+
+def test_nemo_rls_switch_accepts_a_logprob_batch_size_that_differs_at_tp4(monkeypatch):
+    monkeypatch.setenv("NRL_IGNORE_TP_ACCURACY_CHECK", "1")
+    report = report_for(
+        "grpo", "policy.logprob_batch_size=64", "++policy.megatron_cfg.tensor_model_parallel_size=4"
+    )
+    assert not lines_about(report, "logprob_batch_size")
 
 
 def test_max_input_seq_length_over_the_total_warns_and_below_one_is_refused():
