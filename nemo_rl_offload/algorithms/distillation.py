@@ -98,20 +98,21 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
         }
         sampler = run.sampler(len(train), seed)
         val_answers = [str(v["answer"]) for v in val_raw]
-        if cfg.get("val_at_start") and run.start_step == 0:
-            run.logger.log(
-                0,
-                validate(
-                    run,
-                    policy,
-                    env,
-                    val,
-                    val_answers,
-                    seed,
-                    samples_per_prompt=VAL_SAMPLES_PER_PROMPT,
-                ),
-                phase="val",
+
+        def validate_at(step: int) -> dict[str, float]:
+            return validate(
+                run,
+                policy,
+                env,
+                val,
+                val_answers,
+                seed,
+                step=step,
+                samples_per_prompt=VAL_SAMPLES_PER_PROMPT,
             )
+
+        if cfg.get("val_at_start") and run.start_step == 0:
+            run.logger.log(0, validate_at(0), phase="val")
         for step in run.steps():
             if sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)):
                 break
@@ -161,16 +162,7 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
                 sampler.position,
                 val_period=int(cfg["val_period"]),
                 data_done=sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)),
-                validate=lambda step=step: validate(
-                    run,
-                    policy,
-                    env,
-                    val,
-                    val_answers,
-                    seed,
-                    step=step,
-                    samples_per_prompt=VAL_SAMPLES_PER_PROMPT,
-                ),
+                validate=lambda step=step: validate_at(step),
             )
         run.finish(policy)
         return 0

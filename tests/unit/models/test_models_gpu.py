@@ -152,17 +152,9 @@ def test_fgo_model_trains_and_offloads_on_gpu(megatron_gpu, preset):
 
 
 def _packed_params(bounds, device="cuda"):
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from nemo_rl_offload.models.train_step import packed_seq_params
 
-    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
+    return packed_seq_params({"cu_seqlens": torch.tensor(bounds, device=device)})
 
 
 def test_packed_attention_uses_varlen_flash_and_equals_per_segment_attention(megatron_gpu):

@@ -16,7 +16,7 @@ from nemo_rl_offload import losses
 from nemo_rl_offload.algorithms import packing
 from nemo_rl_offload.algorithms.batching import TokenSequence, microbatches
 from nemo_rl_offload.models.attention import SDPACoreAttention
-from nemo_rl_offload.models.train_step import run_microbatches
+from nemo_rl_offload.models.train_step import packed_seq_params, run_microbatches
 from nemo_rl_offload.offload import runtime
 
 HEADS, GROUPS, HEAD_DIM = 4, 2, 16
@@ -37,15 +37,7 @@ def _attention(**config):
 
 
 def _params(bounds: list[int]) -> PackedSeqParams:
-    cu = torch.tensor(bounds, dtype=torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        max_seqlen_q=longest,
-        max_seqlen_kv=longest,
-    )
+    return packed_seq_params({"cu_seqlens": torch.tensor(bounds)})
 
 
 def test_packed_attention_equals_each_sequence_attended_alone(megatron_cpu):
