@@ -82,6 +82,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 from support.fake_streams import FakeCuda, Race
 
@@ -318,3 +319,55 @@ def test_a_captured_step_keeps_every_edge(monkeypatch, path):
     assert not any(site.startswith(f"{_LEAN}._lean") for _, site in sites)
     assert ("wait_stream", f"{_MEGATRON}.on_group_commit_forward") in sites
     assert ("wait", f"{_MEGATRON}.on_group_commit_backward") in sites
+
+
+# --- the checker itself ----------------------------------------------------------------------
+
+
+def _offload_one(
+    monkeypatch: pytest.MonkeyPatch, order: Callable[[FakeCuda, Any, Any], None]
+) -> list[str]:
+    """An activation computed, copied to the host on a side stream (after ``order`` ordered
+    the streams), dropped, and its memory taken by the next activation: the edges missing."""
+    cuda = FakeCuda()
+    cuda.install(monkeypatch)
+    with cuda.active():
+        d2h = torch.cuda.Stream()
+        produced = cuda.produce(SHAPE, "x")
+        host = torch.empty(SHAPE)
+        order(cuda, d2h, produced)
+        with torch.cuda.stream(d2h):
+            host.copy_(produced)
+        produced.record_stream(d2h)
+        cuda.free(produced)
+        cuda.produce(SHAPE, "next")
+    return sorted(_by_edge(cuda.races()))
+
+
+def test_the_checker_sees_a_copy_that_no_wait_ordered(monkeypatch):
+    def wait_stream(cuda: FakeCuda, d2h: Any, produced: Any) -> None:
+        d2h.wait_stream(torch.cuda.current_stream())
+
+    def wait_event(cuda: FakeCuda, d2h: Any, produced: Any) -> None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        d2h.wait_event(event)
+
+    def unrecorded_event(cuda: FakeCuda, d2h: Any, produced: Any) -> None:
+        d2h.wait_event(torch.cuda.Event())  # nothing recorded: nothing to wait for
+
+    assert _offload_one(monkeypatch, wait_stream) == []
+    assert _offload_one(monkeypatch, wait_event) == []
+    assert _offload_one(monkeypatch, unrecorded_event) == [OFFLOAD]
+    assert _offload_one(monkeypatch, lambda *_: None) == [OFFLOAD]
+
+
+def test_the_checker_sees_memory_reused_before_a_copy_ends(monkeypatch):
+    """Without ``record_stream`` on the copy's stream, the allocator may give the activation's
+    memory to the next one while the copy still reads it."""
+
+    def wait_stream(cuda: FakeCuda, d2h: Any, produced: Any) -> None:
+        d2h.wait_stream(torch.cuda.current_stream())
+        cuda.drop.add(("record_stream", "test"))
+
+    assert _offload_one(monkeypatch, wait_stream) == [RELEASE_OFFLOADED]
