@@ -48,6 +48,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     worker_env: dict[str, str] = field(default_factory=dict)
     sections: list[SectionSettings] = field(default_factory=list)
+    # Sections written for NeMo-RL's DTensor backend, whose megatron_cfg here is the mapped one.
+    dtensor_sections: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -345,6 +347,7 @@ def check_recipe(
     recipe = report.recipe = mapped.recipe
     report.errors += mapped.errors
     report.warnings += mapped.warnings
+    report.dtensor_sections = mapped.sections
     policy = recipe.get("policy")
     megatron_cfg = policy.get("megatron_cfg") if isinstance(policy, dict) else None
     if isinstance(megatron_cfg, dict) and "optimizer" not in megatron_cfg:

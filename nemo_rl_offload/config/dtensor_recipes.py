@@ -57,6 +57,9 @@ KEPT_MEGATRON_KEYS = (
     "cuda_graph_warmup_steps",
     "transformer_impl",
 )
+# Kernel choices among model_overrides that change no trained number (up to rounding): the
+# grouped expert GEMM, which the planner turns on for its measurements of MoE models.
+KEPT_MODEL_OVERRIDES = ("moe_grouped_gemm",)
 _FIX_SCHEDULE = (
     "use a LinearLR warm-up (end_factor 1.0) followed by at most one of ConstantLR "
     "(factor 1.0), LinearLR (start_factor 1.0) or CosineAnnealingLR, with milestones at the "
@@ -329,6 +332,7 @@ class Mapped:
     recipe: dict[str, Any]
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    sections: list[str] = field(default_factory=list)  # the rewritten ones
 
 
 def _run_length(recipe: Mapping[str, Any]) -> int | None:
@@ -345,6 +349,13 @@ def _section(recipe: Mapping[str, Any], where: str, out: Mapped) -> dict[str, An
     d = f"{where}.dtensor_cfg"
     inactive = recipe[where]["megatron_cfg"]
     megatron: dict[str, Any] = {k: inactive[k] for k in KEPT_MEGATRON_KEYS if k in inactive}
+    kernels = {
+        k: v
+        for k, v in (inactive.get("model_overrides") or {}).items()
+        if k in KEPT_MODEL_OVERRIDES
+    }
+    if kernels:
+        megatron["model_overrides"] = kernels
     megatron["enabled"] = True
     tp = dtensor.get("tensor_parallel_size", 1)
     cp = dtensor.get("context_parallel_size", 1)
@@ -390,7 +401,8 @@ def _section(recipe: Mapping[str, Any], where: str, out: Mapped) -> dict[str, An
         f"warning: {d}: NeMo-RL's DTensor settings run on megatron-core here, as "
         f"{where}.megatron_cfg with {shown} (pipeline and expert parallel size 1); the "
         f"recipe's inactive {where}.megatron_cfg is not read, as in NeMo-RL, but for this "
-        "backend's offloading, CUDA-graph and layer-implementation knobs"
+        "backend's speed knobs (offloading, CUDA graphs, layer implementation, grouped expert "
+        "GEMM)"
     )
     return megatron
 
@@ -462,4 +474,5 @@ def to_megatron(recipe: dict[str, Any]) -> Mapped:
         if out.recipe is recipe:
             out.recipe = copy.deepcopy(recipe)
         out.recipe[where]["megatron_cfg"] = _section(out.recipe, where, out)
+        out.sections.append(where)
     return out

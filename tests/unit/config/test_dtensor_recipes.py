@@ -450,3 +450,25 @@ def test_the_tiny_sft_recipe_written_dtensor_style_validates(tmp_path, monkeypat
     optimizer = report.recipe["policy"]["megatron_cfg"]["optimizer"]
     assert optimizer["lr"] == 3e-3 and optimizer["weight_decay"] == 0.0
     assert report.recipe["policy"]["megatron_cfg"]["scheduler"]["lr_warmup_iters"] == 1
+
+
+def test_the_grouped_expert_gemm_choice_stays_and_other_model_overrides_do_not():
+    section = _section()
+    section["megatron_cfg"]["model_overrides"] = {"moe_grouped_gemm": True, "num_layers": 99}
+    megatron = to_megatron({"policy": section}).recipe["policy"]["megatron_cfg"]
+    assert megatron["model_overrides"] == {"moe_grouped_gemm": True}
+
+
+def test_the_planners_full_recompute_plan_sets_dtensor_cfgs_switch():
+    from nemo_rl_offload.planner import Candidate, retarget
+
+    lines = Candidate((), 1.0, None, full_recompute=True).overrides()
+    assert retarget(lines, False) == lines
+    assert retarget(lines, True) == [
+        "policy.megatron_cfg.fine_grained_activation_offloading=false",
+        "++policy.dtensor_cfg.activation_checkpointing=true",
+    ]
+    recipe = load_recipe(TINY_SFT, [*DTENSOR_TINY_SFT, *retarget(lines, True)])
+    megatron = to_megatron(recipe).recipe["policy"]["megatron_cfg"]
+    assert megatron["activation_checkpointing"] is True
+    assert megatron["fine_grained_activation_offloading"] is False
