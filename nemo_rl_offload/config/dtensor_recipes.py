@@ -432,6 +432,8 @@ def _map_training(
     # weights do; and it shards optimizer state, as the distributed optimizer does.
     optimizer["params_dtype"] = "float32"
     optimizer["use_distributed_optimizer"] = True
+    # torch's optimizer gets every parameter in one group: biases and norms decay too.
+    optimizer["weight_decay_all_params"] = True
     schedule = map_scheduler(section.get("scheduler"), optimizer["lr"], where)
     megatron["scheduler"], optimizer["min_lr"] = schedule.megatron(
         optimizer["lr"], optimizer["weight_decay"]

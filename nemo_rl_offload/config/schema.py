@@ -52,6 +52,9 @@ class MegatronOptimizerConfig(TypedDict):
     sgd_momentum: NotRequired[Number]
     use_distributed_optimizer: NotRequired[bool]
     use_precision_aware_optimizer: NotRequired[bool]
+    # Decay biases and 1-D weights (norms) too, as torch's AdamW over all parameters does
+    # (default false: megatron-core exempts them). DTensor recipes are mapped with true.
+    weight_decay_all_params: NotRequired[bool]
     clip_grad: NotRequired[Number | None]
     optimizer_cpu_offload: NotRequired[bool]
     optimizer_offload_fraction: NotRequired[Number]

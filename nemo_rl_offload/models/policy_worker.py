@@ -41,6 +41,13 @@ OPTIMIZER_KEYS_FROM_RECIPE = (
 )
 
 
+def weight_decay_overrides(opt_cfg: dict[str, Any]) -> dict[Any, Any] | None:
+    """megatron-core's parameter-group overrides: None keeps its standard groups, which exempt
+    biases and 1-D weights (norms) from weight decay; ``weight_decay_all_params`` gives every
+    parameter the decay, as torch's AdamW over all parameters (NeMo-RL's DTensor backend) does."""
+    return {} if opt_cfg.get("weight_decay_all_params") is True else None
+
+
 def build_param_scheduler(optimizer: Any, megatron_cfg: dict[str, Any]) -> Any:
     """megatron-core's OptimizerParamScheduler for ``megatron_cfg``'s optimizer and scheduler
     sections: one function, so that the schedule a DTensor recipe is mapped onto can be tested
@@ -347,6 +354,7 @@ class PolicyWorker:
                     params_dtype=getattr(torch, str(opt_cfg.get("params_dtype", "float32"))),
                 ),
                 [self.model],
+                config_overrides=weight_decay_overrides(opt_cfg),
             )
         self.scheduler = build_param_scheduler(self.optimizer, megatron_cfg)
 

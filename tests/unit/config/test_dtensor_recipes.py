@@ -204,6 +204,21 @@ def test_an_optimizer_without_a_faithful_mapping_is_refused_in_one_line(optimize
     assert "; " in mapped.errors[0]
 
 
+def test_every_parameter_decays_as_under_torchs_adamw():
+    """NeMo-RL's DTensor worker gives torch's AdamW all parameters in one group, so biases and
+    norms decay too; megatron-core's standard groups exempt them, so the mapping opts out."""
+    from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
+
+    from nemo_rl_offload.models.policy_worker import weight_decay_overrides
+
+    optimizer = to_megatron({"policy": _section()}).recipe["policy"]["megatron_cfg"]["optimizer"]
+    assert optimizer["weight_decay_all_params"] is True
+    assert weight_decay_overrides(optimizer) == {}
+    assert weight_decay_overrides({"optimizer": "adam", "lr": 1.0}) is None
+    standard = get_standard_config_overrides(OptimizerConfig(lr=1.0))
+    assert [override.get("wd_mult") for override in standard.values()] == [0.0]
+
+
 def test_max_grad_norm_is_clip_grad_and_null_does_not_clip():
     for norm, clip in ((1.0, 1.0), (0.5, 0.5), (None, 0.0)):
         mapped = to_megatron({"policy": _section(max_grad_norm=norm)}).recipe
