@@ -368,7 +368,11 @@ def _section(recipe: Mapping[str, Any], where: str, out: Mapped) -> dict[str, An
             "(context parallelism is not implemented); set it to 1"
         )
     megatron["context_parallel_size"] = 1
-    megatron["sequence_parallel"] = dtensor.get("sequence_parallel", False) is True
+    # Sequence parallelism shards activations over the tensor-parallel group: with one rank
+    # there it is a no-op in DTensor, which megatron-core refuses to be asked for.
+    megatron["sequence_parallel"] = dtensor.get("sequence_parallel", False) is True and (
+        isinstance(tp, int) and tp > 1
+    )
     megatron["activation_checkpointing"] = dtensor.get("activation_checkpointing", False) is True
     env_vars = dtensor.get("env_vars")
     if isinstance(env_vars, Mapping) and env_vars:

@@ -70,7 +70,7 @@ def test_the_layout_comes_from_dtensor_cfg_not_the_inactive_megatron_cfg():
     assert megatron["pipeline_model_parallel_size"] == 1
     assert megatron["context_parallel_size"] == 1
     assert megatron["expert_model_parallel_size"] == 1
-    assert megatron["sequence_parallel"] is True
+    assert megatron["sequence_parallel"] is False  # one tensor-parallel rank: a no-op
     assert megatron["activation_checkpointing"] is True
     assert megatron["env_vars"] == {"A": "1"}
     # This backend's own speed knobs stay; NeMo-RL's inactive Megatron settings do not.
@@ -87,6 +87,14 @@ def test_tensor_parallel_size_maps_both_ways():
         section["dtensor_cfg"]["tensor_parallel_size"] = tp
         megatron = to_megatron({"policy": section}).recipe["policy"]["megatron_cfg"]
         assert megatron["tensor_model_parallel_size"] == tp
+
+
+def test_sequence_parallel_maps_with_tensor_parallelism_and_is_a_no_op_without():
+    for tp, sp, expected in ((2, True, True), (2, False, False), (1, True, False)):
+        section = _section()
+        section["dtensor_cfg"].update(tensor_parallel_size=tp, sequence_parallel=sp)
+        megatron = to_megatron({"policy": section}).recipe["policy"]["megatron_cfg"]
+        assert megatron["sequence_parallel"] is expected
 
 
 def test_activation_checkpointing_off_stays_off_and_on_is_full_recompute():
