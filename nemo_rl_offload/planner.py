@@ -235,6 +235,8 @@ def plan(
     if report.errors:
         raise UserInputError(report.errors)
     recipe = report.recipe
+    # A DTensor section reads activation checkpointing from dtensor_cfg (config/dtensor_recipes).
+    dtensor = "policy" in report.dtensor_sections
     if int(recipe["cluster"].get("gpus_per_node", 0)) <= 0:
         raise UserInputError(
             "cluster.gpus_per_node: 0; the planner measures GPU memory, so it needs GPU workers"
@@ -253,12 +255,15 @@ def plan(
     overrides = [*overrides, *measured_with]
     print("plan: profiling without offloading ...", file=err)
     base = _measure(
-        config, [*overrides, f"{MCFG}.fine_grained_activation_offloading=false"], steps, err
+        config,
+        retarget([*overrides, f"{MCFG}.fine_grained_activation_offloading=false"], dtensor),
+        steps,
+        err,
     )
     print(f"plan: profiling with every module offloaded ({', '.join(everything)}) ...", file=err)
     full = _measure(
         config,
-        [*overrides, *Candidate(everything, 1.0, None).overrides()],
+        retarget([*overrides, *Candidate(everything, 1.0, None).overrides()], dtensor),
         steps,
         err,
     )
@@ -277,7 +282,7 @@ def plan(
     print("plan: profiling full recompute ...", file=err)
     recompute = Candidate((), 1.0, None, full_recompute=True)
     recompute.measured_peak_gib, recompute.measured_fwd_bwd_s = _measured(
-        _measure(config, [*overrides, *recompute.overrides()], steps, err)
+        _measure(config, retarget([*overrides, *recompute.overrides()], dtensor), steps, err)
     )
     # The recipe without offloading is a plan too: when it fits, nothing needs changing.
     plain = Candidate((), 1.0, None, profile.peak_gib, profile.fwd_bwd_s)
@@ -291,7 +296,9 @@ def plan(
         for candidate in trials(ranked, max_trials):
             if candidate.name not in measured:
                 print(f"plan: measuring {candidate.name} ...", file=err)
-                records = _measure(config, [*overrides, *candidate.overrides()], steps, err)
+                records = _measure(
+                    config, retarget([*overrides, *candidate.overrides()], dtensor), steps, err
+                )
                 candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
                 measured[candidate.name] = candidate
             tried.append(measured[candidate.name])
@@ -303,7 +310,10 @@ def plan(
                 continue
             print(f"plan: measuring {candidate.name} again (a close contender) ...", file=err)
             remeasured(
-                candidate, _measure(config, [*overrides, *candidate.overrides()], steps, err)
+                candidate,
+                _measure(
+                    config, retarget([*overrides, *candidate.overrides()], dtensor), steps, err
+                ),
             )
             rechecked.add(candidate.name)
         plans.append(
@@ -314,7 +324,12 @@ def plan(
                 "chosen": best(options, budget),
             }
         )
-    return {"profile": profile, "plans": plans, "measured_with": measured_with}
+    return {
+        "profile": profile,
+        "plans": plans,
+        "measured_with": measured_with,
+        "dtensor": dtensor,
+    }
 
 
 def graph_settings(megatron_cfg: dict[str, Any]) -> tuple[list[str], int]:
@@ -332,7 +347,22 @@ def graph_settings(megatron_cfg: dict[str, Any]) -> tuple[list[str], int]:
 def plan_overrides(result: dict[str, Any], chosen: Candidate) -> list[str]:
     """The recipe overrides of a chosen plan: what every measurement ran with (the expert
     layout, graph settings), then the plan's own settings."""
-    return [*result["measured_with"], *chosen.overrides()]
+    return retarget([*result["measured_with"], *chosen.overrides()], result.get("dtensor", False))
+
+
+def retarget(lines: list[str], dtensor: bool) -> list[str]:
+    """The planner's overrides for a policy that selects DTensor: its activation checkpointing
+    is dtensor_cfg's (full recompute once on), as the mapping reads it; the rest stay."""
+    if not dtensor:
+        return lines
+    out = []
+    for line in lines:
+        if line.startswith(f"{MCFG}.recompute_granularity="):
+            continue  # dtensor_cfg.activation_checkpointing maps to full recompute
+        if line.startswith(f"{MCFG}.activation_checkpointing="):
+            line = "++policy.dtensor_cfg.activation_checkpointing=" + line.partition("=")[2]
+        out.append(line)
+    return out
 
 
 def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:

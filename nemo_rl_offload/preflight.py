@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_offload.algorithms import grpo_options
-from nemo_rl_offload.config import checkpointing, ignored_keys
+from nemo_rl_offload.config import checkpointing, dtensor_recipes, ignored_keys
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import Architecture, ModelNotOnMachine, architecture_for
 from nemo_rl_offload.config.schema import grpo_loss_problems
@@ -48,6 +48,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     worker_env: dict[str, str] = field(default_factory=dict)
     sections: list[SectionSettings] = field(default_factory=list)
+    # Sections written for NeMo-RL's DTensor backend, whose megatron_cfg here is the mapped one.
+    dtensor_sections: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -346,6 +348,13 @@ def check_recipe(
         return Report(None, recipe, caps, errors=exc.problems)
     report = Report(algorithm, recipe, caps)
     report.errors += schema_problems(recipe, algorithm)
+    # A section written for NeMo-RL's DTensor backend becomes the megatron_cfg that trains it
+    # the same way; every check below, and whoever reads report.recipe, sees that one.
+    mapped = dtensor_recipes.to_megatron(recipe)
+    recipe = report.recipe = mapped.recipe
+    report.errors += mapped.errors
+    report.warnings += mapped.warnings
+    report.dtensor_sections = mapped.sections
     policy = recipe.get("policy")
     megatron_cfg = policy.get("megatron_cfg") if isinstance(policy, dict) else None
     if isinstance(megatron_cfg, dict) and "optimizer" not in megatron_cfg:

@@ -21,7 +21,7 @@ dataclass (:data:`PASSED_THROUGH`) are read by that dataclass's field names.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_rl_offload.config.validate import show_value
@@ -428,10 +428,6 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
                 "algorithm's max_num_steps"
             )
         ),
-        f"{where}.dtensor_cfg": Unused(
-            "NeMo-RL's DTensor backend is not used: this backend always trains with megatron_cfg",
-            _switched_off,
-        ),
         f"{where}.sequence_packing.fuse_loss": Unused(
             "the loss always runs once over the whole pack (what fusing buys in NeMo-RL)",
             _always,
@@ -459,13 +455,15 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             refuse=f"set {where}.init_checkpoint to the checkpoint directory instead",
         ),
         f"{where}.optimizer": Unused(
-            "the DTensor backend's PyTorch optimizer; with megatron_cfg (as NeMo-RL does) the "
-            "optimizer is megatron_cfg.optimizer",
+            "the DTensor backend's PyTorch optimizer: mapped onto megatron_cfg.optimizer when "
+            "the section selects DTensor (config/dtensor_recipes.py); with megatron_cfg (as "
+            "NeMo-RL does) the optimizer is megatron_cfg.optimizer",
             _always,
         ),
         f"{where}.scheduler": Unused(
-            "the DTensor backend's PyTorch scheduler; with megatron_cfg (as NeMo-RL does) the "
-            "schedule is megatron_cfg.scheduler",
+            "the DTensor backend's PyTorch schedulers: mapped onto megatron_cfg.scheduler when "
+            "the section selects DTensor (config/dtensor_recipes.py); with megatron_cfg (as "
+            "NeMo-RL does) the schedule is megatron_cfg.scheduler",
             _always,
         ),
         f"{where}.quant_cfg": _not_yet(f"{where}.quant_cfg", None, "quantization"),
@@ -480,6 +478,67 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         f"{where}.tokenizer.audio": _not_yet(f"{where}.tokenizer.audio", None, "audio inputs"),
         f"{where}.tokenizer.video": _not_yet(f"{where}.tokenizer.video", None, "video inputs"),
     }
+    d = f"{where}.dtensor_cfg"
+    entries.update(
+        {
+            f"{d}._v2": Unused(
+                "which of NeMo-RL's two DTensor workers runs; here megatron-core runs either",
+                _always,
+            ),
+            f"{d}.cpu_offload": _dtensor_only(
+                where,
+                Unused(
+                    "FSDP2's parameter CPU offload is not implemented: weights, gradients and "
+                    "optimizer state stay on the GPU, which needs that memory (this backend "
+                    "offloads activations: megatron_cfg.fine_grained_activation_offloading)",
+                    _one_of(False),
+                ),
+            ),
+            f"{d}.custom_parallel_plan": _dtensor_only(
+                where,
+                Unused(
+                    "a DTensor sharding plan has no megatron-core meaning; the layout is "
+                    "tensor_parallel_size and sequence_parallel (the trained numbers are the same)"
+                ),
+            ),
+            f"{d}.automodel_kwargs": _dtensor_only(
+                where,
+                Unused(
+                    "NeMo Automodel's model-loading options; megatron-core builds the model "
+                    "from model_name",
+                    _empty,
+                ),
+            ),
+            f"{d}.dp_replicate_size": _dtensor_only(
+                where,
+                Unused(
+                    "HSDP's replicate groups are a layout; data parallelism here is "
+                    "megatron-core's with the distributed optimizer (the trained numbers are "
+                    "the same)",
+                    _equals(1),
+                ),
+            ),
+            f"{d}.expert_parallel_size": _dtensor_only(
+                where,
+                Unused(
+                    "experts run with expert_model_parallel_size 1 (a layout: the trained "
+                    "numbers are the same)",
+                    _equals(1),
+                ),
+            ),
+            f"{d}.defer_fsdp_grad_sync": Unused(
+                "when FSDP2 reduces gradients; " + _SPEED_ONLY, _always
+            ),
+            f"{d}.moe_parallelizer": _dtensor_only(
+                where,
+                Unused("FSDP2's MoE wrapping options; megatron-core lays out experts", _empty),
+            ),
+            f"{d}.clear_cache_every_n_steps": _dtensor_only(where, Unused(_SPEED_ONLY)),
+            f"{d}.lora_cfg": _dtensor_only(
+                where, _not_yet_section(f"{d}.lora_cfg", "LoRA adapters")
+            ),
+        }
+    )
     for key in (
         "quant_calib_data",
         "quant_calib_size",
@@ -545,6 +604,16 @@ def _same_val(generation: str, key: str, default: Any) -> Unused:
         _same_as(f"{generation}.{key}", default),
         refuse=f"set it to {generation}.{key}'s value (or remove it)",
     )
+
+
+def _dtensor_only(where: str, entry: Unused) -> Unused:
+    """``entry``, inert too while the section does not select DTensor: NeMo-RL reads
+    dtensor_cfg only then (config/dtensor_recipes.py maps the section when it does)."""
+
+    def off(value: Any, recipe: Mapping[str, Any]) -> bool:
+        return _at(recipe, f"{where}.dtensor_cfg.enabled") is not True
+
+    return replace(entry, inert=_any_inert(off, entry.inert))
 
 
 def _switched_on(value: Any, recipe: Mapping[str, Any]) -> bool:

@@ -52,6 +52,9 @@ class MegatronOptimizerConfig(TypedDict):
     sgd_momentum: NotRequired[Number]
     use_distributed_optimizer: NotRequired[bool]
     use_precision_aware_optimizer: NotRequired[bool]
+    # Decay biases and 1-D weights (norms) too, as torch's AdamW over all parameters does
+    # (default false: megatron-core exempts them). DTensor recipes are mapped with true.
+    weight_decay_all_params: NotRequired[bool]
     clip_grad: NotRequired[Number | None]
     optimizer_cpu_offload: NotRequired[bool]
     optimizer_offload_fraction: NotRequired[Number]
@@ -303,11 +306,27 @@ class GenerationConfig(TypedDict):
     real_quant_ignore: NotRequired[list[str]]
 
 
-@with_config(_OPEN)
+@with_config(_STRICT)
 class DTensorConfig(TypedDict):
-    """``policy.dtensor_cfg``: NeMo-RL's DTensor backend, which this backend does not have."""
+    """``policy.dtensor_cfg``: NeMo-RL's DTensor backend (its keys); a section that selects it
+    trains on megatron-core with the same meaning (config/dtensor_recipes.py)."""
 
     enabled: bool
+    env_vars: NotRequired[dict[str, str] | None]
+    _v2: NotRequired[bool]
+    tensor_parallel_size: NotRequired[int]
+    context_parallel_size: NotRequired[int]
+    expert_parallel_size: NotRequired[int]
+    dp_replicate_size: NotRequired[int]
+    sequence_parallel: NotRequired[bool]
+    activation_checkpointing: NotRequired[bool]
+    cpu_offload: NotRequired[bool]
+    custom_parallel_plan: NotRequired[str | None]
+    defer_fsdp_grad_sync: NotRequired[bool]
+    moe_parallelizer: NotRequired[OpenSection | None]
+    lora_cfg: NotRequired[OpenSection | None]
+    automodel_kwargs: NotRequired[OpenSection | None]
+    clear_cache_every_n_steps: NotRequired[int | None]
 
 
 @with_config(_STRICT)
@@ -367,7 +386,7 @@ class PolicyConfig(TypedDict):
     router_replay: NotRequired[SwitchedSection | None]
     reward_model_cfg: NotRequired[SwitchedSection | None]
     pretrained_checkpoint: NotRequired[OpenSection | None]
-    # The DTensor backend's PyTorch optimizer and scheduler.
+    # The DTensor backend's PyTorch optimizer and scheduler (mapped when DTensor is selected).
     optimizer: NotRequired[OpenSection | None]
     scheduler: NotRequired[list[OpenSection] | OpenSection | None]
     quant_cfg: NotRequired[str | None]

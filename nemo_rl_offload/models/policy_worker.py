@@ -41,6 +41,39 @@ OPTIMIZER_KEYS_FROM_RECIPE = (
 )
 
 
+def weight_decay_overrides(opt_cfg: dict[str, Any]) -> dict[Any, Any] | None:
+    """megatron-core's parameter-group overrides: None keeps its standard groups, which exempt
+    biases and 1-D weights (norms) from weight decay; ``weight_decay_all_params`` gives every
+    parameter the decay, as torch's AdamW over all parameters (NeMo-RL's DTensor backend) does."""
+    return {} if opt_cfg.get("weight_decay_all_params") is True else None
+
+
+def build_param_scheduler(optimizer: Any, megatron_cfg: dict[str, Any]) -> Any:
+    """megatron-core's OptimizerParamScheduler for ``megatron_cfg``'s optimizer and scheduler
+    sections: one function, so that the schedule a DTensor recipe is mapped onto can be tested
+    against torch's schedulers exactly as the worker builds it."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_cfg = dict(megatron_cfg.get("optimizer") or {})
+    sched = dict(megatron_cfg.get("scheduler") or {})
+    lr = float(opt_cfg["lr"])
+    weight_decay = float(opt_cfg.get("weight_decay", 0.01))
+    decay_steps = max(2, int(sched.get("lr_decay_iters") or 10**9))
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=float(sched.get("lr_warmup_init", 0.0)),
+        max_lr=lr,
+        min_lr=float(opt_cfg.get("min_lr", lr)),
+        lr_warmup_steps=min(int(sched.get("lr_warmup_iters", 0)), decay_steps - 1),
+        lr_decay_steps=decay_steps,
+        lr_decay_style=str(sched.get("lr_decay_style", "constant")),
+        start_wd=float(sched.get("start_weight_decay", weight_decay)),
+        end_wd=float(sched.get("end_weight_decay", weight_decay)),
+        wd_incr_steps=decay_steps,
+        wd_incr_style=str(sched.get("weight_decay_incr_style", "constant")),
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -273,7 +306,6 @@ class PolicyWorker:
             finalize_model_grads,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         opt_cfg = dict(megatron_cfg.get("optimizer") or {})
         ddp_cfg = dict(megatron_cfg.get("distributed_data_parallel_config") or {})
@@ -322,24 +354,9 @@ class PolicyWorker:
                     params_dtype=getattr(torch, str(opt_cfg.get("params_dtype", "float32"))),
                 ),
                 [self.model],
+                config_overrides=weight_decay_overrides(opt_cfg),
             )
-        sched = dict(megatron_cfg.get("scheduler") or {})
-        lr = float(opt_cfg["lr"])
-        weight_decay = float(opt_cfg.get("weight_decay", 0.01))
-        decay_steps = max(2, int(sched.get("lr_decay_iters") or 10**9))
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=float(sched.get("lr_warmup_init", 0.0)),
-            max_lr=lr,
-            min_lr=float(opt_cfg.get("min_lr", lr)),
-            lr_warmup_steps=min(int(sched.get("lr_warmup_iters", 0)), decay_steps - 1),
-            lr_decay_steps=decay_steps,
-            lr_decay_style=str(sched.get("lr_decay_style", "constant")),
-            start_wd=float(sched.get("start_weight_decay", weight_decay)),
-            end_wd=float(sched.get("end_weight_decay", weight_decay)),
-            wd_incr_steps=decay_steps,
-            wd_incr_style=str(sched.get("weight_decay_incr_style", "constant")),
-        )
+        self.scheduler = build_param_scheduler(self.optimizer, megatron_cfg)
 
     def _optimizer_construction(self) -> contextlib.AbstractContextManager[None]:
         """On CPU workers, the distributed optimizer is built with its parameters answering

@@ -145,9 +145,12 @@ def check_policy(
 
 def _backend(ctx: _Context) -> None:
     if ctx.megatron_cfg.get("enabled") is False:
+        # A section that selects DTensor arrives here already mapped (config.dtensor_recipes).
         ctx.error(
-            f"{ctx.prefix}.enabled: false selects NeMo-RL's DTensor backend, which "
-            "nemo_rl_offload does not have; set it to true"
+            f"{ctx.prefix}.enabled: false selects NeMo-RL's DTensor backend, but "
+            f"{ctx.where}.dtensor_cfg.enabled is not true; set {ctx.prefix}.enabled to true "
+            f"(or {ctx.where}.dtensor_cfg.enabled to true, to train its DTensor settings on "
+            "megatron-core)"
         )
         if ctx.fgo_on:
             ctx.error(

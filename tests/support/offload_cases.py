@@ -24,7 +24,7 @@ REJECTED = [
         NO_TE,
         {"enabled": False},
         f"{P}.enabled",
-        ["DTensor", "set it to true"],
+        ["DTensor", "dtensor_cfg.enabled is not true", "enabled to true"],
     ),
     (
         "modules_null",

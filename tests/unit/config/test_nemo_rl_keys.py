@@ -75,9 +75,9 @@ WARNED = [
         ["logger.mlflow_enabled"],
     ),
     (
-        {"policy": {"dtensor_cfg": {"enabled": False, "tensor_parallel_size": 1}}},
-        {"policy": {"dtensor_cfg": {"enabled": True, "tensor_parallel_size": 1}}},
-        ["policy.dtensor_cfg"],
+        {"policy": {"dtensor_cfg": {"enabled": False, "dp_replicate_size": 2}}},
+        {"policy": {"dtensor_cfg": {"enabled": True, "dp_replicate_size": 2}}},
+        ["policy.dtensor_cfg.dp_replicate_size"],
     ),
     (
         {"checkpointing": {"save_optimizer": True, "model_save_format": "safetensors"}},

@@ -161,29 +161,25 @@ _TE = Capabilities(
     offload_module_names_source=detect().offload_module_names_source,
 )
 _MISSING_MODEL = "is not on this machine"
-_DTENSOR = "policy.megatron_cfg.enabled: false selects NeMo-RL's DTensor backend"
 # What each exemplar gets, on a machine with Transformer Engine (NeMo-RL's Megatron recipes
 # turn on sequence parallelism, which needs its norm) and without the Hugging Face models.
+# DTensor recipes run their DTensor settings on megatron-core (config/dtensor_recipes.py); their
+# inactive megatron_cfg (dpo.yaml's tensor parallel size 2 on one GPU, distillation's pipeline
+# stages) gives nothing.
 EXPECTED_ERRORS: dict[str, list[str]] = {
     "grpo_math_1B_megatron.yaml": [],
     "grpo_math_8B_megatron.yaml": [],
     "grpo_math_70B_megatron.yaml": [],
     "grpo_math_qwen30ba3b_megatron.yaml": [],
-    # DTensor recipes: one line each for the backend they select.
-    "grpo_math_1B.yaml": [_DTENSOR],
-    "grpo_math_8B.yaml": [_DTENSOR],
-    "sft.yaml": [_DTENSOR],
-    # Its dynamic batching with the pipeline stages of its (disabled) megatron_cfg: refused,
-    # as NeMo-RL refuses it with Megatron.
+    "grpo_math_1B.yaml": [],
+    "grpo_math_8B.yaml": [],
+    "sft.yaml": [],
+    "dpo.yaml": [],
+    # Its DTensor layout uses context parallelism (refused for now), policy and teacher.
     "distillation_math.yaml": [
-        _DTENSOR,
-        "policy.megatron_cfg.context_parallel_size: context parallelism is not implemented",
-        "policy.dynamic_batching: needs pipeline_model_parallel_size 1",
-        "teacher.megatron_cfg.enabled: false selects NeMo-RL's DTensor backend",
-        "teacher.megatron_cfg.context_parallel_size: context parallelism is not implemented",
-        "teacher.dynamic_batching: needs pipeline_model_parallel_size 1",
+        "policy.dtensor_cfg.context_parallel_size: 2 is not supported by this backend",
+        "teacher.dtensor_cfg.context_parallel_size: 2 is not supported by this backend",
     ],
-    "dpo.yaml": [_DTENSOR, "policy.megatron_cfg: tensor x pipeline x context parallel sizes"],
     # NeMo-RL's Megatron distillation recipe uses context parallelism (refused for now).
     "distillation_math_megatron.yaml": [
         "policy.megatron_cfg.context_parallel_size: context parallelism is not implemented",
@@ -219,6 +215,36 @@ def test_each_nemo_rl_exemplar_validates(name):
         missing = [line for line in report.warnings if _MISSING_MODEL in line]
         assert len(missing) == 1 + ("teacher" in recipe), report.warnings
         assert missing[0].startswith("warning: policy.model_name: Hugging Face model")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["grpo_math_1B.yaml", "grpo_math_8B.yaml", "sft.yaml", "dpo.yaml", "distillation_math.yaml"],
+)
+def test_a_dtensor_exemplar_says_once_per_section_that_it_runs_on_megatron_core(name):
+    recipe = load_recipe(EXEMPLARS / name)
+    report = check_recipe(recipe, caps=_TE, megatron_crosscheck=False)
+    for where in ("policy", "teacher"):
+        said = [
+            line
+            for line in report.warnings
+            if line.startswith(f"warning: {where}.dtensor_cfg: NeMo-RL's DTensor settings run")
+        ]
+        assert len(said) == (where in recipe), report.warnings
+        if where in recipe:
+            assert report.recipe[where]["megatron_cfg"]["enabled"] is True
+
+
+def test_a_dtensor_exemplar_with_cp_1_validates_as_the_issue_says():
+    recipe = load_recipe(
+        EXEMPLARS / "distillation_math.yaml",
+        [
+            "policy.dtensor_cfg.context_parallel_size=1",
+            "teacher.dtensor_cfg.context_parallel_size=1",
+        ],
+    )
+    report = check_recipe(recipe, caps=_TE, megatron_crosscheck=False)
+    assert report.ok, report.errors
 
 
 def test_a_dtensor_exemplar_switched_to_megatron_validates():
