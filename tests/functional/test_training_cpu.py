@@ -170,63 +170,6 @@ def test_every_algorithm_trains_at_pipeline_parallel_2(sft_run, tmp_path, algori
     assert layout["layout"]["pipeline_parallel"] == 2
 
 
-def test_a_dtensor_style_sft_recipe_trains_on_megatron_core_with_its_schedule(tmp_path):
-    """The tiny SFT recipe written as NeMo-RL's DTensor recipes are (megatron_cfg off,
-    dtensor_cfg, a torch optimizer and scheduler list) trains, at the lr torch's schedulers give
-    each step (the metric is the lr after the step's scheduler step)."""
-    import torch
-
-    lr, warmup = 3.0e-3, 4
-    scheduler = [
-        {
-            "name": "torch.optim.lr_scheduler.LinearLR",
-            "kwargs": {"start_factor": 0.1, "end_factor": 1.0, "total_iters": warmup},
-        },
-        {
-            "name": "torch.optim.lr_scheduler.ConstantLR",
-            "kwargs": {"factor": 1.0, "total_iters": 9},
-        },
-        {"milestones": [warmup]},
-    ]
-    result = cli(
-        "sft",
-        "--config",
-        str(TINY / "sft.yaml"),
-        *outputs(tmp_path),
-        "sft.max_num_steps=2",
-        "sft.val_at_start=false",
-        "policy.megatron_cfg.enabled=false",
-        "+policy.dtensor_cfg={enabled: true, tensor_parallel_size: 1, context_parallel_size: 1, "
-        "sequence_parallel: false, activation_checkpointing: false, cpu_offload: false}",
-        f"+policy.optimizer={{name: torch.optim.AdamW, kwargs: {{lr: {lr}, weight_decay: 0.0}}}}",
-        "+policy.scheduler=" + json.dumps(scheduler),
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "policy.dtensor_cfg: NeMo-RL's DTensor settings run on megatron-core" in result.stderr
-    train = metrics(tmp_path, "train")
-    assert len(train) == 2 and all(math.isfinite(r["loss"]) for r in train)
-
-    param = torch.zeros(1, requires_grad=True)
-    optimizer = torch.optim.AdamW([param], lr=lr)
-    sequential = torch.optim.lr_scheduler.SequentialLR(
-        optimizer,
-        [
-            getattr(torch.optim.lr_scheduler, e["name"].rpartition(".")[2])(
-                optimizer, **e["kwargs"]
-            )
-            for e in scheduler[:2]
-        ],
-        [warmup],
-    )
-    expected = []
-    for _ in train:
-        optimizer.step()
-        sequential.step()
-        expected.append(optimizer.param_groups[0]["lr"])
-    assert [r["lr"] for r in train] == pytest.approx(expected, rel=1e-9)
-
-
 def test_keep_top_k_keeps_the_best_checkpoint_by_its_metric_and_the_newest(tmp_path):
     # higher_is_better on a loss keeps the worst-loss checkpoint: one the newest-k rule would
     # have deleted, so the test tells the two rules apart.

@@ -175,3 +175,18 @@ def load_then_every_pass(
     worker = make_worker(rank, world, port, policy)
     worker.load_checkpoint(ckpt, weights_only=True)
     return every_pass(worker)
+
+
+def dtensor_recipe_steps(rank: int, world: int, port: int, out: Path, recipe: dict, steps: int):
+    """A DTensor-style recipe mapped onto megatron-core (config.dtensor_recipes) trained for
+    ``steps`` steps by a policy worker: each step's lr after its scheduler step and its loss."""
+    from nemo_rl_offload.config.dtensor_recipes import to_megatron
+
+    mapped = to_megatron(recipe)
+    assert not mapped.errors, mapped.errors
+    worker = make_worker(rank, world, port, mapped.recipe["policy"])
+    records = []
+    for step in range(1, steps + 1):
+        metrics = train_step(worker, step)
+        records.append({"lr": metrics["lr"], "loss": metrics["loss"]})
+    return {"steps": records}
