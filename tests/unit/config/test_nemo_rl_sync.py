@@ -162,8 +162,8 @@ _TE = Capabilities(
 )
 _MISSING_MODEL = "is not on this machine"
 _DTENSOR = "policy.megatron_cfg.enabled: false selects NeMo-RL's DTensor backend"
-# What each exemplar gets, on a machine with Transformer Engine (NeMo-RL's Megatron recipes
-# turn on sequence parallelism, which needs its norm) and without the Hugging Face models.
+# What each exemplar gets, on a machine with Transformer Engine and without the Hugging Face
+# models.
 EXPECTED_ERRORS: dict[str, list[str]] = {
     "grpo_math_1B_megatron.yaml": [],
     "grpo_math_8B_megatron.yaml": [],
