@@ -134,14 +134,23 @@ PROMPTS = [[5, 17, 3, 9], [8, 2], [30, 31, 32]]
 
 def every_pass(worker: Any, train_length: int = 23) -> dict[str, Any]:
     """What each pass computes on fixed inputs (on the ranks that report outputs): label
-    log-probabilities, a teacher's top-k, greedy and sampled continuations, and one training
-    step's loss and gradient norm and what the weights compute after it (last, since it
-    changes the weights). Sequence lengths are odd (17, the prompts, the step's
-    ``train_length``) as well as even, so a layout that pads them (sequence parallelism) is
-    compared on padded lengths too."""
+    log-probabilities (of padded rows and of a pack), a teacher's top-k, greedy and sampled
+    continuations, and one training step's loss and gradient norm and what the weights compute
+    after it (last, since it changes the weights). Sequence lengths are odd (17, the pack, the
+    prompts, the step's ``train_length``) as well as even, so a layout that pads them (sequence
+    parallelism) is compared on padded lengths too."""
     batches = step_batches(99, 2)
     batches[1] = {key: value[:1, :17] for key, value in batches[1].items()}  # another shape
     logprobs = worker.token_logprobs(batches)
+    # A pack of three sequences (17 tokens), each attended alone with positions restarting.
+    ids = step_batches(98, 1, length=17)[0]["input_ids"][:1]
+    pack = {
+        "input_ids": ids,
+        "labels": ids,
+        "cu_seqlens": np.asarray([0, 7, 12, 17], np.int32),
+        "position_ids": np.concatenate([np.arange(7), np.arange(5), np.arange(5)])[None],
+    }
+    packed = worker.token_logprobs([pack])
     topk = worker.topk_logprobs(batches[:1], 4)
     greedy = worker.generate(PROMPTS, {"max_new_tokens": 6, "greedy": True}, seed=3, pad_id=0)
     sampled = worker.generate(PROMPTS, {"max_new_tokens": 6}, seed=3, pad_id=0)
@@ -152,6 +161,7 @@ def every_pass(worker: Any, train_length: int = 23) -> dict[str, Any]:
         "reports": reports,
         "logprobs": [output.ravel().tolist() for output in logprobs],
         "shapes": [list(output.shape) for output in logprobs],
+        "packed_logprobs": [output.ravel().tolist() for output in packed],
         "topk_values": topk[0][0].ravel().tolist() if topk else [],
         "topk_indices": topk[0][1].ravel().tolist() if topk else [],
         "greedy": [g.ids for g in greedy],

@@ -33,6 +33,9 @@ def _assert_same_passes(single: dict, layout: dict) -> None:
     assert layout["shapes"] == single["shapes"]
     for got, expected in zip(layout["logprobs"], single["logprobs"], strict=True):
         np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+    assert [len(pack) for pack in layout["packed_logprobs"]] == [17]
+    for got, expected in zip(layout["packed_logprobs"], single["packed_logprobs"], strict=True):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
     np.testing.assert_allclose(layout["topk_values"], single["topk_values"], rtol=0, atol=ATOL)
     assert layout["topk_indices"] == single["topk_indices"]
     assert layout["greedy"] == single["greedy"]
