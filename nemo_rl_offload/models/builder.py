@@ -89,7 +89,9 @@ def transformer_config_for(
 
 
 def layer_spec(config: Any) -> Any:
-    """The transformer layer spec for ``config.transformer_impl``."""
+    """The transformer layer spec for ``config.transformer_impl`` (for the local spec, this
+    pipeline stage's block spec where its final norm had to be replaced: see
+    :func:`_with_local_norms`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if config.transformer_impl == "transformer_engine":
@@ -118,7 +120,39 @@ def layer_spec(config: Any) -> Any:
         from nemo_rl_offload.models.grouped_linear import with_local_grouped_experts
 
         spec.submodules.mlp = with_local_grouped_experts(spec.submodules.mlp)
-    return spec
+    return _with_local_norms(spec, config)
+
+
+def _with_local_norms(spec: Any, config: Any) -> Any:
+    """``spec`` with :class:`models.norms.LocalNorm` wherever megatron-core would build its
+    ``WrappedTorchNorm``, which refuses sequence parallelism: the layer's input and pre-MLP
+    norms, the q/k norms, and the decoder's final norm. The final norm is not part of a layer
+    spec (TransformerBlock picks it from what is installed), so when Megatron would pick
+    ``WrappedTorchNorm`` for it the spec becomes this stage's TransformerBlockSubmodules with
+    LocalNorm as its norm. Where Apex or Transformer Engine is installed Megatron picks their
+    norms, which support sequence parallelism already, and those are left as they are."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from nemo_rl_offload.models.norms import LocalNorm
+
+    layer = spec.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(layer, name) is WrappedTorchNorm:
+            setattr(layer, name, LocalNorm)
+    attention = layer.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+        if getattr(attention, name, None) is WrappedTorchNorm:
+            setattr(attention, name, LocalNorm)
+    if transformer_block.LayerNormImpl is not WrappedTorchNorm:
+        return spec
+    layers = transformer_block.get_num_layers_to_build(
+        config, pp_rank=parallel_state.get_pipeline_model_parallel_rank()
+    )
+    return transformer_block.TransformerBlockSubmodules(
+        layer_specs=[spec] * layers, layer_norm=LocalNorm
+    )
 
 
 def build_gpt_model(

@@ -13,10 +13,11 @@ Patches (module: name -> replacement, and why):
    stream API (``Stream``/``current_stream``/``stream``: one CPU stand-in stream, no-op events).
    These modules allocate buffers on ``torch.cuda.current_device()`` (rotary ``inv_freq``, the
    global memory buffer that the unfused attention uses, the MoE router's weights, the pipeline
-   stages' receive buffers, tensor-parallel all-gather outputs) or hand copies to a side CUDA
-   stream (the all-to-all MoE token dispatcher, which caches that stream on its
-   class: the cache is emptied while the patches are on and restored after). On CPU there is
-   one device and one stream, so the stand-ins are exact, not approximations.
+   stages' receive buffers, tensor-parallel all-gather and sequence-parallel reduce-scatter
+   outputs) or hand copies to a side CUDA stream (the all-to-all MoE token dispatcher, which
+   caches that stream on its class: the cache is emptied while the patches are on and restored
+   after). On CPU there is one device and one stream, so the stand-ins are exact, not
+   approximations.
 2. ``megatron.core.fusions.fused_softmax.get_default_causal_mask`` -> the same upper-triangular
    boolean mask built on CPU (the original builds it with ``device="cuda"``); only Megatron's
    unfused ``DotProductAttention`` reaches it, when no explicit mask is passed.
@@ -44,8 +45,8 @@ schedules allocate their token counter with ``device="cuda"`` unconditionally. S
 its failure flag on the GPU) and :func:`params_typed_as_cuda` (the DistributedOptimizer accepts
 only parameters whose type name is a CUDA one; set on the parameters while it is built).
 
-Not covered (they do not run on the local spec at TP=1 on CPU): sequence-parallel gather
-buffers, inference KV caches, CUDA graphs, fine-grained activation offloading (GPU-only).
+Not covered (they do not run on the local spec on CPU): inference KV caches, CUDA graphs,
+fine-grained activation offloading (GPU-only).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ CUDA_DEVICE_MODULES: tuple[str, ...] = (
     "megatron.core.distributed.distributed_data_parallel",  # DDP's communication stream
     "megatron.core.pipeline_parallel.p2p_communication",  # pipeline stages' receive buffers
     "megatron.core.tensor_parallel.mappings",  # all-gather outputs (vocabulary, experts)
+    "megatron.core.tensor_parallel.layers",  # sequence-parallel gradient reduce-scatter outputs
 )
 # Modules whose module-global ``torch`` also moves ``device="cuda"`` allocations to the CPU
 # (patch 5).

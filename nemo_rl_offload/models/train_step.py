@@ -32,6 +32,13 @@ training, and the last stage's outputs come back. With pipeline parallelism ever
 of a step has one shape (the stages exchange fixed-size activations), so that function pads
 the micro-batches to one shape and crops the outputs back (causal attention: padding on the
 right of a row, or extra rows, cannot change a real position's output).
+
+Under sequence parallelism each tensor-parallel rank holds an equal slice of the sequence
+between the layers, so the model's sequence length must be a multiple of the tensor-parallel
+size. Every pass (training, forward-only, sampling, packed micro-batches) meets that here, at
+the model's input: :func:`_forward_step` pads the micro-batch on the right and the reducer
+crops the output back before ``loss_fn`` sees it, so callers and recipe settings (padding
+multiples, buckets, pack lengths) need not know about it.
 """
 
 from __future__ import annotations
@@ -73,19 +80,48 @@ def packed_seq_params(batch: dict[str, Tensor]) -> Any:
     )
 
 
-def _forward_step(loss_fn: LossFn, data_iterator: Iterator[dict[str, Tensor]], model: Any):
-    """Megatron's forward_step_func: run one micro-batch, return its output and reducer."""
+def sequence_multiple(config: Any) -> int:
+    """What the model's sequence length must be a multiple of: the tensor-parallel size under
+    sequence parallelism (each rank holds an equal slice of the sequence between the layers'
+    gathers and scatters), else 1."""
+    if getattr(config, "sequence_parallel", False):
+        return max(1, int(config.tensor_model_parallel_size))
+    return 1
+
+
+def _padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def _forward_step(
+    loss_fn: LossFn, multiple: int, data_iterator: Iterator[dict[str, Tensor]], model: Any
+):
+    """Megatron's forward_step_func: run one micro-batch, return its output and reducer.
+
+    The model sees the micro-batch right-padded to a multiple of ``multiple`` (see
+    :func:`sequence_multiple`); the reducer crops the output back to the micro-batch's own
+    length, so the padding is invisible to ``loss_fn`` (causal attention: padding on the
+    right cannot change a real position's output)."""
     batch = next(data_iterator)
-    position_ids = batch.get("position_ids")
+    rows, length = batch["input_ids"].shape
+    inputs = batch
+    if length % multiple:
+        if batch.get("attention_mask") is not None:
+            raise ValueError(
+                "run_microbatches: a micro-batch with an attention_mask cannot be padded to a "
+                f"multiple of {multiple} (sequence parallelism); pad it before"
+            )
+        inputs = _pad_to(batch, rows, _padded_length(length, multiple))
+    position_ids = inputs.get("position_ids")
     if position_ids is None:
-        position_ids = _default_position_ids(batch["input_ids"])
-    packed = packed_seq_params(batch)
+        position_ids = _default_position_ids(inputs["input_ids"])
+    packed = packed_seq_params(inputs)
     kwargs = {} if packed is None else {"packed_seq_params": packed}
     output = model(
-        batch["input_ids"],
+        inputs["input_ids"],
         position_ids,
         batch.get("attention_mask"),
-        labels=batch.get("labels"),
+        labels=inputs.get("labels"),
         **kwargs,
     )
     return output, functools.partial(_reduce, loss_fn, batch)
@@ -94,7 +130,10 @@ def _forward_step(loss_fn: LossFn, data_iterator: Iterator[dict[str, Tensor]], m
 def _reduce(
     loss_fn: LossFn, batch: dict[str, Tensor], output: Tensor
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Megatron's loss_func: (summed loss, token count, what the caller gets back)."""
+    """Megatron's loss_func: (summed loss, token count, what the caller gets back). It runs on
+    the last pipeline stage, whose output is [rows, positions, ...]: positions the model saw
+    beyond the micro-batch's length (padding for sequence parallelism) are cropped first."""
+    output = output[:, : batch["input_ids"].shape[1]]
     loss, num_tokens, metrics = loss_fn(batch, output)
     # Megatron adds this into an int32 counter on the loss's device.
     num_tokens = torch.as_tensor(num_tokens, device=loss.device).to(torch.int)
@@ -171,6 +210,7 @@ def run_microbatches(
             "(models.builder sets it): the loss is normalised per token over the whole step"
         )
     shape = tuple(microbatches[0]["input_ids"].shape)
+    multiple = sequence_multiple(config)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1 and any(
         tuple(mb["input_ids"].shape) != shape for mb in microbatches
     ):
@@ -190,11 +230,12 @@ def run_microbatches(
 
     with schedule_context, grad_context, _bare_model_finalize(config):
         return get_forward_backward_func()(
-            forward_step_func=functools.partial(_forward_step, loss_fn),
+            forward_step_func=functools.partial(_forward_step, loss_fn, multiple),
             data_iterator=iter(microbatches),
             model=[model],
             num_microbatches=len(microbatches),
-            seq_length=shape[1],
+            # What the stages exchange: the padded length (see _forward_step).
+            seq_length=_padded_length(shape[1], multiple),
             micro_batch_size=shape[0],
             forward_only=forward_only,
         )

@@ -215,6 +215,10 @@ def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:
     activation = effective.value("activation")
     if activation is not None:
         kwargs["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation]
+    if kwargs.get("sequence_parallel") and (kwargs.get("tensor_model_parallel_size") or 1) == 1:
+        # Megatron's config refuses sequence parallelism without tensor parallelism; with one
+        # tensor-parallel rank it would split nothing, so it is off (validate warns).
+        kwargs["sequence_parallel"] = False
     return kwargs
 
 

@@ -565,11 +565,13 @@ def _parallel_layout(ctx: _Context) -> None:
         )
     _pipeline_layers(ctx, pp)
     _tensor_split(ctx, tp)
-    if ctx.value("sequence_parallel") is True and ctx.value("transformer_impl") == "local":
-        ctx.error(
-            f"{ctx.path('sequence_parallel')}: sequence parallelism needs Transformer Engine's "
-            "norms; megatron-core's local layer spec (torch norms) refuses it; set it to false, "
-            "or install Transformer Engine"
+    if ctx.value("sequence_parallel") is True and tp == 1:
+        # apply.transformer_config_kwargs turns it off (Megatron refuses it without tensor
+        # parallelism); sequences are padded to a multiple of the tensor-parallel size at the
+        # model's input (models.train_step), so no other setting can conflict with it.
+        ctx.warn(
+            f"warning: {ctx.path('sequence_parallel')}: ignored at tensor_model_parallel_size 1 "
+            "(there is nothing to split the sequence over); set it to false"
         )
     if ctx.workers is None or ctx.workers < 1:
         return
@@ -666,7 +668,8 @@ def _offloaded_input_elements(ctx: _Context, tokens: int) -> dict[str, int]:
         return {}
     head_dim = ctx.value("kv_channels") or hidden // heads
     tp = ctx.value("tensor_model_parallel_size", 1) or 1
-    norm_tokens = tokens // tp if ctx.value("sequence_parallel") is True else tokens
+    # Sequence parallelism: each rank normalises its share of the (padded) sequence.
+    norm_tokens = -(-tokens // tp) if ctx.value("sequence_parallel") is True else tokens
     sizes = {
         "attn_norm": norm_tokens * hidden,
         "mlp_norm": norm_tokens * hidden,

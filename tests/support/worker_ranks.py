@@ -71,20 +71,21 @@ def make_worker(rank: int, world: int, port: int, policy: dict[str, Any]) -> Any
     return worker
 
 
-def step_batches(step: int, count: int = 2) -> list[dict[str, np.ndarray]]:
+def step_batches(step: int, count: int = 2, length: int = 24) -> list[dict[str, np.ndarray]]:
     """The micro-batches of one training step (the same on every layout)."""
     rng = np.random.default_rng(1000 + step)
     batches = []
     for _ in range(count):
-        ids = rng.integers(1, 300, (2, 24))
-        batches.append({"input_ids": ids, "labels": ids, "loss_mask": np.ones((2, 24), np.float32)})
+        ids = rng.integers(1, 300, (2, length))
+        mask = np.ones((2, length), np.float32)
+        batches.append({"input_ids": ids, "labels": ids, "loss_mask": mask})
     return batches
 
 
-def train_step(worker: Any, step: int) -> dict[str, float]:
+def train_step(worker: Any, step: int, length: int = 24) -> dict[str, float]:
     """One step, each data-parallel rank on its share of the step's micro-batches."""
     layout = worker.parallel_layout()
-    batches = step_batches(step)
+    batches = step_batches(step, length=length)
     share = len(batches) // int(layout["dp_size"])
     mine = batches[int(layout["dp_rank"]) * share : (int(layout["dp_rank"]) + 1) * share]
     return worker.train(mine, LOSS)
@@ -131,22 +132,36 @@ def load_and_step(
 PROMPTS = [[5, 17, 3, 9], [8, 2], [30, 31, 32]]
 
 
-def every_pass(worker: Any) -> dict[str, Any]:
+def every_pass(worker: Any, train_length: int = 23) -> dict[str, Any]:
     """What each pass computes on fixed inputs (on the ranks that report outputs): label
-    log-probabilities, a teacher's top-k, greedy and sampled continuations, and one training
-    step's loss and gradient norm (last, since it changes the weights)."""
+    log-probabilities (of padded rows and of a pack), a teacher's top-k, greedy and sampled
+    continuations, and one training step's loss and gradient norm and what the weights compute
+    after it (last, since it changes the weights). Sequence lengths are odd (17, the pack, the
+    prompts, the step's ``train_length``) as well as even, so a layout that pads them (sequence
+    parallelism) is compared on padded lengths too."""
     batches = step_batches(99, 2)
     batches[1] = {key: value[:1, :17] for key, value in batches[1].items()}  # another shape
     logprobs = worker.token_logprobs(batches)
+    # A pack of three sequences (17 tokens), each attended alone with positions restarting.
+    ids = step_batches(98, 1, length=17)[0]["input_ids"][:1]
+    pack = {
+        "input_ids": ids,
+        "labels": ids,
+        "cu_seqlens": np.asarray([0, 7, 12, 17], np.int32),
+        "position_ids": np.concatenate([np.arange(7), np.arange(5), np.arange(5)])[None],
+    }
+    packed = worker.token_logprobs([pack])
     topk = worker.topk_logprobs(batches[:1], 4)
     greedy = worker.generate(PROMPTS, {"max_new_tokens": 6, "greedy": True}, seed=3, pad_id=0)
     sampled = worker.generate(PROMPTS, {"max_new_tokens": 6}, seed=3, pad_id=0)
-    step = train_step(worker, 7)
+    step = train_step(worker, 7, length=train_length)
     reports = bool(worker.parallel_layout()["reports"])
+    after = probe(worker)
     return {
         "reports": reports,
         "logprobs": [output.ravel().tolist() for output in logprobs],
         "shapes": [list(output.shape) for output in logprobs],
+        "packed_logprobs": [output.ravel().tolist() for output in packed],
         "topk_values": topk[0][0].ravel().tolist() if topk else [],
         "topk_indices": topk[0][1].ravel().tolist() if topk else [],
         "greedy": [g.ids for g in greedy],
@@ -154,27 +169,36 @@ def every_pass(worker: Any) -> dict[str, Any]:
         "sampled_logprobs": [g.logprobs for g in sampled],
         "loss": step["loss"] if reports else None,
         "grad_norm": step["grad_norm"],
+        "probe_after_step": after,
     }
 
 
-def save_then_every_pass(
+def save_after_one_step(
     rank: int, world: int, port: int, out: Path, policy: dict[str, Any]
 ) -> dict[str, Any]:
-    """One training step (weights away from their initialisation), a checkpoint in
-    ``out/ckpt``, then :func:`every_pass`."""
+    """One training step (weights away from their initialisation), then a checkpoint in
+    ``out/ckpt``. Layouts are compared by loading it (:func:`load_then_every_pass`) on one rank
+    and on theirs, so each starts the compared step from the same weights and a fresh
+    optimizer."""
     worker = make_worker(rank, world, port, policy)
     train_step(worker, 1)
     worker.save_checkpoint(str(out / "ckpt"))
-    return every_pass(worker)
+    return {}
 
 
 def load_then_every_pass(
-    rank: int, world: int, port: int, out: Path, policy: dict[str, Any], ckpt: str
+    rank: int,
+    world: int,
+    port: int,
+    out: Path,
+    policy: dict[str, Any],
+    ckpt: str,
+    train_length: int = 23,
 ) -> dict[str, Any]:
     """The weights of ``ckpt`` (on this layout), then :func:`every_pass`."""
     worker = make_worker(rank, world, port, policy)
     worker.load_checkpoint(ckpt, weights_only=True)
-    return every_pass(worker)
+    return every_pass(worker, train_length)
 
 
 def dtensor_recipe_steps(rank: int, world: int, port: int, out: Path, recipe: dict, steps: int):

@@ -76,3 +76,37 @@ def test_per_token_loss_cannot_be_turned_off(megatron_cpu, effective_for):
     effective = effective_for("tiny-dense", model_overrides={"calculate_per_token_loss": False})
     with pytest.raises(UserInputError, match="model_overrides.calculate_per_token_loss: must be"):
         build_gpt_model(effective, architecture_for("tiny-dense"), on_gpu=False)
+
+
+def test_local_spec_norms_are_torch_norms_marked_for_sequence_parallelism(build_tiny):
+    """Every norm of the local spec (layers, q/k, the final one) is LocalNorm's torch norm,
+    whose parameters carry the mark finalize_model_grads sums over tensor-parallel ranks."""
+    import types
+
+    import torch
+
+    from nemo_rl_offload.models.norms import LocalNorm
+
+    model, _ = build_tiny("tiny-dense", model_overrides={"qk_layernorm": True})
+    norms = [model.decoder.final_layernorm]
+    for layer in model.decoder.layers:
+        attention = layer.self_attention
+        norms += [layer.input_layernorm, layer.pre_mlp_layernorm]
+        norms += [attention.q_layernorm, attention.k_layernorm]
+    assert all(type(norm) is torch.nn.RMSNorm for norm in norms)
+    assert all(p.sequence_parallel is False for norm in norms for p in norm.parameters())
+
+    fields = {
+        "layernorm_zero_centered_gamma": False,
+        "persist_layer_norm": False,
+        "memory_efficient_layer_norm": False,
+    }
+    for normalization, kind in (("RMSNorm", torch.nn.RMSNorm), ("LayerNorm", torch.nn.LayerNorm)):
+        config = types.SimpleNamespace(
+            sequence_parallel=True, normalization=normalization, **fields
+        )
+        norm = LocalNorm(config, hidden_size=8, eps=1e-6)
+        assert type(norm) is kind and norm.eps == 1e-6
+        assert [p.sequence_parallel for p in norm.parameters()] == [True] * len(
+            list(norm.parameters())
+        )

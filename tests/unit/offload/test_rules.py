@@ -342,13 +342,6 @@ PIPELINE_2 = {"pipeline_model_parallel_size": 2, "pipeline_dtype": "float32"}
             "expert_model_parallel_size",
             "(4 x 1 x 1) do not divide the 2 worker(s)",
         ),
-        (
-            "tiny-dense",
-            2,
-            {"tensor_model_parallel_size": 2, "sequence_parallel": True},
-            "sequence_parallel",
-            "needs Transformer Engine's norms",
-        ),
     ],
     ids=[
         "cp2",
@@ -358,7 +351,6 @@ PIPELINE_2 = {"pipeline_model_parallel_size": 2, "pipeline_dtype": "float32"}
         "tp4_groups",
         "workers",
         "ep4",
-        "sequence_parallel_local",
     ],  # fmt: skip
 )
 def test_parallel_layouts_the_passes_cannot_run_are_refused(
@@ -387,11 +379,43 @@ def test_parallel_layouts_the_passes_cannot_run_are_refused(
         ),
         ("tiny-moe", 2, {"expert_model_parallel_size": 2}),
         ("tiny-dense", None, {"tensor_model_parallel_size": 2}),
+        ("tiny-dense", 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+        ("tiny-moe", 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     ],
-    ids=["pp2", "pp2_tp2", "tp2", "pp3_uneven_given", "ep2", "workers_unknown"],
+    ids=[
+        "pp2",
+        "pp2_tp2",
+        "tp2",
+        "pp3_uneven_given",
+        "ep2",
+        "workers_unknown",
+        "tp2_sp_local",
+        "moe_tp2_sp_local",
+    ],  # fmt: skip
 )
 def test_parallel_layouts_every_pass_runs_are_accepted(model, workers, settings):
-    assert check(model, NO_TE, workers=workers, **settings).errors == []
+    findings = check(model, NO_TE, workers=workers, **settings)
+    assert findings.errors == []
+    assert not [line for line in findings.warnings if "sequence_parallel" in line]
+
+
+def test_sequence_parallel_without_tensor_parallelism_is_a_one_line_warning():
+    from nemo_rl_offload.offload import apply
+
+    findings = check("tiny-dense", NO_TE, workers=1, sequence_parallel=True)
+    assert findings.errors == []
+    assert [line for line in findings.warnings if "sequence_parallel" in line] == [
+        f"warning: {P}.sequence_parallel: ignored at tensor_model_parallel_size 1 (there is "
+        "nothing to split the sequence over); set it to false"
+    ]
+    # ... and Megatron, which refuses it without tensor parallelism, gets it off.
+    effective = apply.effective_settings(
+        make_policy("tiny-dense", sequence_parallel=True),
+        architecture_for("tiny-dense"),
+        te_installed=False,
+    )
+    assert apply.transformer_config_kwargs(effective)["sequence_parallel"] is False
+    assert apply.build_transformer_config(effective).sequence_parallel is False
 
 
 DRIFT = (
