@@ -23,7 +23,7 @@ TINY = REPO / "examples" / "configs" / "tiny"
 # Learning margins: each a fraction of what the tiny recipes reached from several seeds
 # (benchmarks/results/2026-11-23_cpu_learning_margins.md), so that a machine whose rounding sends
 # training down another path still gives the same verdict.
-GRPO_MIN_HELD_OUT_GAIN = 0.03
+GRPO_MIN_HELD_OUT_GAIN = 0.01
 DPO_MIN_HELD_OUT_ACCURACY = 0.58
 DPO_MIN_HELD_OUT_LOSS_DROP = 0.01
 
@@ -87,7 +87,7 @@ def test_grpo_from_sft_raises_held_out_reward(sft_run, tmp_path):
     # to step than the policy improves over the run, so a window of training rewards rose or fell
     # with the CPU's rounding (the same seed failed on one machine and passed on another). The
     # margin is a fraction of the gain this recipe reached from every seed tried
-    # (benchmarks/results/2026-11-23_cpu_learning_margins.md).
+    # (benchmarks/results/2026-11-23_cpu_learning_margins.md, remeasured 2026-11-25).
     gain = statistics.mean(r["val_reward"] for r in val[-2:]) - val[0]["val_reward"]
     assert gain > GRPO_MIN_HELD_OUT_GAIN, val
     train = metrics(tmp_path, "train")
