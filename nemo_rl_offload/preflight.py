@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.algorithms import grpo_options
-from nemo_rl_offload.config import checkpointing, dtensor_recipes, ignored_keys
+from nemo_rl_offload.config import checkpointing, dtensor_recipes, grpo_options, ignored_keys
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import Architecture, ModelNotOnMachine, architecture_for
 from nemo_rl_offload.config.schema import grpo_loss_problems

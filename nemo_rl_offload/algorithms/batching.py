@@ -152,13 +152,21 @@ def token_budgeted(policy_cfg: dict) -> bool:
     )
 
 
-def check_batch_sizes(policy_cfg: dict, dp_size: int) -> None:
-    """The global batch must split evenly into data-parallel shards of whole micro-batches
-    (with token budgets, into equal shards: micro-batches are then formed by tokens)."""
-    gbs = int(policy_cfg["train_global_batch_size"])
-    mbs = 1 if token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
-    if gbs % (mbs * dp_size):
+def check_split(count: int, policy_cfg: dict, dp_size: int, *, key: str, what: str) -> None:
+    """A step's ``count`` sequences must split evenly into data-parallel shards of whole
+    micro-batches (with token budgets, into equal shards: micro-batches are then formed by
+    tokens); ``key`` and ``what`` name the setting in the message."""
+    micro = 1 if token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
+    if count % (micro * dp_size):
         raise UserInputError(
-            f"policy.train_global_batch_size: {gbs} does not split into {dp_size} data-parallel "
-            f"rank(s) x micro-batches of {mbs}; use a multiple of {mbs * dp_size}"
+            f"{key}: {what} do not split into {dp_size} data-parallel rank(s) x micro-batches "
+            f"of {micro}; use a multiple of {micro * dp_size}"
         )
+
+
+def check_batch_sizes(policy_cfg: dict, dp_size: int) -> None:
+    """The global batch splits into data-parallel shards of whole micro-batches."""
+    gbs = int(policy_cfg["train_global_batch_size"])
+    check_split(
+        gbs, policy_cfg, dp_size, key="policy.train_global_batch_size", what=f"{gbs} sequences"
+    )

@@ -80,15 +80,13 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
         env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
         num_prompts = int(cfg["num_prompts_per_step"])
         group = int(cfg.get("num_generations_per_prompt", 1))
-        # With token budgets (packing, dynamic batching) each rank takes an equal share.
-        micro = (
-            1 if batching.token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
+        batching.check_split(
+            num_prompts * group,
+            policy_cfg,
+            policy.dp_size,
+            key="distillation.num_prompts_per_step",
+            what=f"{num_prompts} x {group} responses",
         )
-        if (num_prompts * group) % (micro * policy.dp_size):
-            raise UserInputError(
-                f"distillation.num_prompts_per_step: {num_prompts} x {group} responses do not "
-                f"split into {policy.dp_size} data-parallel rank(s) x micro-batches of {micro}"
-            )
         top_k = cfg.get("topk_logits_k")
         spec = {
             "name": "distillation",

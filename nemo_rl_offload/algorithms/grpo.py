@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nemo_rl_offload import losses
-from nemo_rl_offload.algorithms import batching, grpo_options, loss_inputs, rewards
+from nemo_rl_offload.algorithms import batching, loss_inputs, rewards
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     EpochSampler,
@@ -24,6 +24,7 @@ from nemo_rl_offload.algorithms.common import (
     prepare,
 )
 from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.config import grpo_options
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
@@ -93,11 +94,6 @@ def rollout(
         run, policy, env, prompts, answers, greedy=False, seed=seed
     )
     return prompts, responses, rewards, logprobs
-
-
-def attach(microbatches: list[dict], key: str, arrays: list[np.ndarray]) -> None:
-    for mb, array in zip(microbatches, arrays, strict=True):
-        mb[key] = array
 
 
 def format_samples(
@@ -341,15 +337,13 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
             int(cfg["num_prompts_per_step"]),
             int(cfg["num_generations_per_prompt"]),
         )
-        # With token budgets (packing, dynamic batching) each rank takes an equal share.
-        micro = (
-            1 if batching.token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
+        batching.check_split(
+            num_prompts * group,
+            policy_cfg,
+            policy.dp_size,
+            key="grpo.num_prompts_per_step",
+            what=f"{num_prompts} prompts x {group} generations",
         )
-        if (num_prompts * group) % (micro * policy.dp_size):
-            raise UserInputError(
-                f"grpo.num_prompts_per_step: {num_prompts} prompts x {group} generations do not "
-                f"split into {policy.dp_size} data-parallel rank(s) x micro-batches of {micro}"
-            )
         sampler = run.sampler(len(train), seed)
         val_answers = [str(v["answer"]) for v in val_raw]
         val_samples = int(cfg.get("val_num_generations_per_prompt", 1))

@@ -5,7 +5,7 @@ responses out of the loss (``grpo.overlong_filtering``), and clamp the advantage
 (``grpo.advantage_clip_low`` / ``advantage_clip_high``).
 
 Pure functions on plain values, so that each option's effect is testable without workers; the
-recipe checks of these keys are :func:`nemo_rl_offload.algorithms.grpo_options.check`'s.
+recipe checks of these keys are :func:`nemo_rl_offload.config.grpo_options.check`'s.
 """
 
 from __future__ import annotations

@@ -672,7 +672,7 @@ class GRPOConfig(TypedDict):
     max_val_samples: NotRequired[int | None]
     val_batch_size: NotRequired[int | None]
     seed: int
-    # Reward and advantage transforms (algorithms/rewards.py; checks: algorithms/grpo_options.py).
+    # Reward and advantage transforms (algorithms/rewards.py; checks: config/grpo_options.py).
     advantage_clip_low: NotRequired[Number | None]  # default null: no lower bound
     advantage_clip_high: NotRequired[Number | None]  # default null: no upper bound
     overlong_filtering: NotRequired[bool]  # default false

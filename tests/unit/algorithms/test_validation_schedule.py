@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_offload.algorithms import grpo, grpo_options
+from nemo_rl_offload.algorithms import grpo
 from nemo_rl_offload.algorithms.common import Run, validation_due
+from nemo_rl_offload.config import grpo_options
 from nemo_rl_offload.metrics_logger import MetricsLogger
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_rl_offload.algorithms import grpo_options
+from nemo_rl_offload.config import grpo_options
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.preflight import check_recipe
 
