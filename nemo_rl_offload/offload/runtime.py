@@ -38,9 +38,23 @@ SMALLEST_BUCKET = 32
 DEFAULT_FRACTION_PLACEMENT = "spread"
 
 
+def host_allocator_bytes() -> int:
+    """Bytes of pinned memory torch's caching host allocator holds (in use and cached), where
+    ``torch.empty(..., pin_memory=True)`` lands; 0 without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
 def plan_metrics(manager: Any) -> dict[str, float]:
     """Bytes the manager's recorded plan offloads per step, per module and in all, and the
-    pinned host bytes held by its tensor pool (GiB)."""
+    pinned host memory (GiB): the shared pool's buffers (``offload_pool_gib``), torch's caching
+    host allocator (``torch_pinned_host_gib``), both together (``pinned_host_gib``), the
+    largest kept plan's need (the most bytes its steps hold in the pool at once), this plan's,
+    and pinned over the largest need (``pinned_over_need``; the pool keeps it at most
+    :data:`.owned.POOL_SLACK` where the plans' buffers nest, see :class:`.owned.OwnedHostPool`)."""
     per_module: dict[str, int] = {}
     for chunk in manager._cached_chunks_forward:
         for group in chunk.offload_groups:
@@ -50,7 +64,14 @@ def plan_metrics(manager: Any) -> dict[str, float]:
                 )
     metrics = {f"offloaded_gib_{name}": count / 2**30 for name, count in per_module.items()}
     metrics["offloaded_gib_per_step"] = sum(per_module.values()) / 2**30
-    metrics["pinned_host_gib"] = manager.cpu_tensor_pool.pinned_bytes() / 2**30
+    pool = manager.cpu_tensor_pool
+    pooled, torch_pinned, need = pool.pinned_bytes(), host_allocator_bytes(), pool.largest_need()
+    metrics["offload_pool_gib"] = pooled / 2**30
+    metrics["torch_pinned_host_gib"] = torch_pinned / 2**30
+    metrics["pinned_host_gib"] = (pooled + torch_pinned) / 2**30
+    metrics["largest_plan_need_gib"] = need / 2**30
+    metrics["plan_need_gib"] = pool.need_by_plan.get(pool.plan, 0) / 2**30
+    metrics["pinned_over_need"] = (pooled + torch_pinned) / need if need else 0.0
     return metrics
 
 
@@ -164,13 +185,14 @@ class OffloadRuntime:
     manager per shape and installs the right one before each step: a shape seen before replays
     its own plan; a new shape records a new plan.
 
-    The pinned host buffers are Megatron's OffloadTensorPool (the runtime's subclass,
-    :class:`.owned.OwnedHostPool`), keyed by tensor shape; the runtime gives every plan the
-    same pool, so plans of one length (different micro-batch counts) reuse the same buffers:
-    pinned memory grows with the distinct lengths, not the shapes. When the pool exceeds
-    ``host_budget_bytes``, the least recently used plans are released (logged, and counted in
-    the metrics) with the buffers no kept plan uses, until it fits, so host memory never grows
-    without bound.
+    The pinned host buffers are the runtime's subclass of Megatron's OffloadTensorPool,
+    :class:`.owned.OwnedHostPool`, which every plan shares and which lends buffers by size, not
+    shape: a step draws buffers only within itself, so a smaller shape runs in a larger one's
+    buffers, and after each step the pool rebuilds itself when it holds more than
+    :data:`.owned.POOL_SLACK` times the largest kept plan's need. Pinned memory then follows
+    the largest step, not the number of shapes. When it exceeds ``host_budget_bytes``, the
+    least recently used plans are released (logged, and counted in the metrics) and the pool
+    keeps what the others need, until it fits, so host memory never grows without bound.
     """
 
     def __init__(
@@ -194,7 +216,7 @@ class OffloadRuntime:
         in less host time. With drop-and-pad MoE dispatch in ``config`` the expert groups'
         shapes are static, so their pinned buffers come from the pool (``pool_expert_groups``).
         These become every plan's :attr:`choices` (:class:`.owned.PlanChoices`), with the
-        Megatron-LM 7398 fix and the copy timing on.
+        Megatron-LM 7398 fix, the copy timing and ``pool_every_group`` on.
 
         With offloading on, it refuses (UserInputError) a megatron-core whose offload code is
         not the one the runtime's subclasses were checked against
@@ -220,6 +242,7 @@ class OffloadRuntime:
             strided_copies=strided_copies,
             fraction_placement=fraction_placement or DEFAULT_FRACTION_PLACEMENT,
             pool_expert_groups=bool(getattr(config, "moe_pad_expert_input_to_capacity", False)),
+            pool_every_group=True,
             lean_hooks=lean_hooks,
             copy_timer=owned.CopyTimer(),
         )
@@ -292,8 +315,7 @@ class OffloadRuntime:
             if oldest == self.step_shape:
                 break
             del self._plans[oldest]
-            still_used = set().union(*(pool.keys_by_plan.get(s, set()) for s in self._plans))
-            pool.release(pool.keys_by_plan.pop(oldest, set()) - still_used)
+            pool.release(oldest)
             self.plans_released += 1
             if self.on_release is not None:
                 self.on_release(oldest)
@@ -306,7 +328,8 @@ class OffloadRuntime:
             )
 
     def pinned_bytes(self) -> int:
-        """Pinned host bytes held by the pool the plans share."""
+        """Pinned host bytes held by the pool the plans share (the budget's measure: torch's
+        caching host allocator also holds pinned memory of others, reported beside it)."""
         return 0 if self._pool is None else self._pool.pinned_bytes()
 
     def after_step(self, *, copies_timed: bool = True) -> dict[str, float]:
@@ -317,6 +340,8 @@ class OffloadRuntime:
         runs to record copy events) leaves the copy time and bandwidth out."""
         if not self.enabled:
             return {}
+        if self._pool is not None:
+            self._pool.settle()
         self._enforce_budget()
         metrics = plan_metrics(self._manager().get_instance())
         # plan_metrics' pinned_host_gib is the plan's pool: the one pool all kept plans share.
