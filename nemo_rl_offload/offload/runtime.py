@@ -9,7 +9,9 @@ and replays it on every later one. RL steps do not repeat (shared/measurements/R
 - a different micro-batch count silently drops the savings, and changing lengths grow the
   pinned pool without bound: :meth:`OffloadRuntime.prepare_step` pads every micro-batch of a
   step to one length bucket (:func:`sequence_length_buckets`) and keeps one plan per step shape
-  (measured: a plan recorded for its shape keeps the savings), under a host-memory budget;
+  (measured: a plan recorded for its shape keeps the savings), whose pinned buffers one pool
+  lends by size (:class:`.owned.OwnedHostPool`: at most 1.25x the largest plan's need where
+  the plans' buffers nest), under a host-memory budget;
 - the warm-up step's gradients differ from a model without offload (Megatron-LM issue 7398),
   and permuted tensors cost a copy kernel each way: the runtime's own subclasses of Megatron's
   offload classes (:mod:`.owned`) fix both, per plan (:class:`.owned.PlanChoices`).
@@ -99,9 +101,9 @@ def sequence_length_buckets(max_length: int, multiple: int = 1) -> list[int]:
     """The default padded lengths of a step: powers of two and the midpoints 1.5 x 2^k from
     32 on, each rounded up to ``multiple``, and last ``max_length`` rounded up to it.
 
-    Every bucket is a step shape with its own offload plan and pinned buffers, so buckets trade
-    padding (at most half a bucket: a length just above 2^k pads to 1.5 x 2^k) against plans
-    (about two per doubling of the length, 15 up to 4096)."""
+    Every bucket is a step shape with its own offload plan (the pinned buffers are shared), so
+    buckets trade padding (at most half a bucket: a length just above 2^k pads to 1.5 x 2^k)
+    against plans (about two per doubling of the length, 15 up to 4096)."""
     multiple = max(1, multiple)
     top = _round_up(max_length, multiple)
     buckets: set[int] = {top}
@@ -304,7 +306,7 @@ class OffloadRuntime:
             manager = self._plans[shape] = self._new_manager()
             manager_cls.OFFLOAD_MGR = manager
             self.plans_recorded += 1
-        self._pool.plan = shape  # the pool notes the buffers each plan draws
+        self._pool.plan = shape  # the pool notes each plan's need and draws
 
     def _enforce_budget(self) -> None:
         if self.host_budget_bytes is None:
