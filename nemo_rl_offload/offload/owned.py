@@ -217,8 +217,6 @@ _CLASS_SHIFT = SIZE_CLASS_STEPS.bit_length() - 1
 PAGE = 4096
 # The pool rebuilds its buffers when it holds more than this many times its largest plan's need.
 POOL_SLACK = 1.25
-# What a rebuild may keep beyond what the recorded steps need, as a multiple of the largest need.
-REBUILD_TARGET = 1.125
 
 
 def size_class(nbytes: int) -> int:
@@ -261,33 +259,46 @@ def _best_fit_sizes(steps: list[list[tuple[int, int]]], given: list[int]) -> lis
     return added
 
 
+def _power_of_two(nbytes: int) -> int:
+    return 1 << (max(1, nbytes) - 1).bit_length()
+
+
+def pack_slabs(sizes: list[int]) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Buffers of ``sizes`` laid out in slabs whose sizes are powers of two: (slab size,
+    [(offset, size)]) per slab. Torch's caching host allocator rounds every pinned allocation
+    up to a power of two, so a slab of one pins what it says. Each slab is the largest power of
+    two within the bytes left to place (at least the largest buffer's), filled largest buffer
+    first; the waste is at most the last, smallest slabs' slack."""
+    remaining = sorted(sizes, reverse=True)
+    slabs: list[tuple[int, list[tuple[int, int]]]] = []
+    while remaining:
+        total = sum(remaining)
+        capacity = max(_power_of_two(remaining[0]), 1 << (total.bit_length() - 1))
+        placed: list[tuple[int, int]] = []
+        rest: list[int] = []
+        used = 0
+        for size in remaining:
+            if used + size <= capacity:
+                placed.append((used, size))
+                used += size
+            else:
+                rest.append(size)
+        slabs.append((capacity, placed))
+        remaining = rest
+    return slabs
+
+
 class _Buffer:
-    """One pinned host buffer of the pool: ``data`` (bytes, page-aligned) and the tensor whose
-    memory it is. With pinning it is page-locked by ``cudaHostRegister`` rather than taken from
-    torch's caching host allocator, which rounds every size up to a power of two and keeps
-    freed blocks cached: a size class then pins what it says, and dropping a buffer gives its
-    memory back."""
+    """One buffer of the pool: ``data``, bytes of its slab (a pinned uint8 tensor whose size is
+    a power of two, from torch's caching host allocator, so that a CUDA graph may capture copies
+    to it: torch refuses memory it does not know as pinned), at its offset."""
 
-    __slots__ = ("data", "registered", "size")
+    __slots__ = ("data", "size", "slab")
 
-    def __init__(self, size: int, device: torch.device, pin: bool) -> None:
+    def __init__(self, slab: torch.Tensor, offset: int, size: int) -> None:
+        self.slab = slab
         self.size = size
-        self.registered = False
-        if not pin:
-            self.data = torch.empty(size, dtype=torch.uint8, device=device)
-            return
-        raw = torch.empty(size + PAGE, dtype=torch.uint8, device=device)
-        offset = -raw.data_ptr() % PAGE
-        self.data = raw[offset : offset + size]
-        error = int(torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), size, 0))
-        if error != 0:
-            raise RuntimeError(f"cudaHostRegister of {size} bytes failed (cudaError {error})")
-        self.registered = True
-
-    def drop(self) -> None:
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.data.data_ptr())
-            self.registered = False
+        self.data = slab[offset : offset + size]
 
 
 class OwnedHostPool(fgo.OffloadTensorPool):
@@ -298,7 +309,7 @@ class OwnedHostPool(fgo.OffloadTensorPool):
     them. Here a buffer is bytes of a size class (:func:`size_class`); a request takes the
     smallest free buffer that holds it (best fit), viewed as the requested dtype and shape,
     contiguous (a strided copy views that as its strides: a dense permutation spans exactly its
-    elements), or else a new buffer of its class. Buffers are live only within a step: an
+    elements), or else a new buffer. Buffers are live only within a step: an
     offload in the forward pass draws one, its reload in the backward returns it, and the
     manager's reset at the end of the step (Megatron's schedules call it) makes every buffer
     free again, so a smaller step shape runs in the buffers of a larger one.
@@ -308,10 +319,10 @@ class OwnedHostPool(fgo.OffloadTensorPool):
     step, :meth:`settle` rebuilds the buffers when the pool holds more than
     :data:`POOL_SLACK` times the largest kept plan's need (shapes that came smallest first leave
     buffers too small for later ones): it replays the kept plans' recorded steps, largest need
-    first, under the same best-fit rule (:func:`_best_fit_sizes`), keeps the buffers of those
-    sizes and drops the others. Where every plan's live buffers fit in the largest plan's (one
-    model's layers at shorter lengths or fewer micro-batches), that is the largest plan's own
-    set, within a sixteenth of its need.
+    first, under the same best-fit rule (:func:`_best_fit_sizes`), and makes the pool those
+    buffers. Where every plan's live buffers fit in the largest plan's (one model's layers at
+    shorter lengths or fewer micro-batches), that is the largest plan's own set: its need plus
+    less than a sixteenth (the classes) and the slack of the slabs.
 
     CUDA graphs: a graph captured with offloading writes to the buffers its capture drew on
     every replay, with no Python to draw them again. Those buffers stay reserved for the plan
@@ -319,10 +330,12 @@ class OwnedHostPool(fgo.OffloadTensorPool):
     ``on_release`` drops its graphs with it); between its steps other plans may use them, as
     nothing lives in them across a step's end, and steps run one at a time.
 
-    With pinning the buffers are page-locked by ``cudaHostRegister`` (see :class:`_Buffer`),
-    so :meth:`pinned_bytes` is what they hold; torch's caching host allocator
-    (``torch.cuda.host_memory_stats``) counts what else pins memory (Megatron's unpooled expert
-    groups, pinned tensors elsewhere).
+    Pinned memory comes from torch's caching host allocator, which rounds each allocation up to
+    a power of two and keeps it cached when freed: buffers lie in slabs of powers of two
+    (:func:`pack_slabs`; a buffer made during a step is a slab of its own, until the next
+    rebuild packs it), :meth:`pinned_bytes` counts the slabs, and a rebuild that drops slabs
+    empties torch's host cache, so that ``torch.cuda.host_memory_stats`` counts only what is
+    held.
 
     ``lean``: the plans' ``lean_hooks`` (kept for them; allocate and free are one path)."""
 
@@ -346,8 +359,30 @@ class OwnedHostPool(fgo.OffloadTensorPool):
     # --- accounting -------------------------------------------------------------------------
 
     def pinned_bytes(self) -> int:
-        """Bytes of the pool's buffers (pinned, on a GPU host)."""
-        return sum(buffer.size for buffer in self._buffers.values())
+        """Bytes of the slabs the pool's buffers lie in (pinned, on a GPU host)."""
+        slabs = {id(buffer.slab): buffer.slab for buffer in self._buffers.values()}
+        return sum(slab.numel() for slab in slabs.values())
+
+    def _slab_buffers(self, sizes: list[int]) -> list[_Buffer]:
+        """New buffers of ``sizes``, in new slabs (:func:`pack_slabs`)."""
+        buffers = []
+        for capacity, placed in pack_slabs(sizes):
+            slab = torch.empty(
+                capacity, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory
+            )
+            buffers.extend(_Buffer(slab, offset, size) for offset, size in placed)
+        return buffers
+
+    def _drop(self, addresses: list[int]) -> None:
+        """Forget the (free) buffers at ``addresses``, and give torch's host cache back when
+        pinned: their slabs would stay cached there (and counted) otherwise."""
+        if not addresses:
+            return
+        for address in addresses:
+            self._buffers.pop(address, None)
+        if self.pin_memory and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # no copy of the last step still uses a dropped slab
+            torch._C._host_emptyCache()
 
     def largest_need(self) -> int:
         """The largest need (most bytes live at once in a step) of a kept plan."""
@@ -376,8 +411,8 @@ class OwnedHostPool(fgo.OffloadTensorPool):
         if index < len(self._free):
             _, address = self._free.pop(index)
             self._stats["pool_hits"] += 1
-        else:
-            buffer = _Buffer(size_class(nbytes), self.device, self.pin_memory)
+        else:  # a slab of its own, all of it lendable, until a rebuild packs it
+            buffer = self._slab_buffers([_power_of_two(size_class(nbytes))])[0]
             address = buffer.data.data_ptr()
             self._buffers[address] = buffer
             self.grew = True
@@ -434,9 +469,8 @@ class OwnedHostPool(fgo.OffloadTensorPool):
         """Drop every buffer (unpinning it).
 
         Stands in for: as :meth:`allocate`. Remove when: as :meth:`allocate`."""
-        for buffer in self._buffers.values():
-            with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
-                buffer.drop()
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
+            self._drop(list(self._buffers))
         self._buffers.clear()
         self._free.clear()
         self._live.clear()
@@ -458,50 +492,25 @@ class OwnedHostPool(fgo.OffloadTensorPool):
     def settle(self, *, force: bool = False) -> None:
         """After a step: when buffers were made since the last settle and the pool holds more
         than :data:`POOL_SLACK` times the largest kept plan's need (or ``force``, after a
-        release), rebuild it: the buffers reserved by graphs, plus those the kept plans'
-        recorded steps need besides under the pool's own rule, largest need first
-        (:func:`_best_fit_sizes`); free buffers of those sizes are kept, the others dropped.
-        A plan's next step then draws what its recorded one did, so the pool does not grow
-        again for it.
-
-        Only free buffers are dropped: called with buffers still drawn (a step cut short),
-        it leaves those, and the reset returns them."""
+        release), rebuild it: the slabs holding buffers reserved by graphs (or still drawn)
+        stay, and the buffers the kept plans' recorded steps need besides, under the pool's
+        own rule with the largest need first (:func:`_best_fit_sizes`), are made anew in
+        packed slabs, in place of the others; only where that holds fewer bytes. A plan's next
+        step then draws what its recorded one did, so the pool does not grow again for it."""
         grew, self.grew = self.grew, False
         if not force and (not grew or self.pinned_bytes() <= POOL_SLACK * self.largest_need()):
             return
-        reserved = set().union(*self.reserved_by_plan.values()) & set(self._buffers)
+        reserved = set().union(*self.reserved_by_plan.values()) | set(self._live)
+        kept_slabs = {id(self._buffers[a].slab) for a in reserved if a in self._buffers}
+        kept = [b for b in self._buffers.values() if id(b.slab) in kept_slabs]
         order = sorted(self._steps, key=lambda plan: -self.need_by_plan.get(plan, 0))
-        wanted = _best_fit_sizes(
-            [self._steps[plan] for plan in order],
-            [self._buffers[address].size for address in reserved],
-        )
-        spare = sorted(
-            (buffer.size, address)
-            for address, buffer in self._buffers.items()
-            if address not in reserved and address not in self._live
-        )
-        made: list[_Buffer] = []
-        for size in wanted:
-            index = bisect.bisect_left(spare, (size, -1))
-            if index < len(spare) and spare[index][0] == size:
-                spare.pop(index)
-            else:
-                made.append(_Buffer(size, self.device, self.pin_memory))
-        # Spare buffers, largest first, stay while the pool keeps within REBUILD_TARGET of the
-        # largest need: headroom for steps whose sizes vary (MoE routing) without a rebuild.
-        held = sum(self._buffers[a].size for a in reserved | set(self._live)) + sum(wanted)
-        room = REBUILD_TARGET * self.largest_need() - held
-        dropped = []
-        for size, address in sorted(spare, reverse=True):
-            if 0 < size <= room:
-                room -= size
-            else:
-                dropped.append(self._buffers.pop(address))
-        if any(buffer.registered for buffer in dropped):
-            torch.cuda.synchronize()  # no copy of the step may still use a buffer unpinned now
-        for buffer in dropped:
-            buffer.drop()
-        for buffer in made:
+        wanted = _best_fit_sizes([self._steps[plan] for plan in order], [b.size for b in kept])
+        kept_bytes = sum({id(b.slab): b.slab.numel() for b in kept}.values())
+        new_bytes = sum(capacity for capacity, _ in pack_slabs(wanted))
+        if kept_bytes + new_bytes >= self.pinned_bytes():
+            return
+        self._drop([a for a, b in self._buffers.items() if id(b.slab) not in kept_slabs])
+        for buffer in self._slab_buffers(wanted):
             self._buffers[buffer.data.data_ptr()] = buffer
         self._free = sorted(
             (buffer.size, address)
@@ -615,15 +624,10 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
 
     def reload(self, state: Any, non_blocking: bool | None = None) -> Any:
         """Reload a tensor :meth:`offload` kept with its strides into a GPU tensor of the same
-        strides; anything else is Megatron's reload. A pooled host copy is reloaded without
-        blocking (its buffer is pinned, though ``is_pinned()`` does not say so).
+        strides; anything else is Megatron's reload.
 
         Stands in for: as :meth:`offload`. Remove when: as :meth:`offload`."""
         device, host, use_cpu_pool = state
-        if non_blocking is None and use_cpu_pool and self.cpu_tensor_pool.pin_memory:
-            # The pool's buffers are page-locked by cudaHostRegister, which is_pinned() (how
-            # Megatron chooses) does not report: without this the reload would block the host.
-            non_blocking = True
         if host.is_contiguous():
             return super().reload(state, non_blocking=non_blocking)
         if non_blocking is None:

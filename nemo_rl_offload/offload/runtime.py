@@ -42,7 +42,8 @@ DEFAULT_FRACTION_PLACEMENT = "spread"
 
 def host_allocator_bytes() -> int:
     """Bytes of pinned memory torch's caching host allocator holds (in use and cached), where
-    ``torch.empty(..., pin_memory=True)`` lands; 0 without CUDA."""
+    ``torch.empty(..., pin_memory=True)`` lands, the offload pool's slabs included; 0 without
+    CUDA."""
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
@@ -52,10 +53,12 @@ def host_allocator_bytes() -> int:
 
 def plan_metrics(manager: Any) -> dict[str, float]:
     """Bytes the manager's recorded plan offloads per step, per module and in all, and the
-    pinned host memory (GiB): the shared pool's buffers (``offload_pool_gib``), torch's caching
-    host allocator (``torch_pinned_host_gib``), both together (``pinned_host_gib``), the
-    largest kept plan's need (the most bytes its steps hold in the pool at once), this plan's,
-    and pinned over the largest need (``pinned_over_need``; the pool keeps it at most
+    pinned host memory (GiB): the shared pool's slabs (``offload_pool_gib``), torch's caching
+    host allocator (``torch_pinned_host_gib``: where the pool's slabs come from, with whatever
+    else the process pinned through torch), the larger of the two (``pinned_host_gib``: all of
+    the process's pinned memory, or the pool's where torch reports none), the largest kept
+    plan's need (the most bytes its steps hold in the pool at once), this plan's, and pinned
+    over the largest need (``pinned_over_need``; the pool keeps it at most
     :data:`.owned.POOL_SLACK` where the plans' buffers nest, see :class:`.owned.OwnedHostPool`)."""
     per_module: dict[str, int] = {}
     for chunk in manager._cached_chunks_forward:
@@ -70,10 +73,11 @@ def plan_metrics(manager: Any) -> dict[str, float]:
     pooled, torch_pinned, need = pool.pinned_bytes(), host_allocator_bytes(), pool.largest_need()
     metrics["offload_pool_gib"] = pooled / 2**30
     metrics["torch_pinned_host_gib"] = torch_pinned / 2**30
-    metrics["pinned_host_gib"] = (pooled + torch_pinned) / 2**30
+    pinned = max(pooled, torch_pinned)
+    metrics["pinned_host_gib"] = pinned / 2**30
     metrics["largest_plan_need_gib"] = need / 2**30
     metrics["plan_need_gib"] = pool.need_by_plan.get(pool.plan, 0) / 2**30
-    metrics["pinned_over_need"] = (pooled + torch_pinned) / need if need else 0.0
+    metrics["pinned_over_need"] = pinned / need if need else 0.0
     return metrics
 
 

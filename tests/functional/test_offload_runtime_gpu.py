@@ -222,7 +222,7 @@ def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
     if kind == "dense":  # MoE expert sizes follow the routing: its pool may still adjust
         for before, after in zip(records, records[1:], strict=False):
             if not after["new_shape"]:
-                assert after["pinned_host_gib"] == before["pinned_host_gib"], (before, after)
+                assert after["offload_pool_gib"] == before["offload_pool_gib"], (before, after)
     assert max(r["pinned_host_gib"] for r in records) <= BUDGET_GIB
     # Pinned host memory (the shared pool and torch's caching host allocator) follows the
     # largest step, not the number of shapes (issue 19): within the pool's slack of the

@@ -451,7 +451,7 @@ def test_the_pool_lends_views_by_size_and_never_one_buffer_twice():
     assert smaller.data_ptr() == big.data_ptr() and pool.pinned_bytes() == made
     larger = pool.allocate(torch.Size([8193]), torch.uint8)  # none holds it: a new buffer
     assert larger.data_ptr() not in {t.data_ptr() for t in live}
-    assert pool.pinned_bytes() == made + owned.size_class(8193)
+    assert pool.pinned_bytes() == made + 16384  # its class's, in a slab of a power of two
 
 
 def test_the_pool_counts_as_megatrons_and_refuses_memory_it_did_not_lend():
@@ -481,6 +481,19 @@ def _step(pool, plan, sizes: list[int]) -> None:
     pool.settle()
 
 
+def test_slabs_are_powers_of_two_packed_largest_buffer_first():
+    sizes = [3 * 2**20, 5 * 2**20, 2**20, 12 * 2**20, 2**20]
+    slabs = owned.pack_slabs(sizes)
+    assert all(capacity & (capacity - 1) == 0 for capacity, _ in slabs)
+    placed = sorted(size for _, buffers in slabs for _, size in buffers)
+    assert placed == sorted(sizes)
+    for capacity, buffers in slabs:  # no buffer overlaps another or leaves its slab
+        ends = [(offset, offset + size) for offset, size in sorted(buffers)]
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))
+        assert ends[-1][1] <= capacity
+    assert sum(capacity for capacity, _ in slabs) == 24 * 2**20  # 22 MiB: 16 + 8
+
+
 def test_the_pool_rebuilds_to_the_largest_plan_when_smaller_ones_came_first():
     pool = _pool()
     mib = 2**20
@@ -507,9 +520,9 @@ def test_graph_reserved_buffers_stay_until_their_plan_is_released(monkeypatch):
     assert captured <= set(pool._buffers) and pool.pinned_bytes() == 2 * mib
     _step(pool, "eager", [8 * mib, 8 * mib])  # over the slack: rebuilt, the graph's kept
     assert captured <= set(pool._buffers)
-    pool.release("graphed")  # no longer reserved: kept only as headroom within the target
-    assert not pool.reserved_by_plan
-    assert pool.pinned_bytes() <= owned.REBUILD_TARGET * pool.largest_need() == 18 * mib
+    pool.release("graphed")  # no longer reserved: the pool keeps what "eager" needs
+    assert not pool.reserved_by_plan and not captured & set(pool._buffers)
+    assert pool.pinned_bytes() == 16 * mib
 
 
 def test_release_keeps_what_the_other_plans_need():
