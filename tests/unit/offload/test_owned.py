@@ -515,6 +515,9 @@ def test_graph_reserved_buffers_stay_until_their_plan_is_released(monkeypatch):
     _step(pool, "graphed", [mib, mib])  # drawn under capture: reserved for the plan
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     captured = set(pool.reserved_by_plan["graphed"])
+    # Hold the captured buffers, as a captured graph holds their memory: a freed buffer's
+    # address could otherwise come back for a new one and the address checks below would lie.
+    held = [pool._buffers[address] for address in captured]
     _step(pool, "eager", [8 * mib])
     pool.release("eager")
     assert captured <= set(pool._buffers) and pool.pinned_bytes() == 2 * mib
@@ -522,6 +525,7 @@ def test_graph_reserved_buffers_stay_until_their_plan_is_released(monkeypatch):
     assert captured <= set(pool._buffers)
     pool.release("graphed")  # no longer reserved: the pool keeps what "eager" needs
     assert not pool.reserved_by_plan and not captured & set(pool._buffers)
+    assert not any(b is kept for b in held for kept in pool._buffers.values())
     assert pool.pinned_bytes() == 16 * mib
 
 
