@@ -20,6 +20,8 @@ manager creates :class:`OwnedChunkHandler` handlers, and the plans share one
   (Megatron's choice, ``earliest``), so the copies keep pace with the compute;
 - ``pool_expert_groups``: MoE expert groups take their pinned buffers from the pool when
   drop-and-pad dispatch makes their shapes recur (what a CUDA graph of a MoE step needs);
+- ``pool_every_group``: every group's host copy, the expert groups' included, comes from the
+  pool (:class:`OwnedHostPool` serves any size), in the warm-up step too;
 - ``copy_timer``: CUDA events around each group's copies, for a :class:`CopyTimer` (copy time
   and achieved bandwidth in the step metrics);
 - ``lean_hooks``: the same hook work in less host time, outside CUDA graph capture (an eager
@@ -37,12 +39,13 @@ tests/unit/offload/test_owned.py fails on such a difference in CI.
 from __future__ import annotations
 
 import ast
+import bisect
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import inspect
 import textwrap
-from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -104,8 +107,8 @@ class PlanChoices:
     - ``fraction_placement``: ``"spread"`` or ``"earliest"`` (Megatron's),
       :meth:`OwnedOffloadManager.post_warmup_callback`;
     - ``pool_expert_groups``: :meth:`OwnedOffloadManager.post_warmup_callback`;
-    - ``lean_hooks``: the hooks of :class:`OwnedChunkHandler` and the pool of
-      :class:`OwnedHostPool`;
+    - ``pool_every_group``: :meth:`OwnedChunkHandler.offload` (the pool serves any size);
+    - ``lean_hooks``: the hooks of :class:`OwnedChunkHandler`;
     - ``copy_timer``: where the copies' CUDA events go (None: the copies are not timed).
     """
 
@@ -113,6 +116,7 @@ class PlanChoices:
     strided_copies: bool = False
     fraction_placement: str = "earliest"
     pool_expert_groups: bool = False
+    pool_every_group: bool = False
     lean_hooks: bool = False
     copy_timer: CopyTimer | None = None
 
@@ -208,87 +212,311 @@ def _wait_for(stream: Any, producer: Any) -> None:
     stream.wait_event(event)
 
 
-class OwnedHostPool(fgo.OffloadTensorPool):
-    """Megatron's pinned host pool, shared by every plan of a runtime, that also notes which of
-    its entries (tensor shapes) each plan draws from (:attr:`plan`, set by the runtime before
-    each step), so that releasing a plan frees the buffers only it used (:meth:`release`).
+SIZE_CLASS_STEPS = 16  # size classes per doubling: a buffer exceeds its request by < 1/16
+_CLASS_SHIFT = SIZE_CLASS_STEPS.bit_length() - 1
+PAGE = 4096
+# The pool rebuilds its buffers when it holds more than this many times its largest plan's need.
+POOL_SLACK = 1.25
 
-    With ``lean`` (the plans' ``lean_hooks``) its ``allocate`` and ``free`` do Megatron's work
-    in less host time: no debug messages built for nothing, and ``free`` finds its tensor by
-    identity in a set instead of scanning the entry's list."""
+
+def size_class(nbytes: int) -> int:
+    """The buffer size a request of ``nbytes`` gets when the pool makes a new buffer: rounded up
+    to a multiple of a sixteenth of its power of two (and of a page), so that a buffer exceeds
+    its request by less than a sixteenth while nearby requests share a class."""
+    if nbytes <= PAGE:
+        return PAGE
+    granule = max(PAGE, 1 << (nbytes.bit_length() - 1 - _CLASS_SHIFT))
+    return -(-nbytes // granule) * granule
+
+
+def _best_fit_sizes(steps: list[list[tuple[int, int]]], given: list[int]) -> list[int]:
+    """The buffer sizes the pool's own rule (best fit, else a new buffer of the request's
+    class) adds to the buffers ``given`` so that every recorded step, each starting with every
+    buffer free, is served without a new buffer: the steps are replayed in order, and again
+    while a pass adds a buffer (a buffer added for a later step can change what best fit picks
+    in an earlier one). A step is a list of (handle, bytes) events: bytes > 0 draws a buffer
+    for ``handle``, 0 returns it."""
+    added: list[int] = []
+    grew = True
+    while grew:
+        grew = False
+        for events in steps:
+            free = sorted(given + added)
+            held: dict[int, int] = {}
+            for handle, nbytes in events:
+                if nbytes == 0:
+                    if handle in held:
+                        bisect.insort(free, held.pop(handle))
+                    continue
+                index = bisect.bisect_left(free, nbytes)
+                if index < len(free):
+                    held[handle] = free.pop(index)
+                else:
+                    size = size_class(nbytes)
+                    added.append(size)
+                    held[handle] = size
+                    grew = True
+    return added
+
+
+def _power_of_two(nbytes: int) -> int:
+    return 1 << (max(1, nbytes) - 1).bit_length()
+
+
+def pack_slabs(sizes: list[int]) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Buffers of ``sizes`` laid out in slabs whose sizes are powers of two: (slab size,
+    [(offset, size)]) per slab. Torch's caching host allocator rounds every pinned allocation
+    up to a power of two, so a slab of one pins what it says. Each slab is the largest power of
+    two within the bytes left to place (at least the largest buffer's), filled largest buffer
+    first; the waste is at most the last, smallest slabs' slack."""
+    remaining = sorted(sizes, reverse=True)
+    slabs: list[tuple[int, list[tuple[int, int]]]] = []
+    while remaining:
+        total = sum(remaining)
+        capacity = max(_power_of_two(remaining[0]), 1 << (total.bit_length() - 1))
+        placed: list[tuple[int, int]] = []
+        rest: list[int] = []
+        used = 0
+        for size in remaining:
+            if used + size <= capacity:
+                placed.append((used, size))
+                used += size
+            else:
+                rest.append(size)
+        slabs.append((capacity, placed))
+        remaining = rest
+    return slabs
+
+
+class _Buffer:
+    """One buffer of the pool: ``data``, bytes of its slab (a pinned uint8 tensor whose size is
+    a power of two, from torch's caching host allocator, so that a CUDA graph may capture copies
+    to it: torch refuses memory it does not know as pinned), at its offset."""
+
+    __slots__ = ("data", "size", "slab")
+
+    def __init__(self, slab: torch.Tensor, offset: int, size: int) -> None:
+        self.slab = slab
+        self.size = size
+        self.data = slab[offset : offset + size]
+
+
+class OwnedHostPool(fgo.OffloadTensorPool):
+    """The pinned host buffers every plan of a runtime shares, by size rather than by shape.
+
+    Megatron's pool keeps buffers per exact (shape, dtype): every step shape adds its own set,
+    so a runtime with many shapes pins the sum of their needs though one step at a time uses
+    them. Here a buffer is bytes of a size class (:func:`size_class`); a request takes the
+    smallest free buffer that holds it (best fit), viewed as the requested dtype and shape,
+    contiguous (a strided copy views that as its strides: a dense permutation spans exactly its
+    elements), or else a new buffer. Buffers are live only within a step: an
+    offload in the forward pass draws one, its reload in the backward returns it, and the
+    manager's reset at the end of the step (Megatron's schedules call it) makes every buffer
+    free again, so a smaller step shape runs in the buffers of a larger one.
+
+    Accounting: per plan (:attr:`plan`, set by the runtime before each step) its *need*, the
+    most requested bytes live at once in its steps, and the draws of its latest step. After a
+    step, :meth:`settle` rebuilds the buffers when the pool holds more than
+    :data:`POOL_SLACK` times the largest kept plan's need (shapes that came smallest first leave
+    buffers too small for later ones): it replays the kept plans' recorded steps, largest need
+    first, under the same best-fit rule (:func:`_best_fit_sizes`), and makes the pool those
+    buffers. Where every plan's live buffers fit in the largest plan's (one model's layers at
+    shorter lengths or fewer micro-batches), that is the largest plan's own set: its need plus
+    less than a sixteenth (the classes) and the slack of the slabs.
+
+    CUDA graphs: a graph captured with offloading writes to the buffers its capture drew on
+    every replay, with no Python to draw them again. Those buffers stay reserved for the plan
+    (kept through rebuilds, dropped only when the plan is released, and the runtime's
+    ``on_release`` drops its graphs with it); between its steps other plans may use them, as
+    nothing lives in them across a step's end, and steps run one at a time.
+
+    Pinned memory comes from torch's caching host allocator, which rounds each allocation up to
+    a power of two and keeps it cached when freed: buffers lie in slabs of powers of two
+    (:func:`pack_slabs`; a buffer made during a step is a slab of its own, until the next
+    rebuild packs it), :meth:`pinned_bytes` counts the slabs, and a rebuild that drops slabs
+    empties torch's host cache, so that ``torch.cuda.host_memory_stats`` counts only what is
+    held.
+
+    ``lean``: the plans' ``lean_hooks`` (kept for them; allocate and free are one path)."""
 
     def __init__(self, *, lean: bool = False, device: str = "cpu", pin_memory: bool = True):
         super().__init__(device=device, pin_memory=pin_memory)
         self.lean = lean
         self.plan: Hashable = None  # the plan whose step draws buffers now
-        self.keys_by_plan: dict[Hashable, set[Any]] = {}
-        # Per entry: (its list of tensors, that list's length, their identities).
-        self._identities: dict[Any, tuple[list[Any], int, set[int]]] = {}
+        self._buffers: dict[int, _Buffer] = {}  # by address
+        self._free: list[tuple[int, int]] = []  # (size, address), sorted
+        self._live: dict[int, int] = {}  # address of a drawn buffer: the bytes requested
+        self._live_bytes = 0
+        self.need_by_plan: dict[Hashable, int] = {}
+        self.reserved_by_plan: dict[Hashable, set[int]] = {}  # drawn under graph capture
+        # Per plan: its latest step's events, (handle, bytes drawn) or (handle, 0) for a return.
+        self._steps: dict[Hashable, list[tuple[int, int]]] = {}
+        self._stepping: set[Hashable] = set()  # plans whose step is being recorded
+        self._handles = 0
+        self._handle_of: dict[int, int] = {}  # address of a drawn buffer: its event handle
+        self.grew = False  # a buffer was made since the last settle
+
+    # --- accounting -------------------------------------------------------------------------
 
     def pinned_bytes(self) -> int:
-        """Pinned bytes the pool holds."""
-        return sum(
-            tensor.numel() * tensor.element_size()
-            for entry in self._pools.values()
-            for tensor in entry["all"]
-        )
+        """Bytes of the slabs the pool's buffers lie in (pinned, on a GPU host)."""
+        slabs = {id(buffer.slab): buffer.slab for buffer in self._buffers.values()}
+        return sum(slab.numel() for slab in slabs.values())
 
-    def release(self, keys: set[Any]) -> None:
-        """Drop the entries ``keys`` (tensor shapes) with their buffers."""
-        for key in keys:
-            self._pools.pop(key, None)
-            self._identities.pop(key, None)
+    def _slab_buffers(self, sizes: list[int]) -> list[_Buffer]:
+        """New buffers of ``sizes``, in new slabs (:func:`pack_slabs`)."""
+        buffers = []
+        for capacity, placed in pack_slabs(sizes):
+            slab = torch.empty(
+                capacity, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory
+            )
+            buffers.extend(_Buffer(slab, offset, size) for offset, size in placed)
+        return buffers
+
+    def _drop(self, addresses: list[int]) -> None:
+        """Forget the (free) buffers at ``addresses``, and give torch's host cache back when
+        pinned: their slabs would stay cached there (and counted) otherwise."""
+        if not addresses:
+            return
+        for address in addresses:
+            self._buffers.pop(address, None)
+        if self.pin_memory and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # no copy of the last step still uses a dropped slab
+            torch._C._host_emptyCache()
+
+    def largest_need(self) -> int:
+        """The largest need (most bytes live at once in a step) of a kept plan."""
+        return max(self.need_by_plan.values(), default=0)
+
+    def in_use(self) -> int:
+        """Buffers drawn and not returned."""
+        return len(self._live)
+
+    # --- Megatron's interface ---------------------------------------------------------------
 
     def allocate(self, shape: Any, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Megatron's allocate (leaner with ``lean``), noting the entry for :attr:`plan`.
+        """A free buffer of at least the request's bytes (the smallest), or a new one of its
+        size class, viewed as ``shape`` and ``dtype``; the draw is noted for :attr:`plan`.
 
-        Stands in for: no upstream issue (host time of the hooks; plan bookkeeping).
-        Remove when: Megatron's allocate builds no debug message unless DEBUG, and the runtime
-        no longer releases plans' buffers (then ``FINGERPRINTS`` loses its entry)."""
-        self.keys_by_plan.setdefault(self.plan, set()).add(self._get_pool_key(shape, dtype))
-        if fgo.DEBUG or not self.lean:
-            return super().allocate(shape, dtype)
-        stats = self._stats
-        stats["allocation_requests"] += 1
-        pool = self._pools.get((shape, dtype))
-        if pool is None:
-            pool = self._pools[(shape, dtype)] = {"free": deque(), "all": [], "allocated_count": 0}
-        if pool["free"]:
-            tensor = pool["free"].popleft()
-            stats["pool_hits"] += 1
-        else:
-            tensor = torch.empty(shape, dtype=dtype, device=self.device, pin_memory=self.pin_memory)
-            pool["all"].append(tensor)
-            stats["total_allocated"] += 1
-            stats["pool_misses"] += 1
-        pool["allocated_count"] += 1
-        stats["current_in_use"] += 1
-        return tensor
+        Stands in for: no upstream issue (Megatron keys buffers by exact shape, so pinned
+        memory grows with the sum over step shapes).
+        Remove when: Megatron's pool shares buffers across shapes and bounds its pinned bytes
+        (then ``FINGERPRINTS`` loses its entry)."""
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        nbytes = numel * dtype.itemsize
+        self._stats["allocation_requests"] += 1
+        index = bisect.bisect_left(self._free, (nbytes, -1))
+        if index < len(self._free):
+            _, address = self._free.pop(index)
+            self._stats["pool_hits"] += 1
+        else:  # a slab of its own, all of it lendable, until a rebuild packs it
+            buffer = self._slab_buffers([_power_of_two(size_class(nbytes))])[0]
+            address = buffer.data.data_ptr()
+            self._buffers[address] = buffer
+            self.grew = True
+            self._stats["total_allocated"] += 1
+            self._stats["pool_misses"] += 1
+        self._stats["current_in_use"] += 1
+        self._live[address] = nbytes
+        self._live_bytes += nbytes
+        plan = self.plan
+        if self._live_bytes > self.need_by_plan.get(plan, 0):
+            self.need_by_plan[plan] = self._live_bytes
+        if plan not in self._stepping:  # the plan's first draw of this step
+            self._stepping.add(plan)
+            self._steps[plan] = []
+        self._handles += 1
+        self._handle_of[address] = self._handles
+        self._steps[plan].append((self._handles, nbytes))
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            self.reserved_by_plan.setdefault(plan, set()).add(address)
+        data = self._buffers[address].data[:nbytes]
+        return data.view(dtype).view(shape)
 
     def free(self, tensor: torch.Tensor) -> None:
-        """Megatron's free (leaner with ``lean``: an identity set instead of a list scan).
+        """Return the buffer ``tensor`` views (the tensor :meth:`allocate` gave, or any view
+        of its memory from its first byte, as a strided copy's base).
 
-        Stands in for: no upstream issue (host time of the hooks).
-        Remove when: Megatron's free checks ownership in O(1) and builds no debug message
-        unless DEBUG."""
-        key = (tensor.shape, tensor.dtype)
-        pool = self._pools.get(key)
-        if fgo.DEBUG or not self.lean or pool is None or id(tensor) not in self._owned(key):
-            return super().free(tensor)  # Megatron's own messages and errors
+        Stands in for: as :meth:`allocate`. Remove when: as :meth:`allocate`."""
+        address = tensor.data_ptr()
+        nbytes = self._live.pop(address, None)
+        if nbytes is None:
+            raise ValueError(f"free of memory the pool did not lend (address {address:#x})")
         self._stats["free_requests"] += 1
-        pool["free"].append(tensor)
-        pool["allocated_count"] -= 1
         self._stats["current_in_use"] -= 1
-        return None
+        self._live_bytes -= nbytes
+        bisect.insort(self._free, (self._buffers[address].size, address))
+        handle = self._handle_of.pop(address)
+        events = self._steps.get(self.plan)
+        if events is not None:
+            events.append((handle, 0))
 
-    def _owned(self, key: Any) -> set[int]:
-        """Identities of the tensors the entry ``key`` made (its list holds them, so they stay
-        unique), rebuilt whenever the entry's list is another one or changed size."""
-        made = self._pools[key]["all"]
-        known = self._identities.get(key)
-        if known is None or known[0] is not made or known[1] != len(made):
-            known = self._identities[key] = (made, len(made), {id(t) for t in made})
-        return known[2]
+    def reset(self) -> None:
+        """Every buffer free again: the step ended (the manager's reset, from Megatron's
+        schedules), so nothing lives in them; the next draws start a new step's record.
+
+        Stands in for: as :meth:`allocate`. Remove when: as :meth:`allocate`."""
+        self._live.clear()
+        self._handle_of.clear()
+        self._live_bytes = 0
+        self._stepping.clear()
+        self._free = sorted((buffer.size, address) for address, buffer in self._buffers.items())
+        self._stats["current_in_use"] = 0
+
+    def clear(self) -> None:
+        """Drop every buffer (unpinning it).
+
+        Stands in for: as :meth:`allocate`. Remove when: as :meth:`allocate`."""
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
+            self._drop(list(self._buffers))
+        self._buffers.clear()
+        self._free.clear()
+        self._live.clear()
+        self._handle_of.clear()
+        self._live_bytes = 0
+        self._stats["current_in_use"] = 0
+
+    # --- the runtime's interface ------------------------------------------------------------
+
+    def release(self, plan: Hashable) -> None:
+        """Forget ``plan`` (its need, record and reserved buffers), then :meth:`settle`, which
+        drops what the kept plans no longer need."""
+        self.need_by_plan.pop(plan, None)
+        self.reserved_by_plan.pop(plan, None)
+        self._steps.pop(plan, None)
+        self._stepping.discard(plan)
+        self.settle(force=True)
+
+    def settle(self, *, force: bool = False) -> None:
+        """After a step: when buffers were made since the last settle and the pool holds more
+        than :data:`POOL_SLACK` times the largest kept plan's need (or ``force``, after a
+        release), rebuild it: the slabs holding buffers reserved by graphs (or still drawn)
+        stay, and the buffers the kept plans' recorded steps need besides, under the pool's
+        own rule with the largest need first (:func:`_best_fit_sizes`), are made anew in
+        packed slabs, in place of the others; only where that holds fewer bytes. A plan's next
+        step then draws what its recorded one did, so the pool does not grow again for it."""
+        grew, self.grew = self.grew, False
+        if not force and (not grew or self.pinned_bytes() <= POOL_SLACK * self.largest_need()):
+            return
+        reserved = set().union(*self.reserved_by_plan.values()) | set(self._live)
+        kept_slabs = {id(self._buffers[a].slab) for a in reserved if a in self._buffers}
+        kept = [b for b in self._buffers.values() if id(b.slab) in kept_slabs]
+        order = sorted(self._steps, key=lambda plan: -self.need_by_plan.get(plan, 0))
+        wanted = _best_fit_sizes([self._steps[plan] for plan in order], [b.size for b in kept])
+        kept_bytes = sum({id(b.slab): b.slab.numel() for b in kept}.values())
+        new_bytes = sum(capacity for capacity, _ in pack_slabs(wanted))
+        if kept_bytes + new_bytes >= self.pinned_bytes():
+            return
+        self._drop([a for a, b in self._buffers.items() if id(b.slab) not in kept_slabs])
+        for buffer in self._slab_buffers(wanted):
+            self._buffers[buffer.data.data_ptr()] = buffer
+        self._free = sorted(
+            (buffer.size, address)
+            for address, buffer in self._buffers.items()
+            if address not in self._live
+        )
 
 
 class OwnedChunkHandler(fgo.ChunkOffloadHandler):
@@ -371,7 +599,12 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         Stands in for: no upstream issue (Megatron copies every non-contiguous tensor through
         ``contiguous()``).
         Remove when: Megatron offloads a dense permutation as it lies and reloads it with its
-        strides."""
+        strides.
+
+        ``pool_every_group``: every group's host copy comes from the pool, the expert groups'
+        too (Megatron gives those a fresh pinned tensor per offload, which torch's caching
+        host allocator keeps, rounded up to a power of two, after the reload)."""
+        use_cpu_pool = use_cpu_pool or self.choices.pool_every_group
         if (
             not self.choices.strided_copies
             or src_tensor.is_contiguous()
@@ -402,7 +635,7 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         tensor = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
         tensor.copy_(host, non_blocking=non_blocking)
         if use_cpu_pool:
-            self.cpu_tensor_pool.free(host._base)  # the pooled buffer this view was made of
+            self.cpu_tensor_pool.free(host)  # the pooled buffer this view begins
         return tensor
 
     # --- copy timing and lean hooks ---------------------------------------------------------
@@ -468,8 +701,8 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
           manager, and the copy timing's events are reused (:meth:`CopyTimer.event`);
         - a group's reload counts its bytes in the loop that reloads it, and waits for its
           offload once (the timing wrapper and Megatron each waited);
-        - the pinned pool's allocate and free skip debug messages built for nothing, and free
-          finds its tensor by identity (:class:`OwnedHostPool`);
+        - the pinned pool's allocate and free build no debug messages (:class:`OwnedHostPool`,
+          whatever the choice);
         - the offload check looks its tensor types up once.
 
         Not while a CUDA graph is captured (a capture runs once, and records what every replay
@@ -750,6 +983,11 @@ class Fingerprint:
 _HOOKS = "no upstream issue: host time of the hooks (lean_hooks)"
 _HOOKS_GONE = "Megatron's hook code makes no more host calls than OwnedChunkHandler's"
 _STATE = "private state that OwnedChunkHandler's re-implemented hooks read and write"
+_POOL = (
+    "no upstream issue: OwnedHostPool lends buffers by size, shared across step shapes "
+    "(Megatron keys them by exact shape: pinned memory grows with the sum over shapes)"
+)
+_POOL_GONE = "Megatron's pool shares its buffers across shapes and bounds its pinned bytes"
 
 FINGERPRINTS: tuple[Fingerprint, ...] = (
     Fingerprint(
@@ -823,19 +1061,30 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         "timing and pool_expert_groups read and write",
         "nothing here reads a group's private state",
     ),
-    Fingerprint("OffloadTensorPool.allocate", "538ba5e149214deb", _HOOKS, _HOOKS_GONE),
-    Fingerprint("OffloadTensorPool.free", "0b7d663f4a225e0b", _HOOKS, _HOOKS_GONE),
     Fingerprint(
-        "OffloadTensorPool._get_pool_key",
-        "7670e057206b9986",
-        "keys of the entries OwnedHostPool notes per plan (the runtime's host-memory budget)",
-        "the runtime no longer releases plans' buffers",
+        "OffloadTensorPool.allocate",
+        "538ba5e149214deb",
+        _POOL,
+        _POOL_GONE,
+    ),
+    Fingerprint("OffloadTensorPool.free", "0b7d663f4a225e0b", _POOL, _POOL_GONE),
+    Fingerprint(
+        "OffloadTensorPool.reset",
+        "ee19a299e4200702",
+        f"{_POOL}; the manager's reset calls it at the end of each step",
+        _POOL_GONE,
+    ),
+    Fingerprint(
+        "OffloadTensorPool.clear",
+        "d81de83df1731300",
+        f"{_POOL}; Megatron's __del__ calls it",
+        _POOL_GONE,
     ),
     Fingerprint(
         "OffloadTensorPool.__init__",
         "c79b48881415ba56",
-        "private state (_pools, _stats) of the lean pool, its byte count and releases",
-        "the runtime neither counts nor releases the pool's buffers and lean_hooks is gone",
+        "private state (_stats) OwnedHostPool keeps counting as Megatron's pool does",
+        _POOL_GONE,
     ),
     Fingerprint(
         "PipelineOffloadManager.__init__",

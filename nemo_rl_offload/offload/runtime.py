@@ -9,7 +9,9 @@ and replays it on every later one. RL steps do not repeat (shared/measurements/R
 - a different micro-batch count silently drops the savings, and changing lengths grow the
   pinned pool without bound: :meth:`OffloadRuntime.prepare_step` pads every micro-batch of a
   step to one length bucket (:func:`sequence_length_buckets`) and keeps one plan per step shape
-  (measured: a plan recorded for its shape keeps the savings), under a host-memory budget;
+  (measured: a plan recorded for its shape keeps the savings), whose pinned buffers one pool
+  lends by size (:class:`.owned.OwnedHostPool`: at most 1.25x the largest plan's need where
+  the plans' buffers nest), under a host-memory budget;
 - the warm-up step's gradients differ from a model without offload (Megatron-LM issue 7398),
   and permuted tensors cost a copy kernel each way: the runtime's own subclasses of Megatron's
   offload classes (:mod:`.owned`) fix both, per plan (:class:`.owned.PlanChoices`).
@@ -38,9 +40,26 @@ SMALLEST_BUCKET = 32
 DEFAULT_FRACTION_PLACEMENT = "spread"
 
 
+def host_allocator_bytes() -> int:
+    """Bytes of pinned memory torch's caching host allocator holds (in use and cached), where
+    ``torch.empty(..., pin_memory=True)`` lands, the offload pool's slabs included; 0 without
+    CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+
 def plan_metrics(manager: Any) -> dict[str, float]:
     """Bytes the manager's recorded plan offloads per step, per module and in all, and the
-    pinned host bytes held by its tensor pool (GiB)."""
+    pinned host memory (GiB): the shared pool's slabs (``offload_pool_gib``), torch's caching
+    host allocator (``torch_pinned_host_gib``: where the pool's slabs come from, with whatever
+    else the process pinned through torch), the larger of the two (``pinned_host_gib``: all of
+    the process's pinned memory, or the pool's where torch reports none), the largest kept
+    plan's need (the most bytes its steps hold in the pool at once), this plan's, and pinned
+    over the largest need (``pinned_over_need``; the pool keeps it at most
+    :data:`.owned.POOL_SLACK` where the plans' buffers nest, see :class:`.owned.OwnedHostPool`)."""
     per_module: dict[str, int] = {}
     for chunk in manager._cached_chunks_forward:
         for group in chunk.offload_groups:
@@ -50,7 +69,15 @@ def plan_metrics(manager: Any) -> dict[str, float]:
                 )
     metrics = {f"offloaded_gib_{name}": count / 2**30 for name, count in per_module.items()}
     metrics["offloaded_gib_per_step"] = sum(per_module.values()) / 2**30
-    metrics["pinned_host_gib"] = manager.cpu_tensor_pool.pinned_bytes() / 2**30
+    pool = manager.cpu_tensor_pool
+    pooled, torch_pinned, need = pool.pinned_bytes(), host_allocator_bytes(), pool.largest_need()
+    metrics["offload_pool_gib"] = pooled / 2**30
+    metrics["torch_pinned_host_gib"] = torch_pinned / 2**30
+    pinned = max(pooled, torch_pinned)
+    metrics["pinned_host_gib"] = pinned / 2**30
+    metrics["largest_plan_need_gib"] = need / 2**30
+    metrics["plan_need_gib"] = pool.need_by_plan.get(pool.plan, 0) / 2**30
+    metrics["pinned_over_need"] = pinned / need if need else 0.0
     return metrics
 
 
@@ -78,9 +105,9 @@ def sequence_length_buckets(max_length: int, multiple: int = 1) -> list[int]:
     """The default padded lengths of a step: powers of two and the midpoints 1.5 x 2^k from
     32 on, each rounded up to ``multiple``, and last ``max_length`` rounded up to it.
 
-    Every bucket is a step shape with its own offload plan and pinned buffers, so buckets trade
-    padding (at most half a bucket: a length just above 2^k pads to 1.5 x 2^k) against plans
-    (about two per doubling of the length, 15 up to 4096)."""
+    Every bucket is a step shape with its own offload plan (the pinned buffers are shared), so
+    buckets trade padding (at most half a bucket: a length just above 2^k pads to 1.5 x 2^k)
+    against plans (about two per doubling of the length, 15 up to 4096)."""
     multiple = max(1, multiple)
     top = _round_up(max_length, multiple)
     buckets: set[int] = {top}
@@ -164,13 +191,14 @@ class OffloadRuntime:
     manager per shape and installs the right one before each step: a shape seen before replays
     its own plan; a new shape records a new plan.
 
-    The pinned host buffers are Megatron's OffloadTensorPool (the runtime's subclass,
-    :class:`.owned.OwnedHostPool`), keyed by tensor shape; the runtime gives every plan the
-    same pool, so plans of one length (different micro-batch counts) reuse the same buffers:
-    pinned memory grows with the distinct lengths, not the shapes. When the pool exceeds
-    ``host_budget_bytes``, the least recently used plans are released (logged, and counted in
-    the metrics) with the buffers no kept plan uses, until it fits, so host memory never grows
-    without bound.
+    The pinned host buffers are the runtime's subclass of Megatron's OffloadTensorPool,
+    :class:`.owned.OwnedHostPool`, which every plan shares and which lends buffers by size, not
+    shape: a step draws buffers only within itself, so a smaller shape runs in a larger one's
+    buffers, and after each step the pool rebuilds itself when it holds more than
+    :data:`.owned.POOL_SLACK` times the largest kept plan's need. Pinned memory then follows
+    the largest step, not the number of shapes. When it exceeds ``host_budget_bytes``, the
+    least recently used plans are released (logged, and counted in the metrics) and the pool
+    keeps what the others need, until it fits, so host memory never grows without bound.
     """
 
     def __init__(
@@ -194,7 +222,7 @@ class OffloadRuntime:
         in less host time. With drop-and-pad MoE dispatch in ``config`` the expert groups'
         shapes are static, so their pinned buffers come from the pool (``pool_expert_groups``).
         These become every plan's :attr:`choices` (:class:`.owned.PlanChoices`), with the
-        Megatron-LM 7398 fix and the copy timing on.
+        Megatron-LM 7398 fix, the copy timing and ``pool_every_group`` on.
 
         With offloading on, it refuses (UserInputError) a megatron-core whose offload code is
         not the one the runtime's subclasses were checked against
@@ -220,6 +248,7 @@ class OffloadRuntime:
             strided_copies=strided_copies,
             fraction_placement=fraction_placement or DEFAULT_FRACTION_PLACEMENT,
             pool_expert_groups=bool(getattr(config, "moe_pad_expert_input_to_capacity", False)),
+            pool_every_group=True,
             lean_hooks=lean_hooks,
             copy_timer=owned.CopyTimer(),
         )
@@ -281,7 +310,7 @@ class OffloadRuntime:
             manager = self._plans[shape] = self._new_manager()
             manager_cls.OFFLOAD_MGR = manager
             self.plans_recorded += 1
-        self._pool.plan = shape  # the pool notes the buffers each plan draws
+        self._pool.plan = shape  # the pool notes each plan's need and draws
 
     def _enforce_budget(self) -> None:
         if self.host_budget_bytes is None:
@@ -292,8 +321,7 @@ class OffloadRuntime:
             if oldest == self.step_shape:
                 break
             del self._plans[oldest]
-            still_used = set().union(*(pool.keys_by_plan.get(s, set()) for s in self._plans))
-            pool.release(pool.keys_by_plan.pop(oldest, set()) - still_used)
+            pool.release(oldest)
             self.plans_released += 1
             if self.on_release is not None:
                 self.on_release(oldest)
@@ -306,7 +334,8 @@ class OffloadRuntime:
             )
 
     def pinned_bytes(self) -> int:
-        """Pinned host bytes held by the pool the plans share."""
+        """Pinned host bytes held by the pool the plans share (the budget's measure: torch's
+        caching host allocator also holds pinned memory of others, reported beside it)."""
         return 0 if self._pool is None else self._pool.pinned_bytes()
 
     def after_step(self, *, copies_timed: bool = True) -> dict[str, float]:
@@ -317,6 +346,8 @@ class OffloadRuntime:
         runs to record copy events) leaves the copy time and bandwidth out."""
         if not self.enabled:
             return {}
+        if self._pool is not None:
+            self._pool.settle()
         self._enforce_budget()
         metrics = plan_metrics(self._manager().get_instance())
         # plan_metrics' pinned_host_gib is the plan's pool: the one pool all kept plans share.

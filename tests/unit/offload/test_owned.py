@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -92,9 +91,8 @@ def test_a_permuted_tensor_goes_out_and_back_with_its_strides(handler, use_cpu_p
     assert host.stride() == view.stride() and not host.is_contiguous()
     back = handler.reload(state)
     assert back.stride() == view.stride() and torch.equal(back, view)
-    if use_cpu_pool:  # the pooled buffer (not the view) is free again, for the next step
-        entry = handler.cpu_tensor_pool._pools[(view.shape, view.dtype)]
-        assert len(entry["free"]) == 1 and entry["free"][0] is host._base
+    if use_cpu_pool:  # the pooled buffer is free again, for the next step
+        assert handler.cpu_tensor_pool.in_use() == 0 and len(handler.cpu_tensor_pool._free) == 1
 
 
 def test_a_plan_without_strided_copies_keeps_megatrons_copy(handler):
@@ -426,70 +424,122 @@ def test_lean_hooks_run_only_outside_graph_capture(monkeypatch, lean_hooks, capt
         ]
 
 
-def _pool_run(pool):
-    """The same allocations and frees through one pool: what a step does to it."""
-    shape = torch.Size([4, 8])
-    first = [pool.allocate(shape, torch.bfloat16) for _ in range(3)]
-    other = pool.allocate(torch.Size([2]), torch.float32)
-    for tensor in first[:2]:
-        pool.free(tensor)
-    again = pool.allocate(shape, torch.bfloat16)
-    pool.free(other)
-    pool.reset()
-    after_reset = pool.allocate(shape, torch.bfloat16)
-    reuse = [again is first[0], after_reset is first[0]]
-    free_counts = {key: len(entry["free"]) for key, entry in pool._pools.items()}
-    return pool._stats, reuse, free_counts, pool
+def test_size_classes_round_up_by_less_than_a_sixteenth_in_pages():
+    for nbytes in [1, 4096, 4097, 2**20, 2**20 + 1, 3 * 2**20 + 5, 48 * 2**20, 2**33 - 7]:
+        size = owned.size_class(nbytes)
+        assert size >= nbytes and size % owned.PAGE == 0
+        assert size < nbytes * (1 + 1 / owned.SIZE_CLASS_STEPS) + owned.PAGE
+    assert owned.size_class(48 * 2**20) == 48 * 2**20  # sizes on a class stay as they are
 
 
-def test_the_lean_pinned_pool_keeps_megatrons_counts_and_reuse():
-    lean = _pool_run(_pool(lean=True))
-    megatron = _pool_run(fgo.OffloadTensorPool(device="cpu", pin_memory=False))
-    assert lean[:3] == megatron[:3]  # both pools alive (a pool's __del__ zeroes its counts)
+def test_the_pool_lends_views_by_size_and_never_one_buffer_twice():
+    pool = _pool()
+    shapes = [((256, 8), torch.bfloat16), ((64, 3, 5), torch.float32), ((1000,), torch.uint8)]
+    live = [pool.allocate(torch.Size(shape), dtype) for shape, dtype in shapes * 3]
+    for tensor, (shape, dtype) in zip(live, shapes * 3, strict=True):
+        assert tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous()
+    for index, tensor in enumerate(live):
+        tensor.fill_(index)
+    for index, tensor in enumerate(live):  # no tensor's bytes were written by another
+        assert torch.all(tensor == index)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in live)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+    made = pool.pinned_bytes()
+    big = live[0]  # 4 KiB of bf16: the largest class here
+    pool.free(big)
+    smaller = pool.allocate(torch.Size([100]), torch.float64)  # best fit: the freed buffer
+    assert smaller.data_ptr() == big.data_ptr() and pool.pinned_bytes() == made
+    larger = pool.allocate(torch.Size([8193]), torch.uint8)  # none holds it: a new buffer
+    assert larger.data_ptr() not in {t.data_ptr() for t in live}
+    assert pool.pinned_bytes() == made + 16384  # its class's, in a slab of a power of two
 
 
-@pytest.mark.parametrize("lean_hooks", [True, False])
-def test_a_plan_without_lean_hooks_keeps_megatrons_pool(lean_hooks):
-    *_, pool = _pool_run(_pool(lean=lean_hooks))  # False: Megatron's allocate and free
-    # The lean free keeps the identities of the pool's tensors beside its lists.
-    assert bool(pool._identities) is lean_hooks
-
-
-def test_the_lean_pool_refuses_a_tensor_it_did_not_make_as_megatron_does():
-    *_, pool = _pool_run(_pool())
-    with pytest.raises(ValueError, match="doesn't belong to this pool"):
+def test_the_pool_counts_as_megatrons_and_refuses_memory_it_did_not_lend():
+    pool = _pool()
+    first = [pool.allocate(torch.Size([4, 8]), torch.bfloat16) for _ in range(3)]
+    pool.free(first[0])
+    again = pool.allocate(torch.Size([4, 8]), torch.bfloat16)
+    stats = pool._stats
+    assert (stats["allocation_requests"], stats["free_requests"]) == (4, 1)
+    assert (stats["pool_hits"], stats["pool_misses"], stats["current_in_use"]) == (1, 3, 3)
+    with pytest.raises(ValueError, match="did not lend"):
         pool.free(torch.empty(4, 8, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="No pool exists"):
-        pool.free(torch.empty(3, 3))
+    pool.free(again)
+    with pytest.raises(ValueError, match="did not lend"):
+        pool.free(again)  # returned already
+    pool.reset()  # the step's end: every buffer free again
+    assert pool.in_use() == 0 and stats["current_in_use"] == 0 and len(pool._free) == 3
 
 
-def test_owned_identities_follow_the_pools_list():
+def _step(pool, plan, sizes: list[int]) -> None:
+    """One step of ``plan`` drawing buffers of ``sizes`` bytes, returning them at the end."""
+    pool.plan = plan
+    drawn = [pool.allocate(torch.Size([n]), torch.uint8) for n in sizes]
+    for tensor in reversed(drawn):
+        pool.free(tensor)
+    pool.reset()
+    pool.settle()
+
+
+def test_slabs_are_powers_of_two_packed_largest_buffer_first():
+    sizes = [3 * 2**20, 5 * 2**20, 2**20, 12 * 2**20, 2**20]
+    slabs = owned.pack_slabs(sizes)
+    assert all(capacity & (capacity - 1) == 0 for capacity, _ in slabs)
+    placed = sorted(size for _, buffers in slabs for _, size in buffers)
+    assert placed == sorted(sizes)
+    for capacity, buffers in slabs:  # no buffer overlaps another or leaves its slab
+        ends = [(offset, offset + size) for offset, size in sorted(buffers)]
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))
+        assert ends[-1][1] <= capacity
+    assert sum(capacity for capacity, _ in slabs) == 24 * 2**20  # 22 MiB: 16 + 8
+
+
+def test_the_pool_rebuilds_to_the_largest_plan_when_smaller_ones_came_first():
     pool = _pool()
-    key = (torch.Size([1]), torch.float32)
-    made = [torch.empty(1), torch.empty(1)]
-    pool._pools[key] = {"free": deque(), "all": list(made), "allocated_count": 0}
-    assert pool._owned(key) == {id(t) for t in made}
-    pool._pools[key]["all"].append(torch.empty(1))
-    assert id(pool._pools[key]["all"][-1]) in pool._owned(key)
-    # An entry released and made again (another list of the same length): read again.
-    again = [torch.empty(1) for _ in range(3)]
-    pool._pools[key] = {"free": deque(), "all": again, "allocated_count": 0}
-    assert pool._owned(key) == {id(t) for t in again}
+    mib = 2**20
+    for plan, scale in (("short", 1), ("medium", 2), ("long", 4)):
+        _step(pool, plan, [scale * mib, 3 * scale * mib, scale * mib])
+    need = pool.largest_need()
+    assert need == 20 * mib and pool.pinned_bytes() <= owned.POOL_SLACK * need
+    held = pool.pinned_bytes()
+    for plan, scale in (("short", 1), ("medium", 2), ("long", 4)):  # all fit: no new buffer
+        _step(pool, plan, [scale * mib, 3 * scale * mib, scale * mib])
+        assert pool.pinned_bytes() == held and not pool.grew
 
 
-def test_the_pool_notes_the_entries_each_plan_draws_and_releases_them():
+def test_graph_reserved_buffers_stay_until_their_plan_is_released(monkeypatch):
     pool = _pool()
-    pool.plan = (1, 256)
-    a = pool.allocate(torch.Size([256, 4]), torch.bfloat16)
-    pool.plan = (2, 256)
-    pool.free(a)
-    pool.allocate(torch.Size([256, 4]), torch.bfloat16)
-    pool.allocate(torch.Size([256]), torch.float32)
-    key, other = (torch.Size([256, 4]), torch.bfloat16), (torch.Size([256]), torch.float32)
-    assert pool.keys_by_plan == {(1, 256): {key}, (2, 256): {key, other}}
-    assert pool.pinned_bytes() == 256 * 4 * 2 + 256 * 4
-    pool.release({other})
-    assert list(pool._pools) == [key] and pool.pinned_bytes() == 256 * 4 * 2
+    mib = 2**20
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    _step(pool, "graphed", [mib, mib])  # drawn under capture: reserved for the plan
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    captured = set(pool.reserved_by_plan["graphed"])
+    # Hold the captured buffers, as a captured graph holds their memory: a freed buffer's
+    # address could otherwise come back for a new one and the address checks below would lie.
+    held = [pool._buffers[address] for address in captured]
+    _step(pool, "eager", [8 * mib])
+    pool.release("eager")
+    assert captured <= set(pool._buffers) and pool.pinned_bytes() == 2 * mib
+    _step(pool, "eager", [8 * mib, 8 * mib])  # over the slack: rebuilt, the graph's kept
+    assert captured <= set(pool._buffers)
+    pool.release("graphed")  # no longer reserved: the pool keeps what "eager" needs
+    assert not pool.reserved_by_plan and not captured & set(pool._buffers)
+    assert not any(b is kept for b in held for kept in pool._buffers.values())
+    assert pool.pinned_bytes() == 16 * mib
+
+
+def test_release_keeps_what_the_other_plans_need():
+    pool = _pool()
+    mib = 2**20
+    _step(pool, "a", [mib])
+    _step(pool, "b", [4 * mib])
+    _step(pool, "a", [mib])  # draws the 4 MiB buffer (best fit) ...
+    assert pool.pinned_bytes() == 5 * mib  # ... the 1 MiB one stays (within the slack)
+    pool.release("b")  # what a's recorded step needs: one buffer of its own class
+    assert pool.pinned_bytes() == mib and pool.need_by_plan == {"a": mib}
+    pool.release("a")
+    assert pool.pinned_bytes() == 0
 
 
 class _Duck:
