@@ -78,6 +78,8 @@ def plan_metrics(manager: Any) -> dict[str, float]:
     metrics["largest_plan_need_gib"] = need / 2**30
     metrics["plan_need_gib"] = pool.need_by_plan.get(pool.plan, 0) / 2**30
     metrics["pinned_over_need"] = pinned / need if need else 0.0
+    # Buffers the pool had to make (a request no free buffer held), since the runtime began.
+    metrics["offload_pool_misses"] = float(pool._stats["pool_misses"])
     return metrics
 
 

@@ -8,14 +8,16 @@ every step the gradients of the two are compared, and the offloading worker's me
 
 - no error; gradients bitwise equal at every step, the first included (deterministic mode);
 - every step's activation peak (peak during forward-backward minus what was resident at the
-  start of the step: the other model's memory does not blur it) within 5% of its shape's steady
-  value (the median over the shape's later steps), and below the plain model's for that step;
+  start of the step: the other model's memory does not blur it) within 5% of its shape's
+  steady value (the median over the shape's later steps; 64 MiB on small shapes, for the
+  caching allocator's block slack), and below the plain model's for that step;
   the first step of a shape, which records the plan and offloads even the groups replayed
   steps keep on the GPU, may only be lower;
 - pinned host memory (the shared pool and torch's caching host allocator) under the budget,
   within the pool's slack (1.25x) of the largest plan's need after every step however many
   shapes came (issue 19), and, dense, unchanged by any step whose shape was seen before;
-- MoE: expert_fc1 and moe_act offload bytes (through the local grouped expert MLP).
+- MoE: expert_fc1 and moe_act offload bytes (through the local grouped expert MLP); the same
+  with Megatron's own hook code instead of the runtime's lean hooks (``moe_megatron_hooks``).
 
 A shorter run with the default (flash) attention, whose backward is not deterministic, checks
 that the gradient difference stays within the spread of two plain passes. Results go to
@@ -27,6 +29,7 @@ Run (device tool, docs/training.md):
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Any
 
@@ -46,10 +49,19 @@ LENGTHS = (250, 380, 500, 760, 1000, 1200, 1500, 2000)  # 1200 and 1500 share bu
 ROWS = 2  # sequences per micro-batch
 MAX_LENGTH = 2048
 BUDGET_GIB = 48.0
+# Allocated peaks count the caching allocator's blocks, which may exceed their requests (a
+# cached block is handed out whole when the rest would be under 1 MiB), by an amount that
+# depends on what the allocator holds cached by then: on the MoE model's short shapes it moves
+# the peak of one plan, with the same offloaded bytes, over a process by more than 5% of those
+# small peaks (benchmarks/results/2026-11-25_h100_offload_runtime_moe_allocator_drift.json).
+ALLOCATOR_SLACK_GIB = 0.0625
 MODELS = {
     "dense": ("llama-1b", ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]),
     "moe": ("moe-1b", ["core_attn", "attn_proj", "expert_fc1", "moe_act"]),
 }
+# The MoE model again with Megatron's own hook code (the runtime's lean hooks off), which
+# failed this suite twice before the offload layer was owned (issue 19 part 4).
+MEGATRON_HOOKS = "moe_megatron_hooks"
 
 
 def _section(model: str, modules: list[str], *, offload: bool, deterministic: bool, lr: float):
@@ -149,10 +161,12 @@ def vocab() -> int:
     return architecture_for("llama-1b").vocab_size
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", MEGATRON_HOOKS])
 def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
-    model, modules = MODELS[kind]
+    model, modules = MODELS["moe" if kind == MEGATRON_HOOKS else kind]
     fgo = _worker(_section(model, modules, offload=True, deterministic=True, lr=1e-5))
+    if kind == MEGATRON_HOOKS:  # every plan's choices, before the first step records one
+        fgo.runtime.choices = dataclasses.replace(fgo.runtime.choices, lean_hooks=False)
     plain = _worker(_section(model, modules, offload=False, deterministic=True, lr=1e-5))
     try:
         params = zip(fgo._unwrapped().parameters(), plain._unwrapped().parameters(), strict=True)
@@ -214,10 +228,11 @@ def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
     assert all(r["loss"] == r["plain_loss"] for r in records)
     for shape, values in summary["activation_peak_by_shape"].items():
         steady, (first, *replayed) = values["steady_gib"], values["all_gib"]
-        assert all(abs(v - steady) <= 0.05 * steady for v in replayed), (shape, values)
+        tolerance = max(0.05 * steady, ALLOCATOR_SLACK_GIB)
+        assert all(abs(v - steady) <= tolerance for v in replayed), (shape, values)
         # The first step of a shape records its plan, offloading every group (the last ones
         # too, which replayed steps keep on the GPU): its peak may only be lower.
-        assert first <= 1.05 * steady, (shape, values)
+        assert first <= steady + tolerance, (shape, values)
     assert all(r["activation_peak_gib"] < r["plain_activation_peak_gib"] for r in records)
     if kind == "dense":  # MoE expert sizes follow the routing: its pool may still adjust
         for before, after in zip(records, records[1:], strict=False):
@@ -252,12 +267,10 @@ def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
         assert gib / seconds > floor_gb_per_s, (way, gib / seconds)
 
 
-def _summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
+def _peaks_by_shape(records: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
     by_shape: dict[str, list[float]] = {}
     for r in records:
-        by_shape.setdefault(f"{r['microbatches']}x{r['bucket']}", []).append(
-            r["activation_peak_gib"]
-        )
+        by_shape.setdefault(f"{r['microbatches']}x{r['bucket']}", []).append(r[key])
     peaks = {}
     for shape, values in by_shape.items():
         steady = statistics.median(values[1:] or values)
@@ -267,9 +280,14 @@ def _summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
             "all_gib": values,
             "max_rel_dev": deviation / steady if steady else float("inf"),
         }
+    return peaks
+
+
+def _summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
+    peaks = _peaks_by_shape(records, "activation_peak_gib")
     return {
         "steps": len(records),
-        "shapes": len(by_shape),
+        "shapes": len(peaks),
         "grads_bitwise_equal_steps": sum(r["grads_bitwise_equal"] for r in records),
         "max_peak_rel_dev": max(p["max_rel_dev"] for p in peaks.values()),
         "max_replayed_peak_rel_dev": max(
