@@ -240,7 +240,9 @@ def collect_groups(
     ).stop_token_ids
     generated: list[torch.Tensor] = []
     done = False
+    seconds, sequence_tokens, new_tokens = 0.0, 0, 0
     while not done:
+        began = time.perf_counter()
         prompts, responses, scores, logprobs = rollout(
             run,
             policy,
@@ -250,6 +252,9 @@ def collect_groups(
             group,
             seed=seed + gathering.batches * _BATCH_SEED_STRIDE,
         )
+        seconds += time.perf_counter() - began
+        new_tokens += sum(len(r) for r in responses)
+        sequence_tokens += sum(len(p.ids) for p in prompts) + sum(len(r) for r in responses)
         groups = make_groups(prompts, responses, scores, logprobs, group, cfg, stop_ids)
         generated += [g.rewards for g in groups]
         keep = (
@@ -260,6 +265,14 @@ def collect_groups(
         done = gathering.add(groups, keep)
     kept, discarded = gathering.take()
     metrics = {"reward": float(torch.cat(generated).mean())}
+    # NeMo-RL's generation throughput counts the sequences' tokens (prompt and response); the
+    # new tokens alone are what the sampler's speed is measured in (docs/generation.md).
+    gpus = max(len(policy.dp_rank_of), 1)
+    if seconds > 0:
+        metrics.update(
+            generation_tokens_per_sec_per_gpu=sequence_tokens / seconds / gpus,
+            generation_new_tokens_per_sec_per_gpu=new_tokens / seconds / gpus,
+        )
     if dynamic:
         metrics.update(
             filtered_reward=float(torch.cat([g.rewards for g in kept]).mean()),

@@ -577,12 +577,6 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
                 "Dynamo is not used: generation runs with megatron-core",
                 _unless(f"{g}.backend", "dynamo"),
             ),
-            f"{g}.mcore_generation_config": Unused(
-                "this backend samples with its own megatron-core loop, not NeMo-RL's "
-                "dynamic inference engine, whose buffer, CUDA-graph and parallel settings "
-                "these are",
-                _unless(f"{g}.backend", "megatron"),
-            ),
             f"{g}.refit_cfg": Unused(_NO_REFIT, _always),
             f"{g}.refit_transport": Unused(_NO_REFIT, _always),
             f"{g}.quant_cfg": _not_yet(f"{g}.quant_cfg", None, "quantized rollouts"),
@@ -594,6 +588,72 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
                 "quantized rollouts are not implemented (real_quant is refused)", _always
             ),
         }
+    )
+    entries.update(_mcore_generation_entries(g))
+    return entries
+
+
+# policy.generation.mcore_generation_config: the sampler acts on buffer_size_gb (the KV cache's
+# limit), cuda_graph_impl and num_cuda_graphs (decode-step CUDA graphs); see docs/generation.md.
+_DYNAMIC_ENGINE_KEYS = (
+    "block_size_tokens",
+    "buffer_guaranteed_fraction",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "expose_http_server",
+    "inference_cuda_graph_scope",
+    "inference_grouped_gemm_backend",
+    "kv_cache_management_mode",
+    "logging_step_interval",
+    "mamba_inference_conv_states_dtype",
+    "mamba_inference_ssm_states_dtype",
+    "materialize_only_last_token_logits",
+    "max_model_len",
+    "max_tokens",
+    "parsers",
+    "refit_backend",
+    "unified_memory_level",
+    "use_cuda_graphs_for_non_decode_steps",
+)
+_INFERENCE_MODEL_KEYS = (
+    "activation_checkpointing",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "moe_router_dtype",
+    "moe_router_group_topk",
+    "moe_router_num_groups",
+    "pipeline_model_parallel_size",
+    "sequence_parallel",
+    "tensor_model_parallel_size",
+    "transformer_impl",
+)
+
+
+def _mcore_generation_entries(g: str) -> dict[str, Unused]:
+    section = f"{g}.mcore_generation_config"
+    chosen = _unless(f"{g}.backend", "megatron")
+    entries = {
+        f"{section}.{key}": Unused(
+            "the sampler is this backend's KV-cached loop (static batch, prefill once, "
+            "decode-step CUDA graphs), not NeMo-RL's dynamic inference engine, whose setting "
+            "this is",
+            chosen,
+        )
+        for key in _DYNAMIC_ENGINE_KEYS
+    }
+    entries.update(
+        {
+            f"{section}.{key}": Unused(
+                "generation runs on the training model itself, with its parallel layout and "
+                "settings (policy.megatron_cfg)",
+                chosen,
+            )
+            for key in _INFERENCE_MODEL_KEYS
+        }
+    )
+    entries[f"{section}.num_speculative_tokens"] = _not_yet(
+        f"{section}.num_speculative_tokens", 0, "speculative decoding"
     )
     return entries
 

@@ -20,6 +20,11 @@ so each segment is attended causally on its own: on CUDA in half precision throu
 variable-length flash kernel (``torch.nn.attention.varlen``), which reads the offsets on the
 device; elsewhere (CPU, float32, dropout, deterministic mode) one SDPA call per segment. Both
 keep memory linear in the pack's length: no [tokens x tokens] mask is ever built.
+
+Generation (``models.generation``) attaches a :class:`models.kv_cache.KVCache` to every core
+attention for the duration of a call: prefill stores the prompts' keys and values and attends
+causally as in training; a decode step stores one token per row and attends over the cache
+(see that module for why the cache is the project's and not megatron-core's inference context).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch import Tensor
+
+from nemo_rl_offload.models.kv_cache import KVCache
 
 
 class SDPACoreAttention(MegatronModule):
@@ -99,6 +106,8 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        # Set by KVCache.attached while generation runs; None for training and scoring passes.
+        self.kv_cache: KVCache | None = None
 
     def _kernels(self) -> contextlib.AbstractContextManager[None]:
         """Under Megatron's deterministic_mode, SDPA's math kernel: measured on an H100, the
@@ -128,6 +137,12 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError("SDPACoreAttention: attention_bias is not supported")
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
+        if self.kv_cache is not None:
+            if self.kv_cache.decoding:
+                return self.kv_cache.decode_attention(
+                    self.layer_number, query, key, value, self.softmax_scale
+                )
+            self.kv_cache.store_prompt(self.layer_number, key, value)
 
         sq, sk = query.size(0), key.size(0)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type

@@ -1,28 +1,43 @@
-"""Autoregressive sampling with the policy itself (no separate inference engine).
+"""Autoregressive sampling with the policy itself, colocated on its workers, with a KV cache.
 
-Prompts are right-padded into one batch; with causal attention the padding after a row's last
-token cannot influence that token's logits, so each step runs the model over the batch and
-samples, for every unfinished row, the token after its current end. There is no KV cache: each
-step recomputes the prefix, which is cheap for the short answers of the built-in tasks and keeps
-one model code path (training and sampling share the forward, through Megatron's schedule, so
-pipeline stages exchange activations as in training). The last pipeline stage's next-token
+Prompts are right-padded into one batch. One prefill pass runs the model over the prompts and
+stores every layer's keys and values (:mod:`models.kv_cache`); each later step feeds every row
+only its newest token, at its own position, and attends over the cache: a step costs reading
+the weights and the cache once instead of recomputing the prefix. The forward calls Megatron's
+GPTModel pieces directly (:mod:`models.cached_forward`), on the policy's own weights (nothing
+is copied); pipeline stages pass hidden states point to point, the last stage's next-token
 logits are broadcast to the other stages, and every rank draws with the same generator state,
 so all tensor- and pipeline-parallel ranks agree on each token.
+
+On CUDA, a decode step can be replayed from a CUDA graph (``policy.generation.
+mcore_generation_config``: ``cuda_graph_impl`` not ``none`` and ``num_cuda_graphs`` > 0):
+the step attends over a fixed window of the cache per graph, and ``num_cuda_graphs`` windows
+split the call's length, so early steps read a short window. Graphs are captured per call (the
+cache is allocated for the call and freed after it) and only where a step has no host
+synchronisation: one pipeline stage, no sequence parallelism, no experts. Elsewhere the steps
+run eagerly with the window growing by one position per step.
 
 Each sampled token comes with its log-probability under the model (:class:`Generated`): the
 log-softmax over the model's whole vocabulary of the next-token logits divided by the sampling
 temperature (raw logits when greedy), before top-k and top-p: what GRPO's training forward
 computes for the same token (it takes the temperature too, as NeMo-RL's does, and no filter).
-GRPO compares the two (importance sampling, the sequence log-probability error); another engine
-(e.g. one with a KV cache) returns the same pair.
+GRPO compares the two (importance sampling, the sequence log-probability error).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.models.cached_forward import CachedForward
+from nemo_rl_offload.models.decode_graphs import DecodeGraphs, windows
+from nemo_rl_offload.models.kv_cache import KVCache
+
+_MCORE = "policy.generation.mcore_generation_config"
 
 
 @dataclass(frozen=True)
@@ -91,33 +106,83 @@ def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _next_token_logits(
-    model: torch.nn.Module, ids: torch.Tensor, lengths: torch.Tensor, limit: int
-) -> torch.Tensor:
-    """Float32 logits [rows, limit] of the token after each row's end, on every rank (``limit``
-    is the model's vocabulary size: the part of it the tokenizer knows is cut by the caller)."""
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the sampler runs (not what it samples), from ``policy.generation.
+    mcore_generation_config`` (NeMo-RL's key names; see docs/generation.md)."""
+
+    cuda_graphs: bool = False
+    num_cuda_graphs: int = 4
+    # The KV cache of one call may not exceed this (NeMo-RL: the KV cache buffer's size).
+    buffer_size_gb: float | None = None
+
+    @classmethod
+    def from_recipe(cls, generation: dict[str, Any] | None) -> EngineSettings:
+        mcore = (generation or {}).get("mcore_generation_config") or {}
+        impl = mcore.get("cuda_graph_impl")
+        graphs = int(mcore.get("num_cuda_graphs") or 0)
+        size = mcore.get("buffer_size_gb")
+        return cls(
+            cuda_graphs=impl not in (None, "none") and graphs > 0,
+            num_cuda_graphs=max(graphs, 1),
+            buffer_size_gb=float(size) if size is not None else None,
+        )
+
+
+def _check_cache_fits(nbytes: int, engine: EngineSettings, device: torch.device) -> None:
+    """Refuse (one line) a KV cache larger than the recipe's buffer or than free GPU memory."""
+    need = nbytes / 2**30
+    if engine.buffer_size_gb is not None and need > engine.buffer_size_gb:
+        raise UserInputError(
+            f"{_MCORE}.buffer_size_gb: this batch's KV cache needs {need:.2f} GiB, more than "
+            f"{engine.buffer_size_gb} GiB; raise it or lower max_new_tokens / the batch"
+        )
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if nbytes > free:
+            raise UserInputError(
+                f"{_MCORE}.buffer_size_gb: this batch's KV cache needs {need:.2f} GiB, but "
+                f"{free / 2**30:.2f} GiB of GPU memory are free; lower max_new_tokens or the "
+                "number of prompts per data-parallel rank"
+            )
+
+
+def _allocate(
+    forward: CachedForward, rows: int, max_len: int, engine: EngineSettings, device: torch.device
+) -> KVCache:
+    from nemo_rl_offload.models.attention import SDPACoreAttention
+
+    layers = [m for m in forward.gpt.modules() if isinstance(m, SDPACoreAttention)]
+    if not layers and forward.gpt.decoder.layers:
+        raise UserInputError(
+            "policy.megatron_cfg.transformer_impl: generation needs the local layer spec's "
+            "attention (set transformer_impl: local)"
+        )
+    groups = layers[0].num_query_groups_per_partition if layers else 1
+    head_dim = forward.config.kv_channels
+    shape = {"rows": rows, "max_len": max_len, "groups": groups, "head_dim": head_dim}
+    _check_cache_fits(KVCache.nbytes(len(layers), dtype=forward.dtype, **shape), engine, device)
+    numbers = [m.layer_number for m in layers]
+    return KVCache.allocate(numbers, dtype=forward.dtype, device=device, **shape)
+
+
+def _graphable(forward: CachedForward, device: torch.device) -> bool:
+    """A decode step without host synchronisation (see the module docstring)."""
+    return (
+        device.type == "cuda"
+        and forward.pp == 1
+        and not forward.sp
+        and not forward.config.num_moe_experts
+    )
+
+
+def _stop_together() -> bool:
+    """Expert-parallel ranks exchange tokens in every step: all of them take the same number
+    of steps, so one rank stops only when every rank's rows are done."""
     from megatron.core import parallel_state
 
-    from nemo_rl_offload.models.train_step import forward_outputs
-
-    rows = torch.arange(ids.shape[0], device=ids.device)
-
-    def at_row_ends(batch: dict[str, torch.Tensor], logits: torch.Tensor) -> dict:
-        ends = logits[rows, lengths - 1]  # padded rows (pipeline parallel) are cut off after
-        return {"logits": _full_vocab(ends)[:, :limit].float()}
-
-    outputs = forward_outputs(model, [{"input_ids": ids}], at_row_ends, per_position=False)
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return outputs[0]["logits"]
-    logits = (
-        outputs[0]["logits"] if outputs else ids.new_empty((ids.shape[0], limit), dtype=torch.float)
-    )
-    torch.distributed.broadcast(
-        logits,
-        src=parallel_state.get_pipeline_model_parallel_last_rank(),
-        group=parallel_state.get_pipeline_model_parallel_group(),
-    )
-    return logits
+    return parallel_state.get_expert_model_parallel_world_size() > 1
 
 
 @torch.no_grad()
@@ -130,48 +195,98 @@ def sample(
     vocab_size: int,
     seed: int,
     device: torch.device,
+    engine: EngineSettings | None = None,
 ) -> list[Generated]:
     """The sampled continuation of each prompt, with its tokens' log-probabilities."""
     if not prompts:
         return []
+    engine = engine or EngineSettings()
+    forward = CachedForward(model, vocab_size)
+    multiple = forward.multiple
+    count = len(prompts)
+    rows = math.ceil(count / multiple) * multiple  # padded: the decode layout splits rows
     lengths = torch.tensor([len(p) for p in prompts], device=device)
-    total = int(lengths.max()) + settings.max_new_tokens
-    ids = torch.full((len(prompts), total), pad_id, dtype=torch.long, device=device)
+    longest = int(lengths.max())
+    prefill = math.ceil(longest / multiple) * multiple
+    max_len = max(prefill, longest + settings.max_new_tokens)
+    ids = torch.full((count, max_len), pad_id, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
     start = lengths.clone()
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    done = torch.zeros(count, dtype=torch.bool, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     stops = torch.tensor(settings.stop_token_ids, device=device)
-    rows = torch.arange(len(prompts), device=device)
+    real = torch.arange(count, device=device)
     limit = min(vocab_size, settings.vocab_limit or vocab_size)
     logprobs = torch.zeros(ids.shape, dtype=torch.float, device=device)
+    check_every = 8 if device.type == "cuda" else 1  # a stop check synchronises with the host
+
+    cache = _allocate(forward, rows, max_len, engine, device)
+    table = forward.rotary_table(max_len)
+    tokens = torch.full((1, rows), pad_id, dtype=torch.long, device=device)
+    zeros = torch.zeros(count, dtype=torch.long, device=device)
+
+    def decode_step() -> torch.Tensor:
+        return forward.logits(tokens, table[cache.positions], real, zeros)
+
+    graphs = (
+        DecodeGraphs(decode_step, cache)
+        if engine.cuda_graphs and _graphable(forward, device)
+        else None
+    )
+    spans = windows(longest + 1, max_len, engine.num_cuda_graphs if graphs else None)
+    was_training = model.training
     model.eval()
-    for _ in range(settings.max_new_tokens):
-        width = int(lengths.max())
-        full = _next_token_logits(model, ids[:, :width], lengths, vocab_size)
-        logits = full[:, :limit]
-        if settings.greedy:
-            token = logits.argmax(dim=-1)
-        else:
-            probs = torch.softmax(_filter_logits(logits, settings), dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        token = torch.where(done, torch.full_like(token, pad_id), token)
-        scaled = full if settings.greedy else full / max(settings.temperature, 1e-6)
-        chosen = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
-            scaled, dim=-1
-        )
-        ids[rows, lengths] = token
-        logprobs[rows, lengths] = chosen
-        lengths = torch.where(done, lengths, lengths + 1)
-        done |= torch.isin(token, stops)
-        if bool(done.all()):
-            break
-    model.train()
+    try:
+        with cache.attached(forward.gpt):
+            batch = torch.full((rows, prefill), pad_id, dtype=torch.long, device=device)
+            batch[:count] = ids[:, :prefill]
+            full = forward.logits(batch, table[:prefill], lengths - 1, real)
+            cache.decoding = True
+            for step in range(settings.max_new_tokens):
+                if step > 0:
+                    cache.positions[:count] = lengths - 1
+                    tokens[0, :count] = ids[real, lengths - 1]
+                    window = spans(longest + step)
+                    full = graphs.run(window) if graphs else _eager(cache, window, decode_step)
+                logits = full[:, :limit]
+                if settings.greedy:
+                    token = logits.argmax(dim=-1)
+                else:
+                    probs = torch.softmax(_filter_logits(logits, settings), dim=-1)
+                    token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                token = torch.where(done, torch.full_like(token, pad_id), token)
+                scaled = full if settings.greedy else full / max(settings.temperature, 1e-6)
+                chosen = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
+                    scaled, dim=-1
+                )
+                ids[real, lengths] = token
+                logprobs[real, lengths] = chosen
+                lengths = torch.where(done, lengths, lengths + 1)
+                done |= torch.isin(token, stops)
+                if (step + 1) % check_every == 0 and _all_done(done):
+                    break
+    finally:
+        if graphs:
+            graphs.release()
+        model.train(was_training)
     return [
         Generated(
             ids[row, start[row] : lengths[row]].tolist(),
             logprobs[row, start[row] : lengths[row]].tolist(),
         )
-        for row in range(len(prompts))
+        for row in range(count)
     ]
+
+
+def _eager(cache: KVCache, window: int, step: Any) -> torch.Tensor:
+    cache.window = window
+    return step()
+
+
+def _all_done(done: torch.Tensor) -> bool:
+    if not _stop_together():
+        return bool(done.all())
+    pending = (~done).any().to(torch.int)
+    torch.distributed.all_reduce(pending)
+    return int(pending) == 0

@@ -546,8 +546,9 @@ class PolicyWorker:
     ) -> list[Any]:
         """Sampled continuations of ``prompts`` (``generation.Generated``: token ids without
         the prompt, and their log-probabilities)."""
-        from nemo_rl_offload.models.generation import SamplingSettings, sample
+        from nemo_rl_offload.models.generation import EngineSettings, SamplingSettings, sample
 
+        # The KV cache lives only inside this block: allocated for the call, freed after it.
         with self.runtime.forward_only():
             return sample(
                 self.model,
@@ -557,6 +558,7 @@ class PolicyWorker:
                 vocab_size=self.architecture.vocab_size,
                 seed=seed,
                 device=self.device,
+                engine=EngineSettings.from_recipe(self.section.get("generation")),
             )
 
     # ------------------------------------------------------------------------- state

@@ -1,0 +1,126 @@
+"""The key/value cache of one generation call, written and read by the project's core attention.
+
+Why not megatron-core's own inference context. Its ``StaticInferenceContext`` is what Megatron's
+``Attention`` fills through ``_adjust_key_value_for_inference``: every row sits at one shared
+position (a Python-int ``sequence_len_offset``), and each step slices the cache up to that
+offset, so each decode step has new tensor shapes and cannot be replayed from one CUDA graph
+(megatron-core 0.19 itself refuses CUDA graphs with static batching unless ``flash_decode``,
+which needs flash-attn). Its ``DynamicInferenceContext`` (and the dynamic engine) require
+flash-attn outright. Neither is installable here, so this module owns the smallest piece:
+
+- one preallocated cache per layer, ``[rows, query groups, max_len, head dim]`` (the layout
+  whose per-row, per-group slices are what a batched decode matmul reads without a copy);
+- the position each row writes its next token at, as a tensor (rows at different lengths:
+  right-padded prompts of different lengths decode side by side);
+- per-row masking of the positions a row has not reached yet, over a fixed window of the cache.
+
+The seam: :class:`models.attention.SDPACoreAttention` (the local layer spec's core attention,
+this project's module) takes the cache as an attribute for the duration of a call
+(:meth:`KVCache.attached`). Megatron's ``Attention`` then runs exactly its training path (no
+inference context is passed): it projects the new tokens, applies RoPE at the positions the
+caller's rotary embedding gives, and hands query, key and value to the core attention, which
+stores the keys and values and attends over the cache. Prefill attends causally over the
+prompts as in training; a decode step (one token per row, laid out as ``[rows, 1]``) attends
+over the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class KVCache:
+    keys: dict[int, Tensor]  # layer number -> [rows, groups, max_len, dim]
+    values: dict[int, Tensor]
+    # The position each row's current token is written at (decode steps).
+    positions: Tensor
+    decoding: bool = False
+    # How many cache positions a decode step attends over (a fixed shape per CUDA graph).
+    window: int = 0
+    _rows: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._rows = torch.arange(self.positions.numel(), device=self.positions.device)
+
+    @classmethod
+    def allocate(
+        cls,
+        layer_numbers: list[int],
+        *,
+        rows: int,
+        max_len: int,
+        groups: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        shape = (rows, groups, max_len, head_dim)
+        keys = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
+        values = {n: torch.zeros(shape, dtype=dtype, device=device) for n in layer_numbers}
+        positions = torch.zeros(rows, dtype=torch.long, device=device)
+        return cls(keys, values, positions, window=max_len)
+
+    @staticmethod
+    def nbytes(
+        layers: int, *, rows: int, max_len: int, groups: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * rows * groups * max_len * head_dim * element
+
+    @property
+    def max_len(self) -> int:
+        return next(iter(self.keys.values())).size(2)
+
+    @contextlib.contextmanager
+    def attached(self, model: torch.nn.Module) -> Iterator[None]:
+        """Every core attention of ``model`` reads and writes this cache until the block ends."""
+        from nemo_rl_offload.models.attention import SDPACoreAttention
+
+        modules = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
+        if {m.layer_number for m in modules} != set(self.keys):
+            raise RuntimeError("KVCache: the cache's layers are not this model's attention layers")
+        for module in modules:
+            module.kv_cache = self
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.kv_cache = None
+
+    def store_prompt(self, layer: int, key: Tensor, value: Tensor) -> None:
+        """Prefill: keys and values [s, rows, groups, dim] of positions 0..s-1 (right padding
+        included: a row's decode steps overwrite its padding before any query can see it)."""
+        s = key.size(0)
+        self.keys[layer][:, :, :s] = key.permute(1, 2, 0, 3)
+        self.values[layer][:, :, :s] = value.permute(1, 2, 0, 3)
+
+    def decode_attention(
+        self, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float
+    ) -> Tensor:
+        """One token per row, laid out [rows, 1, heads, dim] (query) and [rows, 1, groups, dim]
+        (key, value): store the new key and value at each row's position, attend over the
+        window with the positions past each row's own masked. Returns [rows, 1, heads * dim].
+
+        Query head i reads key/value group i // (heads / groups), Megatron's mapping: the
+        queries of one group attend as one small matrix against that group's cache, so the
+        cache is read once, without expanding it per head."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys[self._rows, :, self.positions] = key[:, 0]
+        values[self._rows, :, self.positions] = value[:, 0]
+        rows, heads, dim = query.size(0), query.size(2), query.size(3)
+        groups = keys.size(1)
+        k = keys[:, :, : self.window]  # [rows, groups, window, dim]
+        v = values[:, :, : self.window]
+        q = query.reshape(rows, groups, heads // groups, dim)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        reached = torch.arange(self.window, device=query.device) <= self.positions[:, None]
+        scores = scores.masked_fill(~reached[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        context = torch.matmul(probs, v)  # [rows, groups, heads per group, dim]
+        return context.reshape(rows, 1, heads * dim)

@@ -1,0 +1,119 @@
+"""The KV-cached sampler on a GPU, llama-1b in bf16: its per-token log-probabilities against the
+training forward's (policy worker ``token_logprobs`` over prompt + response), with decode-step
+CUDA graphs and eagerly, and its throughput at 64 prompts x 1024 new tokens.
+
+    NEMO_RL_OFFLOAD_RESULTS=benchmarks/results/generation \\
+        python3 -m pytest -m gpu -q tests/functional/test_generation_gpu.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from support.gpu_results import write_results
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+MODEL = "llama-1b"
+
+
+def _worker(cuda_graphs: bool, max_len: int = 2048):
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    section = {
+        "model_name": MODEL,
+        "precision": "bfloat16",
+        "max_total_sequence_length": max_len,
+        "megatron_cfg": {"enabled": True},
+        "generation": {
+            "mcore_generation_config": {
+                "cuda_graph_impl": "local" if cuda_graphs else "none",
+                "num_cuda_graphs": 4,
+            }
+        },
+    }
+    worker = PolicyWorker(
+        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=True, trainable=False
+    )
+    worker.setup(*worker.node_address())
+    return worker
+
+
+def _prompts(count: int, vocab: int, seed: int, longest: int = 128) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(1, vocab, int(rng.integers(longest // 4, longest + 1))).tolist()
+        for _ in range(count)
+    ]
+
+
+def _training_logprobs(worker, prompts, generated) -> list[np.ndarray]:
+    """log p(response token) from the training forward over prompt + response."""
+    width = max(len(p) + len(g.ids) for p, g in zip(prompts, generated, strict=True))
+    ids = np.zeros((len(prompts), width), np.int64)
+    for row, (p, g) in enumerate(zip(prompts, generated, strict=True)):
+        ids[row, : len(p) + len(g.ids)] = p + g.ids
+    labels = np.roll(ids, -1, axis=1)
+    (logprobs,) = worker.token_logprobs([{"input_ids": ids, "labels": labels}])
+    return [
+        logprobs[row, len(p) - 1 : len(p) - 1 + len(g.ids)]
+        for row, (p, g) in enumerate(zip(prompts, generated, strict=True))
+    ]
+
+
+def test_sampler_logprobs_match_the_training_forward_in_bf16():
+    from nemo_rl_offload.config.model_presets import architecture_for
+
+    vocab = architecture_for(MODEL).vocab_size
+    prompts = _prompts(32, vocab, seed=0)
+    settings = {"max_new_tokens": 256, "stop_token_ids": ()}
+    results = {}
+    for graphs in (True, False):
+        worker = _worker(graphs)
+        generated = worker.generate(prompts, settings, seed=5, pad_id=0)
+        expected = _training_logprobs(worker, prompts, generated)
+        diff = np.concatenate(
+            [np.abs(np.asarray(g.logprobs) - e) for g, e in zip(generated, expected, strict=True)]
+        )
+        results["graphs" if graphs else "eager"] = {
+            "mean_abs_diff": float(diff.mean()),
+            "max_abs_diff": float(diff.max()),
+            # NeMo-RL's token_mult_prob_error: the mean of exp(|difference|)
+            "token_mult_prob_error": float(np.exp(diff).mean()),
+            "tokens": int(diff.size),
+        }
+        worker.close()
+    write_results("generation_logprobs", {"model": MODEL, "precision": "bfloat16", **results})
+    for name, r in results.items():
+        assert r["token_mult_prob_error"] < 1.02, (name, r)
+        assert r["mean_abs_diff"] < 0.02, (name, r)
+
+
+def test_throughput_at_64_prompts_and_1024_new_tokens():
+    from nemo_rl_offload.config.model_presets import architecture_for
+
+    vocab = architecture_for(MODEL).vocab_size
+    worker = _worker(cuda_graphs=True)
+    prompts = _prompts(64, vocab, seed=1)
+    settings = {"max_new_tokens": 1024, "stop_token_ids": ()}
+    worker.generate(prompts, {**settings, "max_new_tokens": 4}, seed=1, pad_id=0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    generated = worker.generate(prompts, settings, seed=1, pad_id=0)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    worker.close()
+    tokens = sum(len(g.ids) for g in generated)
+    rate = tokens / seconds
+    write_results(
+        "generation_throughput",
+        {"model": MODEL, "batch": 64, "new_tokens": 1024, "seconds": seconds, "tokens_per_s": rate},
+    )
+    assert tokens == 64 * 1024
+    assert rate >= 10_000, rate

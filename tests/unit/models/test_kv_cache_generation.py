@@ -1,0 +1,104 @@
+"""The KV-cached sampler against a full forward over each finished sequence: greedy tokens and
+per-token log-probabilities equal those read from one pass over prompt + response (the logits
+at each position), for right-padded prompts of different lengths, rows that stop mid-way, a
+dense and an MoE model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_rl_offload.models.decode_graphs import windows
+from nemo_rl_offload.models.generation import EngineSettings, SamplingSettings, sample
+
+PROMPTS = [[5, 17, 3, 9, 40, 41, 7], [8, 2], [30, 31, 32], [11]]
+CPU = torch.device("cpu")
+
+
+def _reference(model, prompt: list[int], response: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Greedy choices and log-probabilities of ``response`` read from one forward over the
+    whole sequence."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[0].float()
+    at = logits[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+    logprobs = torch.log_softmax(at, dim=-1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+    return at.argmax(dim=-1).tolist(), logprobs
+
+
+def _greedy(model, stops: tuple[int, ...] = ()) -> list:
+    settings = SamplingSettings(max_new_tokens=9, greedy=True, stop_token_ids=stops)
+    return sample(
+        model, PROMPTS, settings, pad_id=0, vocab_size=model.vocab_size, seed=1, device=CPU
+    )
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_greedy_tokens_and_logprobs_equal_a_full_forward(build_tiny, moe_globals_restored, preset):
+    model, _ = build_tiny(preset)
+    model.eval()
+    free = _greedy(model)
+    # A stop token that one row hits mid-way (its third token) and the others may not.
+    stop = free[1].ids[2]
+    generated = _greedy(model, stops=(stop,))
+    assert generated[1].ids == free[1].ids[:3]
+    assert any(len(g.ids) == 9 for g in generated)  # the other rows keep going
+    for prompt, g in zip(PROMPTS, generated, strict=True):
+        tokens, logprobs = _reference(model, prompt, g.ids)
+        assert g.ids == tokens
+        torch.testing.assert_close(torch.tensor(g.logprobs), logprobs, atol=2e-5, rtol=0)
+        if stop in g.ids:
+            assert g.ids.index(stop) == len(g.ids) - 1
+
+
+def test_the_same_seed_draws_the_same_samples(build_tiny):
+    model, _ = build_tiny("tiny-dense")
+    settings = SamplingSettings(max_new_tokens=8, temperature=0.9, top_p=0.95)
+
+    def draw(seed: int) -> list[list[int]]:
+        out = sample(
+            model, PROMPTS, settings, pad_id=0, vocab_size=model.vocab_size, seed=seed, device=CPU
+        )
+        return [g.ids for g in out]
+
+    assert draw(4) == draw(4)
+    assert draw(4) != draw(5)
+
+
+def test_a_cache_over_the_recipe_buffer_is_refused_in_one_line(build_tiny):
+    from nemo_rl_offload.errors import UserInputError
+
+    model, _ = build_tiny("tiny-dense")
+    with pytest.raises(UserInputError, match=r"mcore_generation_config\.buffer_size_gb"):
+        sample(
+            model,
+            PROMPTS,
+            SamplingSettings(max_new_tokens=4),
+            pad_id=0,
+            vocab_size=model.vocab_size,
+            seed=1,
+            device=CPU,
+            engine=EngineSettings(buffer_size_gb=1e-9),
+        )
+
+
+def test_engine_settings_follow_nemo_rl_keys():
+    on = EngineSettings.from_recipe(
+        {"mcore_generation_config": {"cuda_graph_impl": "local", "num_cuda_graphs": 3}}
+    )
+    assert on.cuda_graphs and on.num_cuda_graphs == 3
+    assert not EngineSettings.from_recipe(
+        {"mcore_generation_config": {"cuda_graph_impl": "none", "num_cuda_graphs": 3}}
+    ).cuda_graphs
+    assert not EngineSettings.from_recipe({}).cuda_graphs
+    assert EngineSettings.from_recipe(
+        {"mcore_generation_config": {"buffer_size_gb": 10}}
+    ).buffer_size_gb == pytest.approx(10.0)
+
+
+def test_graph_windows_cover_every_step_with_few_shapes():
+    pick = windows(130, 1152, 4)
+    chosen = {pick(n) for n in range(130, 1153)}
+    assert len(chosen) == 4 and max(chosen) == 1152
+    assert all(pick(n) >= n for n in range(130, 1153))
+    assert windows(130, 1152, None)(200) == 200
