@@ -362,12 +362,9 @@ def _section(recipe: Mapping[str, Any], where: str, out: Mapped) -> dict[str, An
     megatron["tensor_model_parallel_size"] = tp
     megatron["pipeline_model_parallel_size"] = 1
     megatron["expert_model_parallel_size"] = 1
-    if cp not in (None, 1):
-        out.errors.append(
-            f"{d}.context_parallel_size: {show_value(cp)} is not supported by this backend "
-            "(context parallelism is not implemented); set it to 1"
-        )
-    megatron["context_parallel_size"] = 1
+    # Megatron's context parallelism splits each sequence over ranks as DTensor's does; the
+    # rules check the size (type, worker count) under the Megatron key.
+    megatron["context_parallel_size"] = 1 if cp is None else cp
     # Sequence parallelism shards activations over the tensor-parallel group: with one rank
     # there it is a no-op in DTensor, which megatron-core refuses to be asked for.
     megatron["sequence_parallel"] = dtensor.get("sequence_parallel", False) is True and (

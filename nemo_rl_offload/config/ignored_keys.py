@@ -332,8 +332,9 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             "the Hugging Face conversion follows config.json's model_type"
         ),
         f"{m}.cp_normalize": Unused(
-            "context parallelism is not implemented (context_parallel_size above 1 is "
-            "refused), so there is nothing to normalize",
+            "the step's loss and gradients are the same at every context_parallel_size (each "
+            "token counts once over the context-parallel ranks), so there is nothing to "
+            "normalize",
             _always,
         ),
         f"{m}.defer_fp32_logits": Unused(_KERNEL, _one_of(False)),

@@ -25,6 +25,17 @@ Generation (``models.generation``) attaches a :class:`models.kv_cache.KVCache` t
 attention for the duration of a call: prefill stores the prompts' keys and values and attends
 causally as in training; a decode step stores one token per row and attends over the cache
 (see that module for why the cache is the project's and not megatron-core's inference context).
+
+Context parallelism (``context_parallel_size`` > 1): each CP rank holds two chunks of every
+sequence (``models.context_parallel``: chunks r and 2 * CP - 1 - r of 2 * CP). Keys and values
+are all-gathered over the CP group (Megatron's mapping, whose backward reduce-scatters their
+gradients) and put back in sequence order; each local query chunk i then attends the keys of
+chunks 0..i, causally within chunk i: a causal mask aligned to the bottom right of its
+[chunk x (i + 1) chunks] block (torch's ``causal_lower_right``, which flash kernels take
+without building the mask). This is Megatron's ``cp_comm_type: all_gather`` scheme rather than
+Transformer Engine's ring exchange: one layer's full-length keys and values are on every rank
+while that layer attends. Packed rows do the same sequence by sequence (one SDPA call per
+chunk, not the variable-length kernel).
 """
 
 from __future__ import annotations
@@ -35,7 +46,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -44,7 +55,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch import Tensor
+from torch.nn.attention.bias import causal_lower_right
 
+from nemo_rl_offload.models.context_parallel import gathered_order
 from nemo_rl_offload.models.kv_cache import KVCache
 
 
@@ -69,11 +82,6 @@ class SDPACoreAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError(
-                "SDPACoreAttention: context parallelism needs Transformer Engine's attention "
-                "(transformer_impl: transformer_engine)"
-            )
         if config.softmax_type != "vanilla":
             raise NotImplementedError(
                 f"SDPACoreAttention: softmax_type {config.softmax_type!r} is not supported "
@@ -146,6 +154,16 @@ class SDPACoreAttention(MegatronModule):
 
         sq, sk = query.size(0), key.size(0)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        # A generation call's prompts are whole on every context-parallel rank (the cache is
+        # not split over ranks): they attend as at one rank.
+        if self.config.context_parallel_size > 1 and self.kv_cache is None:
+            if attention_mask is not None or mask_type != AttnMaskType.causal:
+                raise NotImplementedError(
+                    "SDPACoreAttention: context parallelism needs the causal mask (no explicit "
+                    "attention_mask)"
+                )
+            bounds = torch.tensor([0, sq * self.config.context_parallel_size])
+            return self._context_parallel(query, key, value, bounds)
         is_causal = False
         sdpa_mask: Tensor | None = None
         if attention_mask is not None:
@@ -206,6 +224,10 @@ class SDPACoreAttention(MegatronModule):
         cu_kv = params.cu_seqlens_kv if params.cu_seqlens_kv is not None else cu_q
         if not torch.equal(cu_q, cu_kv):
             raise NotImplementedError("SDPACoreAttention: packed queries and keys must align")
+        if self.config.context_parallel_size > 1:
+            # [t, heads, dim] -> [t, 1, heads, dim]; offsets are the whole pack's (padded).
+            query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+            return self._context_parallel(query, key, value, cu_q).squeeze(1)
         grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
         dropout_p = self.dropout_p if self.training else 0.0
         if self._varlen_usable(query, dropout_p):
@@ -263,6 +285,69 @@ class SDPACoreAttention(MegatronModule):
                 f"SDPACoreAttention: cu_seqlens cover {context.size(0)} of {query.size(0)} tokens"
             )
         return context.reshape(query.size(0), -1)
+
+    def _cp_group(self) -> torch.distributed.ProcessGroup:
+        group = getattr(self.pg_collection, "cp", None)
+        return group if group is not None else parallel_state.get_context_parallel_group()
+
+    def _context_parallel(
+        self, query: Tensor, key: Tensor, value: Tensor, bounds: Tensor
+    ) -> Tensor:
+        """Attention of this CP rank's query chunks over the all-gathered keys and values (see
+        the module docstring). ``bounds``: the sequences' offsets in the whole (padded) row,
+        each sequence a multiple of 2 * CP long; tensors are [local tokens, b, heads, dim]."""
+        group = self._cp_group()
+        cp, rank = group.size(), group.rank()
+        order = gathered_order(bounds.cpu(), cp).to(key.device)
+        key, value = (
+            tensor_parallel.gather_from_sequence_parallel_region(
+                t, tensor_parallel_output_grad=True, group=group
+            )[order]
+            for t in (key, value)
+        )
+        dropout_p = self.dropout_p if self.training else 0.0
+        pieces = []
+        starts = [int(x) for x in bounds.tolist()]
+        for start, end in zip(starts[:-1], starts[1:], strict=True):
+            chunk = (end - start) // (2 * cp)
+            if chunk == 0:
+                continue
+            local = start // cp
+            for half, index in enumerate((rank, 2 * cp - 1 - rank)):
+                q = query[local + half * chunk : local + (half + 1) * chunk]
+                seen = start + (index + 1) * chunk
+                pieces.append(self._lower_right(q, key[start:seen], value[start:seen], dropout_p))
+        context = torch.cat(pieces, dim=0)
+        if context.size(0) != query.size(0):
+            raise ValueError(
+                f"SDPACoreAttention: context-parallel offsets cover {context.size(0)} of "
+                f"{query.size(0)} local tokens"
+            )
+        return context.reshape(query.size(0), query.size(1), -1)
+
+    def _lower_right(self, query: Tensor, key: Tensor, value: Tensor, dropout_p: float) -> Tensor:
+        """Causal attention of queries that are the last ``sq`` of the ``sk`` keys:
+        [sq, b, np, hn] and [sk, b, ng, hn] -> [sq, b, np, hn]."""
+        sq, sk = query.size(0), key.size(0)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+        rng = (
+            tensor_parallel.get_cuda_rng_tracker().fork()
+            if dropout_p > 0.0 and not self.config.sequence_parallel
+            else contextlib.nullcontext()
+        )
+        with rng, self._kernels():
+            context = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=None if sq == sk else causal_lower_right(sq, sk),
+                dropout_p=dropout_p,
+                is_causal=sq == sk,
+                scale=self.softmax_scale,
+                enable_gqa=grouped,
+            )
+        return context.permute(2, 0, 1, 3)
 
     def _varlen_usable(self, query: Tensor, dropout_p: float) -> bool:
         """torch's variable-length flash kernel: CUDA, half precision, no dropout (it has

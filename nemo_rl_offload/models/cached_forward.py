@@ -54,8 +54,10 @@ class CachedForward:
         return self.tp if self.sp else 1
 
     def rotary_table(self, max_len: int) -> Tensor:
-        """Rotary frequencies of positions 0..max_len-1, [max_len, 1, 1, dim]."""
-        return self.gpt.rotary_pos_emb(max_len)
+        """Rotary frequencies of positions 0..max_len-1, [max_len, 1, 1, dim]: the whole table,
+        on every context-parallel rank too (the module's forward would keep this rank's chunks
+        of the sequence, and generation does not split sequences over those ranks)."""
+        return self.gpt.rotary_pos_emb.get_emb(max_len)
 
     def logits(self, ids: Tensor, freqs: Tensor, seq_index: Tensor, row_index: Tensor) -> Tensor:
         """Float32 next-token logits [n, vocab] at (sequence position, batch row) pairs of the

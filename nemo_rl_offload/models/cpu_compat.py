@@ -28,6 +28,10 @@ Patches (module: name -> replacement, and why):
 4. ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> CPU-safe no-ops:
    activation recompute saves and restores "the CUDA RNG state" next to the CPU one; with no
    CUDA generator in use, the CPU state it already restores is the whole state.
+7. ``get_pos_emb_on_this_cp_rank`` as the rotary and YaRN embeddings import it -> the same
+   selection of this context-parallel rank's chunks of the rotary table (chunks r and
+   2 * CP - 1 - r of 2 * CP) with its index on the table's device: the original builds the
+   index in pinned memory and moves it with ``.cuda()``.
 6. The all-to-all token dispatcher's ``maybe_move_tensor_to_cpu`` -> the same for CPU tensors:
    with expert parallelism its split sizes become numpy arrays, as its device-to-host copy
    makes them on GPU (the collective takes a sequence of ints).
@@ -82,6 +86,11 @@ CUDA_ALLOCATION_MODULES: tuple[str, ...] = (
 _OPTIMIZER = "megatron.core.optimizer.optimizer"
 _FUSED_SOFTMAX = "megatron.core.fusions.fused_softmax"
 _RANDOM = "megatron.core.tensor_parallel.random"
+# Modules that import get_pos_emb_on_this_cp_rank by name (patch 7).
+_ROTARY_MODULES = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+)
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 
 # (module or class, attribute) -> the original value, while the patches are on.
@@ -258,6 +267,16 @@ def _cpu_split_sizes(tensor: Any, as_numpy: bool = False, record_stream: bool = 
     return tensor
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> Any:
+    """Megatron's ``get_pos_emb_on_this_cp_rank`` with the index on ``pos_emb``'s device."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+    shape = pos_emb.shape
+    chunks = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1 :])
+    chunks = chunks.index_select(seq_dim, index)
+    return chunks.view(*shape[:seq_dim], -1, *shape[seq_dim + 1 :])
+
+
 def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -291,6 +310,8 @@ def enable_cpu_execution() -> None:
     _patch(dispatcher, "cuda_dtoh_stream", None)
     _patch(_TOKEN_DISPATCHER, "maybe_move_tensor_to_cpu", _cpu_split_sizes)
     _patch(_FUSED_SOFTMAX, "get_default_causal_mask", _cpu_causal_mask)
+    for module_name in _ROTARY_MODULES:
+        _patch(module_name, "get_pos_emb_on_this_cp_rank", _cpu_pos_emb_on_this_cp_rank)
     _patch(_RANDOM, "_CUDA_RNG_STATE_TRACKER", CpuRngTracker())
     _patch(_RANDOM, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
     _patch(_RANDOM, "_get_cuda_rng_state", _no_cuda_rng_state)

@@ -275,14 +275,17 @@ class PolicyWorker:
 
     def parallel_layout(self) -> dict[str, int | bool]:
         """This rank's data-parallel coordinates, whether it returns outputs (the first
-        tensor-parallel rank of the last pipeline stage: every such rank has identical ones),
+        tensor- and context-parallel rank of the last pipeline stage: every such rank has
+        identical ones, and only the first context-parallel rank counts the step's tokens),
         and the group's parallel sizes and optimizer kind (what a checkpoint records)."""
         from megatron.core import parallel_state as ps
 
         return {
             "dp_rank": ps.get_data_parallel_rank(),
             "dp_size": ps.get_data_parallel_world_size(),
-            "reports": ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(),
+            "reports": ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+            and ps.is_pipeline_last_stage(),
             "tensor_parallel": ps.get_tensor_model_parallel_world_size(),
             "pipeline_parallel": ps.get_pipeline_model_parallel_world_size(),
             "context_parallel": ps.get_context_parallel_world_size(),

@@ -39,6 +39,19 @@ size. Every pass (training, forward-only, sampling, packed micro-batches) meets 
 the model's input: :func:`_forward_step` pads the micro-batch on the right and the reducer
 crops the output back before ``loss_fn`` sees it, so callers and recipe settings (padding
 multiples, buckets, pack lengths) need not know about it.
+
+Under context parallelism (CP) each CP rank runs its share of every sequence
+(``models.context_parallel``: two of 2 * CP chunks, each sequence of a pack padded to a
+multiple of 2 * CP, and to CP x TP under sequence parallelism). Micro-batches still arrive
+whole, the same on every CP rank of a data-parallel rank: :func:`_forward_step` hands the model
+this rank's positions, and the model's output is all-gathered back to the micro-batch's own
+positions before ``loss_fn`` sees it, so losses (token sums, sequence sums, DPO pairs, packed
+segments) are computed exactly as at CP 1, on every CP rank alike. The gather's backward keeps
+each rank's own positions only, so the CP ranks' parameter gradients add up (Megatron's DDP
+sums over the data-and-context-parallel group) to the gradient of that one loss; its token
+count is reported by CP rank 0 alone, so the step still divides by each token once. Forward-only
+passes that return per-position outputs apply ``output_fn`` to the rank's own positions and
+gather its results instead (a teacher's top-k gathers k values per position, not the logits).
 """
 
 from __future__ import annotations
@@ -50,6 +63,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from nemo_rl_offload.models import context_parallel
 
 LossFn = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor | int, dict[str, Tensor]]]
 
@@ -94,7 +109,12 @@ def _padded_length(length: int, multiple: int) -> int:
 
 
 def _forward_step(
-    loss_fn: LossFn, multiple: int, data_iterator: Iterator[dict[str, Tensor]], model: Any
+    loss_fn: LossFn,
+    multiple: int,
+    local_outputs: bool,
+    cp_length: int | None,
+    data_iterator: Iterator[dict[str, Tensor]],
+    model: Any,
 ):
     """Megatron's forward_step_func: run one micro-batch, return its output and reducer.
 
@@ -104,6 +124,11 @@ def _forward_step(
     right cannot change a real position's output)."""
     batch = next(data_iterator)
     rows, length = batch["input_ids"].shape
+    cp, cp_rank = context_parallel.cp_world()
+    if cp > 1:
+        return _forward_step_cp(
+            loss_fn, multiple, local_outputs, cp_length, batch, model, (cp, cp_rank)
+        )
     inputs = batch
     if length % multiple:
         if batch.get("attention_mask") is not None:
@@ -125,6 +150,76 @@ def _forward_step(
         **kwargs,
     )
     return output, functools.partial(_reduce, loss_fn, batch)
+
+
+def _forward_step_cp(
+    loss_fn: LossFn,
+    multiple: int,
+    local_outputs: bool,
+    cp_length: int | None,
+    batch: dict[str, Tensor],
+    model: Any,
+    cp_world: tuple[int, int],
+):
+    """:func:`_forward_step` under context parallelism (module docstring): the model runs
+    this CP rank's positions of the padded layout; the reducer gathers them back.
+    ``cp_length``: the padded length every micro-batch takes (pipeline stages exchange one
+    shape), else None."""
+    cp, cp_rank = cp_world
+    if batch.get("attention_mask") is not None:
+        raise ValueError(
+            "run_microbatches: a micro-batch with an attention_mask cannot be split over "
+            "context-parallel ranks (causal attention only)"
+        )
+    length = batch["input_ids"].shape[1]
+    layout = context_parallel.split_layout(
+        length, batch.get("cu_seqlens"), cp, cp * multiple, at_least=cp_length
+    )
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = _default_position_ids(batch["input_ids"])
+    local = {
+        key: context_parallel.to_local(batch[key], layout, cp, cp_rank)
+        for key in ("input_ids", "labels")
+        if key in batch
+    }
+    position_ids = context_parallel.to_local(positions, layout, cp, cp_rank)
+    kwargs = {}
+    if layout.packed:
+        kwargs["packed_seq_params"] = packed_seq_params(
+            {"cu_seqlens": layout.padded_cu_seqlens.to(batch["input_ids"].device)}
+        )
+    output = model(local["input_ids"], position_ids, None, labels=local.get("labels"), **kwargs)
+    return output, functools.partial(_reduce_cp, loss_fn, batch, layout, cp, local_outputs)
+
+
+def _reduce_cp(
+    loss_fn: LossFn,
+    batch: dict[str, Tensor],
+    layout: context_parallel.SplitLayout,
+    cp: int,
+    local_outputs: bool,
+    output: Tensor,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """:func:`_reduce` under context parallelism: ``loss_fn`` on the gathered output (or, for
+    ``local_outputs``, on this rank's positions, its results gathered); the token count from
+    CP rank 0 only (module docstring)."""
+    if local_outputs:
+        loss, num_tokens, metrics = loss_fn(batch, output)
+        metrics = {
+            name: context_parallel.gather_to_full(value, layout, cp, with_grad=False)
+            for name, value in metrics.items()
+        }
+    else:
+        full = context_parallel.gather_to_full(output, layout, cp, with_grad=True)
+        loss, num_tokens, metrics = loss_fn(batch, full)
+    if context_parallel.cp_world()[1] != 0:
+        num_tokens = 0
+    num_tokens = torch.as_tensor(num_tokens, device=loss.device).to(torch.int)
+    report = {name: value.detach() for name, value in metrics.items()}
+    report["loss"] = loss.detach()
+    report["num_tokens"] = num_tokens.detach().clone()
+    return loss, num_tokens, report
 
 
 def _reduce(
@@ -158,6 +253,14 @@ def _divide_bare_model_grads(
             src=parallel_state.get_pipeline_model_parallel_last_rank(),
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
+    if parallel_state.get_context_parallel_world_size() > 1:
+        # Each CP rank holds its tokens' share of the gradient (module docstring).
+        group = parallel_state.get_context_parallel_group()
+        torch.distributed.all_reduce(num_tokens, group=group)
+        for model in models:
+            for param in model.parameters():
+                if param.grad is not None:
+                    torch.distributed.all_reduce(param.grad, group=group)
     scale = 1.0 / torch.clamp(num_tokens, min=1)
     for model in models:
         for param in model.parameters():
@@ -183,6 +286,7 @@ def run_microbatches(
     loss_fn: LossFn,
     *,
     forward_only: bool,
+    local_outputs: bool = False,
 ) -> list[dict[str, Tensor]]:
     """Forward (and, unless ``forward_only``, backward) over ``microbatches`` as one step.
 
@@ -196,7 +300,9 @@ def run_microbatches(
 
     Returns one dict per micro-batch (on the last pipeline stage; other stages get []):
     ``metrics`` from ``loss_fn`` plus ``loss`` (the micro-batch's summed loss) and
-    ``num_tokens``, all detached.
+    ``num_tokens``, all detached. ``local_outputs`` (forward-only, per-position metrics):
+    under context parallelism ``loss_fn`` sees this rank's positions and its metrics are
+    gathered, rather than seeing the gathered output (module docstring).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -219,6 +325,20 @@ def run_microbatches(
             f"[batch, sequence] shape (the first is {list(shape)}); pad them to one length"
         )
 
+    seq_length = _padded_length(shape[1], multiple)
+    cp_length = None
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        seq_length = max(
+            context_parallel.split_layout(
+                mb["input_ids"].shape[1], mb.get("cu_seqlens"), cp, cp * multiple
+            ).padded_length
+            for mb in microbatches
+        )
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            # The stages exchange one shape: every micro-batch padded to the longest layout.
+            cp_length = seq_length
+
     on_cpu = next(model.parameters()).device.type == "cpu"
     if on_cpu:
         from nemo_rl_offload.models.cpu_compat import cpu_schedule_allocations
@@ -230,12 +350,14 @@ def run_microbatches(
 
     with schedule_context, grad_context, _bare_model_finalize(config):
         return get_forward_backward_func()(
-            forward_step_func=functools.partial(_forward_step, loss_fn, multiple),
+            forward_step_func=functools.partial(
+                _forward_step, loss_fn, multiple, local_outputs, cp_length
+            ),
             data_iterator=iter(microbatches),
             model=[model],
             num_microbatches=len(microbatches),
             # What the stages exchange: the padded length (see _forward_step).
-            seq_length=_padded_length(shape[1], multiple),
+            seq_length=seq_length,
             micro_batch_size=shape[0],
             forward_only=forward_only,
         )
@@ -299,7 +421,9 @@ def forward_outputs(
         results = output_fn(batch, output)
         return output.new_zeros(()), 0, results
 
-    reports = run_microbatches(model, inputs, loss_fn, forward_only=True)
+    reports = run_microbatches(
+        model, inputs, loss_fn, forward_only=True, local_outputs=per_position
+    )
     if not reports:  # not the last pipeline stage
         return []
     outputs = []

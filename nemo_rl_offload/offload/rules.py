@@ -549,12 +549,12 @@ def _parallel_layout(ctx: _Context) -> None:
     tp = sizes["tensor_model_parallel_size"]
     pp = sizes["pipeline_model_parallel_size"]
     cp = sizes["context_parallel_size"]
-    if cp > 1:
+    if cp > 1 and ctx.value("cuda_graph_impl") == "full_iteration":
         ctx.error(
-            f"{ctx.path('context_parallel_size')}: context parallelism is not implemented by "
-            "this backend yet (its passes do not split sequences over context-parallel ranks); "
-            "set it to 1 and use tensor or pipeline parallelism, or activation offloading, for "
-            "long sequences"
+            f"{ctx.path('context_parallel_size')}: cannot run with full_iteration CUDA graphs "
+            "(each pass builds its context-parallel split of the sequences on the host, which "
+            "a captured graph cannot replay); set cuda_graph_impl to none or "
+            "context_parallel_size to 1"
         )
     virtual = ctx.value("virtual_pipeline_model_parallel_size")
     if virtual not in (None, 1):

@@ -109,14 +109,12 @@ def test_activation_checkpointing_off_stays_off_and_on_is_full_recompute():
         assert effective.value("recompute_method") == ("uniform" if on else None)
 
 
-def test_context_parallelism_is_refused_in_one_line_naming_the_dtensor_key():
+def test_context_parallelism_maps_onto_megatrons():
     section = _section()
     section["dtensor_cfg"]["context_parallel_size"] = 2
     mapped = to_megatron({"policy": section})
-    assert mapped.errors == [
-        "policy.dtensor_cfg.context_parallel_size: 2 is not supported by this backend "
-        "(context parallelism is not implemented); set it to 1"
-    ]
+    assert mapped.errors == []
+    assert mapped.recipe["policy"]["megatron_cfg"]["context_parallel_size"] == 2
 
 
 def test_a_megatron_section_is_left_alone():

@@ -176,16 +176,9 @@ EXPECTED_ERRORS: dict[str, list[str]] = {
     "grpo_math_8B.yaml": [],
     "sft.yaml": [],
     "dpo.yaml": [],
-    # Its DTensor layout uses context parallelism (refused for now), policy and teacher.
-    "distillation_math.yaml": [
-        "policy.dtensor_cfg.context_parallel_size: 2 is not supported by this backend",
-        "teacher.dtensor_cfg.context_parallel_size: 2 is not supported by this backend",
-    ],
-    # NeMo-RL's Megatron distillation recipe uses context parallelism (refused for now).
-    "distillation_math_megatron.yaml": [
-        "policy.megatron_cfg.context_parallel_size: context parallelism is not implemented",
-        "teacher.megatron_cfg.context_parallel_size: context parallelism is not implemented",
-    ],
+    # Context parallelism (DTensor's and Megatron's), in policy and teacher.
+    "distillation_math.yaml": [],
+    "distillation_math_megatron.yaml": [],
 }
 
 

@@ -75,8 +75,9 @@ def dense_single(tmp_path_factory) -> tuple[dict, Path]:
         {"pipeline_model_parallel_size": 2, "pipeline_dtype": "float32"},
         {"tensor_model_parallel_size": 2},
         {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+        {"context_parallel_size": 2},
     ],
-    ids=["pp2", "tp2", "tp2_sp"],
+    ids=["pp2", "tp2", "tp2_sp", "cp2"],
 )
 def test_every_pass_agrees_on_a_dense_layout(dense_single, megatron_cfg, tmp_path):
     single, ckpt = dense_single

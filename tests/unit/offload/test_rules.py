@@ -295,7 +295,20 @@ PIPELINE_2 = {"pipeline_model_parallel_size": 2, "pipeline_dtype": "float32"}
 @pytest.mark.parametrize(
     "model,workers,settings,path,fragment",
     [
-        ("tiny-dense", 2, {"context_parallel_size": 2}, "context_parallel_size", "not implemented"),
+        (
+            "tiny-dense",
+            2,
+            {"context_parallel_size": 2, "cuda_graph_impl": "full_iteration"},
+            "context_parallel_size",
+            "cannot run with full_iteration CUDA graphs",
+        ),
+        (
+            "tiny-dense",
+            3,
+            {"context_parallel_size": 2},
+            "",
+            "(1 x 1 x 2 = 2) do not divide the 3 worker(s) of cluster.gpus_per_node",
+        ),
         (
             "tiny-dense",
             2,
@@ -344,7 +357,8 @@ PIPELINE_2 = {"pipeline_model_parallel_size": 2, "pipeline_dtype": "float32"}
         ),
     ],
     ids=[
-        "cp2",
+        "cp2_graphs",
+        "cp2_workers",
         "virtual_pp",
         "pp3_uneven",
         "pp3_uneven_after_first",
@@ -381,6 +395,17 @@ def test_parallel_layouts_the_passes_cannot_run_are_refused(
         ("tiny-dense", None, {"tensor_model_parallel_size": 2}),
         ("tiny-dense", 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
         ("tiny-moe", 2, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+        ("tiny-dense", 2, {"context_parallel_size": 2}),
+        ("tiny-dense", 2, {"context_parallel_size": 2, "cuda_graph_impl": "none"}),
+        (
+            "tiny-dense",
+            8,
+            {
+                "context_parallel_size": 2,
+                "tensor_model_parallel_size": 2,
+                "sequence_parallel": True,
+            },
+        ),
     ],
     ids=[
         "pp2",
@@ -391,6 +416,9 @@ def test_parallel_layouts_the_passes_cannot_run_are_refused(
         "workers_unknown",
         "tp2_sp_local",
         "moe_tp2_sp_local",
+        "cp2",
+        "cp2_no_graphs",
+        "cp2_tp2_sp_dp2",
     ],  # fmt: skip
 )
 def test_parallel_layouts_every_pass_runs_are_accepted(model, workers, settings):
