@@ -219,7 +219,7 @@ def sample(
     real = torch.arange(count, device=device)
     limit = min(vocab_size, settings.vocab_limit or vocab_size)
     logprobs = torch.zeros(ids.shape, dtype=torch.float, device=device)
-    check_every = 8 if device.type == "cuda" else 1  # a stop check synchronises with the host
+    check_every = 16 if device.type == "cuda" else 1  # a stop check synchronises with the host
 
     cache = _allocate(forward, rows, max_len, engine, device)
     table = forward.rotary_table(max_len)

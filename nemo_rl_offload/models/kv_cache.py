@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -108,8 +109,9 @@ class KVCache:
         window with the positions past each row's own masked. Returns [rows, 1, heads * dim].
 
         Query head i reads key/value group i // (heads / groups), Megatron's mapping: the
-        queries of one group attend as one small matrix against that group's cache, so the
-        cache is read once, without expanding it per head."""
+        queries of one group attend as the query positions of one SDPA head against that
+        group's cache, so the cache is read once, without expanding it per head, by torch's
+        fused attention kernel with the rows' reach as its mask."""
         keys, values = self.keys[layer], self.values[layer]
         keys[self._rows, :, self.positions] = key[:, 0]
         values[self._rows, :, self.positions] = value[:, 0]
@@ -118,9 +120,8 @@ class KVCache:
         k = keys[:, :, : self.window]  # [rows, groups, window, dim]
         v = values[:, :, : self.window]
         q = query.reshape(rows, groups, heads // groups, dim)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
         reached = torch.arange(self.window, device=query.device) <= self.positions[:, None]
-        scores = scores.masked_fill(~reached[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        context = torch.matmul(probs, v)  # [rows, groups, heads per group, dim]
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=reached[:, None, None, :], scale=scale
+        )  # [rows, groups, heads per group, dim]
         return context.reshape(rows, 1, heads * dim)

@@ -1,0 +1,87 @@
+"""Where a KV-cached decode step's time goes on a GPU (torch profiler, llama-1b, bf16).
+
+    python3 benchmarks/profile_generation.py --out DIR
+
+Prints the kernels and host operations by total time over one profiled call, and times the same
+call greedy and sampled, with and without decode-step CUDA graphs; writes profile_generation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "functional"))
+
+
+def _worker(graphs: bool):
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    section = {
+        "model_name": "llama-1b",
+        "precision": "bfloat16",
+        "max_total_sequence_length": 2048,
+        "megatron_cfg": {"enabled": True},
+        "generation": {
+            "mcore_generation_config": {
+                "cuda_graph_impl": "local" if graphs else "none",
+                "num_cuda_graphs": 4,
+            }
+        },
+    }
+    worker = PolicyWorker(
+        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=True, trainable=False
+    )
+    worker.setup(*worker.node_address())
+    return worker
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from nemo_rl_offload.config.model_presets import architecture_for
+
+    vocab = architecture_for("llama-1b").vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, vocab, 128).tolist() for _ in range(args.batch)]
+    results: dict = {}
+    worker = _worker(graphs=True)
+    for greedy in (True, False):
+        settings = {"max_new_tokens": args.new_tokens, "greedy": greedy, "stop_token_ids": ()}
+        worker.generate(prompts, settings, seed=1, pad_id=0)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        worker.generate(prompts, settings, seed=1, pad_id=0)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        results[f"graphs_greedy_{greedy}"] = {
+            "seconds": seconds,
+            "ms_per_step": 1000 * seconds / args.new_tokens,
+        }
+        print(results, flush=True)
+    settings = {"max_new_tokens": 128, "greedy": False, "stop_token_ids": ()}
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        worker.generate(prompts, settings, seed=1, pad_id=0)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    print(table)
+    cpu_table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+    print(cpu_table)
+    (args.out / "profile_generation.txt").write_text(table + "\n\n" + cpu_table)
+    (args.out / "profile_generation.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
