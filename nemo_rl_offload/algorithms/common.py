@@ -37,7 +37,6 @@ import numpy as np
 
 from nemo_rl_offload.algorithms import batching, packing
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup
 from nemo_rl_offload.config import checkpointing
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.data.datasets import (
@@ -49,6 +48,7 @@ from nemo_rl_offload.data.tokenizer import Tokenizer, load_tokenizer
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.metrics_logger import MetricsLogger
+from nemo_rl_offload.models.policy_group import PolicyGroup
 from nemo_rl_offload.preflight import Report, load_and_check
 
 _LOG = logging.getLogger("nemo_rl_offload.run")

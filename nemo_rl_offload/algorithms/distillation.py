@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_rl_offload.algorithms import batching
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     prepare,
     resolve_checkpoint,
 )
 from nemo_rl_offload.algorithms.grpo import rollout, validate
+from nemo_rl_offload.config import batch_checks
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.distributed.cluster import worker_count
@@ -80,7 +80,7 @@ def run_distillation(config_path: str, overrides: list[str]) -> int:
         env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
         num_prompts = int(cfg["num_prompts_per_step"])
         group = int(cfg.get("num_generations_per_prompt", 1))
-        batching.check_split(
+        batch_checks.check_split(
             num_prompts * group,
             policy_cfg,
             policy.dp_size,

@@ -14,13 +14,15 @@ import time
 import numpy as np
 
 from nemo_rl_offload.algorithms import batching
-from nemo_rl_offload.algorithms.batching import TokenSequence, check_batch_sizes
+from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     Run,
     prepare,
 )
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.config.batch_checks import check_batch_sizes
 from nemo_rl_offload.data.datasets import load_split
+from nemo_rl_offload.distributed import sharding
+from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
 
 
 def encode_pairs(run: Run, examples: list[dict], split: str) -> list[tuple[TokenSequence, ...]]:
@@ -122,7 +124,7 @@ def run_dpo(config_path: str, overrides: list[str]) -> int:
             start = time.perf_counter()
             pairs = [train[i] for i in sampler.take(gbs)]
             mbs = with_reference(run, policy, pairs, micro, spec["preference_average_log_probs"])
-            metrics = policy.train(batching.split(mbs, policy.dp_size), spec)
+            metrics = policy.train(sharding.split(mbs, policy.dp_size), spec)
             elapsed = time.perf_counter() - start
             metrics.pop("num_pairs", None)
             run.log_train_step(

@@ -16,19 +16,19 @@ import numpy as np
 import torch
 
 from nemo_rl_offload import losses
-from nemo_rl_offload.algorithms import batching, loss_inputs, rewards
+from nemo_rl_offload.algorithms import loss_inputs, rewards
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     EpochSampler,
     Run,
     prepare,
 )
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
-from nemo_rl_offload.config import grpo_options
+from nemo_rl_offload.config import batch_checks, grpo_options
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.generation import SamplingSettings
+from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
 
 # Generation seeds of a step's later generation batches (dynamic sampling) are this far apart,
 # beyond any step number, so that no two batches of a run share a seed.
@@ -337,7 +337,7 @@ def run_grpo(config_path: str, overrides: list[str]) -> int:
             int(cfg["num_prompts_per_step"]),
             int(cfg["num_generations_per_prompt"]),
         )
-        batching.check_split(
+        batch_checks.check_split(
             num_prompts * group,
             policy_cfg,
             policy.dp_size,

@@ -443,8 +443,9 @@ def _row_batches(
     sequences: Sequence[Any], rows: int, shards: int, *, pad_id: int, round_to: int
 ) -> Batches:
     """Padded rows of a fixed count, consecutive sequences per micro-batch, consecutive
-    micro-batches per rank (``batching.microbatches`` then ``batching.split``)."""
-    from nemo_rl_offload.algorithms.batching import microbatches, split
+    micro-batches per rank (``batching.microbatches`` then ``sharding.split``)."""
+    from nemo_rl_offload.algorithms.batching import microbatches
+    from nemo_rl_offload.distributed.sharding import split
 
     mbs = microbatches(sequences, rows, pad_id=pad_id, round_to=round_to)
     places = [(i // rows, i % rows, 0, len(s.ids)) for i, s in enumerate(sequences)]

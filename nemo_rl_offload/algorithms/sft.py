@@ -8,14 +8,14 @@ from __future__ import annotations
 import time
 
 from nemo_rl_offload.algorithms import batching
-from nemo_rl_offload.algorithms.batching import check_batch_sizes
 from nemo_rl_offload.algorithms.common import (
     Run,
     mean,
     prepare,
 )
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup
+from nemo_rl_offload.config.batch_checks import check_batch_sizes
 from nemo_rl_offload.data.datasets import load_split
+from nemo_rl_offload.models.policy_group import PolicyGroup
 
 
 def evaluate_nll(run: Run, policy: PolicyGroup, sequences: list, micro: int) -> float:

@@ -66,7 +66,7 @@ def test_no_plan_stops_the_job_with_the_reason(monkeypatch):
 
 
 def test_planning_measures_the_reference_copy_the_job_holds():
-    from nemo_rl_offload.algorithms.policy_group import holds_reference
+    from nemo_rl_offload.models.policy_group import holds_reference
 
     with_kl = {"loss_fn": {"reference_policy_kl_penalty": 0.01}}
     assert holds_reference(with_kl, "grpo") and holds_reference({}, "dpo")
