@@ -28,6 +28,7 @@ from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.preflight import Report
 
 # Held-out prompts are sampled this many times each for val_reward (distillation has no
 # recipe key for it; GRPO's is grpo.val_num_generations_per_prompt).
@@ -48,8 +49,10 @@ def shared_vocab_size(policy_cfg: dict, teacher_cfg: dict) -> int:
     return student.vocab_size
 
 
-def run_distillation(config_path: str, overrides: list[str]) -> int:
-    run = prepare(config_path, overrides, "distillation", total_steps_key="max_num_steps")
+def run_distillation(report: Report, *, started: float | None = None) -> int:
+    """Run distillation on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
+    run = prepare(report, "distillation", total_steps_key="max_num_steps", started=started)
     policy = teacher = None
     try:
         cfg, loss_cfg, data_cfg = (

@@ -23,6 +23,7 @@ from nemo_rl_offload.config.batch_checks import check_batch_sizes
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.distributed import sharding
 from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.preflight import Report
 
 
 def encode_pairs(run: Run, examples: list[dict], split: str) -> list[tuple[TokenSequence, ...]]:
@@ -85,8 +86,10 @@ def evaluate(run: Run, policy: PolicyGroup, pairs: list, rows: int, spec: dict) 
     }
 
 
-def run_dpo(config_path: str, overrides: list[str]) -> int:
-    run = prepare(config_path, overrides, "dpo", total_steps_key="max_num_steps")
+def run_dpo(report: Report, *, started: float | None = None) -> int:
+    """Run dpo on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
+    run = prepare(report, "dpo", total_steps_key="max_num_steps", started=started)
     policy = None
     try:
         cfg, data_cfg, policy_cfg = run.recipe["dpo"], run.recipe["data"], run.policy_cfg

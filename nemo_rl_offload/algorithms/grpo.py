@@ -29,6 +29,7 @@ from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.generation import SamplingSettings
 from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.preflight import Report
 
 # Generation seeds of a step's later generation batches (dynamic sampling) are this far apart,
 # beyond any step number, so that no two batches of a run share a seed.
@@ -308,8 +309,10 @@ def stop_rule(cfg: Mapping[str, Any]) -> Callable[[Mapping[str, float]], str | N
     return lambda metrics: grpo_options.stop_message(metrics, key, threshold)
 
 
-def run_grpo(config_path: str, overrides: list[str]) -> int:
-    run = prepare(config_path, overrides, "grpo", total_steps_key="max_num_steps")
+def run_grpo(report: Report, *, started: float | None = None) -> int:
+    """Run grpo on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
+    run = prepare(report, "grpo", total_steps_key="max_num_steps", started=started)
     policy = None
     try:
         cfg, loss_cfg, data_cfg = run.recipe["grpo"], run.recipe["loss_fn"], run.recipe["data"]

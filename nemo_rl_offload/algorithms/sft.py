@@ -16,6 +16,7 @@ from nemo_rl_offload.algorithms.common import (
 from nemo_rl_offload.config.batch_checks import check_batch_sizes
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.models.policy_group import PolicyGroup
+from nemo_rl_offload.preflight import Report
 
 
 def evaluate_nll(run: Run, policy: PolicyGroup, sequences: list, micro: int) -> float:
@@ -30,8 +31,10 @@ def evaluate_nll(run: Run, policy: PolicyGroup, sequences: list, micro: int) -> 
     return mean(total, count)
 
 
-def run_sft(config_path: str, overrides: list[str]) -> int:
-    run = prepare(config_path, overrides, "sft", total_steps_key="max_num_steps")
+def run_sft(report: Report, *, started: float | None = None) -> int:
+    """Run sft on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
+    run = prepare(report, "sft", total_steps_key="max_num_steps", started=started)
     policy = None
     try:
         cfg, data_cfg, policy_cfg = run.recipe["sft"], run.recipe["data"], run.policy_cfg
