@@ -213,6 +213,8 @@ class Run:
     stopped_at: int | None = None
     # logger.monitor_gpus on GPU workers (started in connect).
     gpu_monitor: Any = None
+    # The worker groups start_group began, shut down by close in that order.
+    groups: list[PolicyGroup] = field(default_factory=list)
 
     @property
     def policy_cfg(self) -> dict[str, Any]:
@@ -539,11 +541,16 @@ class Run:
             gpu_fraction=gpu_fraction,
             logits_temperature=logits_temperature,
         )
+        self.groups.append(group)
         for line in group.warnings:
             print(f"warning: {line}", file=sys.stderr)
         return group
 
     def close(self) -> None:
+        """Shut down the workers, the GPU monitor, the logger and Ray (if this run started
+        it)."""
+        for group in self.groups:
+            group.shutdown()
         if self.gpu_monitor is not None:
             self.gpu_monitor.close()
         self.logger.close()
