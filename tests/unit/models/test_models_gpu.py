@@ -1,5 +1,5 @@
 """The GPU path (nccl, CUDA RNG tracker, no CPU patches, fine-grained offloading on): run with
-the device tool; skipped without CUDA."""
+a GPU machine (docs/gpu.md); skipped without CUDA."""
 
 from __future__ import annotations
 
