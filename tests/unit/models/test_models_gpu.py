@@ -1,4 +1,4 @@
-"""The GPU path (nccl, CUDA RNG tracker, no CPU patches, fine-grained offloading on): run with
+"""The GPU path (nccl, CUDA RNG tracker, no CPU patches, fine-grained offloading on): run on
 a GPU machine (docs/gpu.md); skipped without CUDA."""
 
 from __future__ import annotations
