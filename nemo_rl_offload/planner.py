@@ -8,29 +8,32 @@ How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offloa
    module moves per micro-batch (``s_m``); and a few with full recompute (its peak and time).
 2. Predict each offload set's peak: ``P0 - sum(s_m) x fraction``. Without pipeline parallelism
    one micro-batch's activations are live at a time, so the saving is one micro-batch's
-   offloaded bytes: on an H100 this predicted every measured offload case of benchmarks/results
-   within 2% (tests/unit/test_planner.py checks it on those tables).
+   offloaded bytes: this predicted every measured offload case of the benchmark tables within
+   ``PREDICTION_TOLERANCE`` (benchmarks/results/README.md, the benchmark section;
+   tests/unit/test_planner.py checks it on those tables).
 3. Time is not predicted from bytes: eagerly, most of an offload set's cost is the CPU work of
    its hooks, which grows with the number of modules hooked (benchmarks/results/README.md,
    the step profile). So the offload sets predicted to fit are ranked by module count, then
-   bytes moved (sets predicted up to 2% over a budget are included: predictions were that
-   close), and the first ``max_trials`` of different module counts are measured. Among the
-   measured offload sets, the recipe without offloading and full recompute, the fastest whose
-   measured peak fits wins. The result is a settings patch (a nested dict of recipe keys); the
-   ``plan`` command prints it as override lines to paste, and a job that plans at start applies
-   it to its loaded recipe (:mod:`nemo_rl_offload.plan_at_start`). Measurements are shared
-   between budgets.
-   One measurement is not enough to rank close plans: the same offload set, measured in fresh
-   processes on an H100 (1B dense, 4 x 8192 tokens), took 0.524 to 0.622 s, and a planner that
-   trusted one measurement chose a set 8% slower than the fastest fitting one. So every fitting
-   plan within ``RECHECK_MARGIN`` of the fastest is measured once more, and keeps its fastest
-   time (noise only adds time) and its highest peak.
+   bytes moved (sets predicted up to ``PREDICTION_TOLERANCE`` over a budget are included:
+   predictions were that close), and the first ``max_trials`` of different module counts are
+   measured. Among the measured offload sets, the recipe without offloading and full
+   recompute, the fastest whose measured peak fits wins. The result is a settings patch (a
+   nested dict of recipe keys); the ``plan`` command prints it as override lines to paste, and
+   a job that plans at start applies it to its loaded recipe
+   (:mod:`nemo_rl_offload.plan_at_start`). Measurements are shared between budgets.
+   One measurement is not enough to rank close plans: the same offload set measured in fresh
+   processes spreads by more than close plans differ, and a planner that trusted one
+   measurement chose a slower set than the fastest fitting one
+   (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt against
+   ..._plan_recheck_...). So every fitting plan within ``RECHECK_MARGIN`` of the fastest is
+   measured once more, and keeps its fastest time (noise only adds time) and its highest peak.
 4. A budget under ``R`` cannot be met by any activation setting: the plan says so, with ``R``.
 
 A recipe with full-iteration CUDA graphs is measured graphed: each measurement runs the
 shape's warm-up and capture steps first, so that its medians are over replays (graphs take the
 hooks' CPU work away, which changes which set is fastest), and offloading there gets the
-max-inflight cap it needs (the recipe's own, else 4, the fastest measured on the 1B step).
+max-inflight cap it needs (the recipe's own, else ``GRAPH_INFLIGHT``, the fastest on the 1B
+step: benchmarks/results/2026-11-22_h100_benchmark_graphs_inflight_llama-1b_seq4096.md).
 """
 
 from __future__ import annotations
@@ -50,13 +53,15 @@ Patch = dict[str, Any]
 DENSE_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
 EXPERT_MODULES = ("expert_fc1", "moe_act")
 FRACTIONS = (1.0, 0.5)
-# Peak predictions were within 2% of the measured peaks (both ways): a set predicted up to 2%
-# over the budget may still fit, and is tried; only its measured peak decides.
+# How close peak predictions came to the measured peaks, both ways (benchmarks/results/README.md):
+# a set predicted up to this much over the budget may still fit, and is tried; only its measured
+# peak decides.
 PREDICTION_TOLERANCE = 0.02
 MCFG = "policy.megatron_cfg"
 GRAPH_INFLIGHT = 4  # max inflight offloads for graphed measurements when the recipe sets none
 # Fitting plans measured within this of the fastest fitting one are measured again: one offload
-# set's time spread over 19% between fresh processes on the H100 (0.524-0.622 s).
+# set's time spreads about this much between fresh processes
+# (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt).
 RECHECK_MARGIN = 0.20
 
 
@@ -275,6 +280,7 @@ def plan(
 
     from nemo_rl_offload.config.loader import load_recipe
     from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.offload.apply import effective_settings
     from nemo_rl_offload.preflight import check_recipe
 
     budgets_gib, budget_fractions = list(budgets_gib or []), list(budget_fractions or [])
@@ -295,9 +301,12 @@ def plan(
         raise UserInputError(
             "cluster.gpus_per_node: 0; the planner measures GPU memory, so it needs GPU workers"
         )
-    is_moe = bool(
-        architecture_for(recipe["policy"]["model_name"], base_dir=Path.cwd()).num_moe_experts
-    )
+    # Whether the model has experts, as the offload rules and the workers decide it: from the
+    # effective settings (the preset's num_moe_experts, or model_overrides').
+    architecture = architecture_for(recipe["policy"]["model_name"], base_dir=Path.cwd())
+    is_moe = effective_settings(
+        recipe["policy"], architecture, te_installed=report.caps.has_transformer_engine
+    ).is_moe
     everything = offloadable_modules(is_moe)
     # Expert offload needs the grouped expert layout; every measurement (and so every plan)
     # runs on it, so that the profile and the candidates are the same model. Graphed
