@@ -12,7 +12,7 @@ from nemo_rl_offload import plan_at_start, planner
 from nemo_rl_offload.errors import UserInputError
 
 RECIPE = str(
-    Path(__file__).resolve().parents[3] / "examples" / "configs" / "grpo_math_1B_megatron.yaml"
+    Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_1B_megatron.yaml"
 )
 PROFILE = planner.Profile(23.0, 0.5, {"core_attn": 1.5}, resident_gib=13.0)
 
