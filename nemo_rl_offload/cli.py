@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -98,9 +99,13 @@ def _job(run: Callable[[argparse.Namespace], int]):
     return handler
 
 
-def _training_job(module: str, function: str):
+def _training_job(module: str, function: str, algorithm: str):
     def run(args: argparse.Namespace) -> int:
-        return getattr(importlib.import_module(module), function)(args.config, args.overrides)
+        from nemo_rl_offload import plan_at_start
+
+        started = time.monotonic()  # checkpoint_must_save_by counts from the command's start
+        report = plan_at_start.checked(args.config, args.overrides, algorithm)
+        return getattr(importlib.import_module(module), function)(report, started=started)
 
     return _job(run)
 
@@ -284,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
         command.add_argument("--config", required=True, help="recipe YAML file")
         command.add_argument("overrides", nargs="*", help="Hydra-style overrides")
-        command.set_defaults(handler=_training_job(module, function))
+        algorithm = "distillation" if name == "distill" else name
+        command.set_defaults(handler=_training_job(module, function, algorithm))
     return parser
 
 

@@ -42,6 +42,7 @@ def _first_last(log_dir: Path, key: str) -> tuple[float, float] | None:
 def run_demo(output_dir: str) -> int:
     from nemo_rl_offload.algorithms.grpo import run_grpo
     from nemo_rl_offload.algorithms.sft import run_sft
+    from nemo_rl_offload.plan_at_start import checked
 
     root = Path(output_dir)
     shutil.rmtree(root, ignore_errors=True)
@@ -52,21 +53,27 @@ def run_demo(output_dir: str) -> int:
         file=sys.stderr,
     )
     run_sft(
-        _recipe("sft.yaml"),
-        [
-            *device,
-            f"checkpointing.checkpoint_dir={sft_dir / 'checkpoints'}",
-            f"logger.log_dir={sft_dir / 'logs'}",
-        ],
+        checked(
+            _recipe("sft.yaml"),
+            [
+                *device,
+                f"checkpointing.checkpoint_dir={sft_dir / 'checkpoints'}",
+                f"logger.log_dir={sft_dir / 'logs'}",
+            ],
+            "sft",
+        )
     )
     run_grpo(
-        _recipe("grpo.yaml"),
-        [
-            *device,
-            f"policy.init_checkpoint={sft_dir / 'checkpoints'}",
-            f"checkpointing.checkpoint_dir={grpo_dir / 'checkpoints'}",
-            f"logger.log_dir={grpo_dir / 'logs'}",
-        ],
+        checked(
+            _recipe("grpo.yaml"),
+            [
+                *device,
+                f"policy.init_checkpoint={sft_dir / 'checkpoints'}",
+                f"checkpointing.checkpoint_dir={grpo_dir / 'checkpoints'}",
+                f"logger.log_dir={grpo_dir / 'logs'}",
+            ],
+            "grpo",
+        )
     )
     loss = _first_last(sft_dir / "logs", "val_loss")
     reward = _first_last(grpo_dir / "logs", "val_reward")

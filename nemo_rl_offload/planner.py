@@ -8,27 +8,32 @@ How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offloa
    module moves per micro-batch (``s_m``); and a few with full recompute (its peak and time).
 2. Predict each offload set's peak: ``P0 - sum(s_m) x fraction``. Without pipeline parallelism
    one micro-batch's activations are live at a time, so the saving is one micro-batch's
-   offloaded bytes: on an H100 this predicted every measured offload case of benchmarks/results
-   within 2% (tests/unit/test_planner.py checks it on those tables).
+   offloaded bytes: this predicted every measured offload case of the benchmark tables within
+   ``PREDICTION_TOLERANCE`` (benchmarks/results/README.md, the benchmark section;
+   tests/unit/test_planner.py checks it on those tables).
 3. Time is not predicted from bytes: eagerly, most of an offload set's cost is the CPU work of
    its hooks, which grows with the number of modules hooked (benchmarks/results/README.md,
    the step profile). So the offload sets predicted to fit are ranked by module count, then
-   bytes moved (sets predicted up to 2% over a budget are included: predictions were that
-   close), and the first ``max_trials`` of different module counts are measured. Among the
-   measured offload sets, the recipe without offloading and full recompute, the fastest whose
-   measured peak fits wins; the override lines to paste are printed. Measurements are shared
-   between budgets.
-   One measurement is not enough to rank close plans: the same offload set, measured in fresh
-   processes on an H100 (1B dense, 4 x 8192 tokens), took 0.524 to 0.622 s, and a planner that
-   trusted one measurement chose a set 8% slower than the fastest fitting one. So every fitting
-   plan within ``RECHECK_MARGIN`` of the fastest is measured once more, and keeps its fastest
-   time (noise only adds time) and its highest peak.
+   bytes moved (sets predicted up to ``PREDICTION_TOLERANCE`` over a budget are included:
+   predictions were that close), and the first ``max_trials`` of different module counts are
+   measured. Among the measured offload sets, the recipe without offloading and full
+   recompute, the fastest whose measured peak fits wins. The result is a settings patch (a
+   nested dict of recipe keys); the ``plan`` command prints it as override lines to paste, and
+   a job that plans at start applies it to its loaded recipe
+   (:mod:`nemo_rl_offload.plan_at_start`). Measurements are shared between budgets.
+   One measurement is not enough to rank close plans: the same offload set measured in fresh
+   processes spreads by more than close plans differ, and a planner that trusted one
+   measurement chose a slower set than the fastest fitting one
+   (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt against
+   ..._plan_recheck_...). So every fitting plan within ``RECHECK_MARGIN`` of the fastest is
+   measured once more, and keeps its fastest time (noise only adds time) and its highest peak.
 4. A budget under ``R`` cannot be met by any activation setting: the plan says so, with ``R``.
 
 A recipe with full-iteration CUDA graphs is measured graphed: each measurement runs the
 shape's warm-up and capture steps first, so that its medians are over replays (graphs take the
 hooks' CPU work away, which changes which set is fastest), and offloading there gets the
-max-inflight cap it needs (the recipe's own, else 4, the fastest measured on the 1B step).
+max-inflight cap it needs (the recipe's own, else ``GRAPH_INFLIGHT``, the fastest on the 1B
+step: benchmarks/results/2026-11-22_h100_benchmark_graphs_inflight_llama-1b_seq4096.md).
 """
 
 from __future__ import annotations
@@ -39,18 +44,24 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from nemo_rl_offload.config.loader import deep_merge
 from nemo_rl_offload.errors import UserInputError
+
+# A settings patch: recipe keys nested as in the recipe, merged onto a loaded recipe.
+Patch = dict[str, Any]
 
 DENSE_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
 EXPERT_MODULES = ("expert_fc1", "moe_act")
 FRACTIONS = (1.0, 0.5)
-# Peak predictions were within 2% of the measured peaks (both ways): a set predicted up to 2%
-# over the budget may still fit, and is tried; only its measured peak decides.
+# How close peak predictions came to the measured peaks, both ways (benchmarks/results/README.md):
+# a set predicted up to this much over the budget may still fit, and is tried; only its measured
+# peak decides.
 PREDICTION_TOLERANCE = 0.02
 MCFG = "policy.megatron_cfg"
 GRAPH_INFLIGHT = 4  # max inflight offloads for graphed measurements when the recipe sets none
 # Fitting plans measured within this of the fastest fitting one are measured again: one offload
-# set's time spread over 19% between fresh processes on the H100 (0.524-0.622 s).
+# set's time spreads about this much between fresh processes
+# (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt).
 RECHECK_MARGIN = 0.20
 
 
@@ -84,22 +95,68 @@ class Candidate:
         suffix = "" if self.fraction == 1.0 else f" x{self.fraction:g}"
         return "+".join(self.modules) + suffix
 
-    def overrides(self) -> list[str]:
+    def patch(self) -> Patch:
+        """The candidate's settings as a patch of the policy's megatron_cfg."""
         if self.full_recompute:
-            return [
-                f"{MCFG}.fine_grained_activation_offloading=false",
-                f"{MCFG}.activation_checkpointing=true",
-                f"{MCFG}.recompute_granularity=full",
-            ]
-        if not self.modules:
-            return [f"{MCFG}.fine_grained_activation_offloading=false"]
-        lines = [
-            f"{MCFG}.fine_grained_activation_offloading=true",
-            f"{MCFG}.offload_modules=[{','.join(self.modules)}]",
-        ]
-        if self.fraction != 1.0:
-            lines.append(f"{MCFG}.activation_offload_fraction={self.fraction:g}")
-        return lines
+            settings: dict[str, Any] = {
+                "fine_grained_activation_offloading": False,
+                "activation_checkpointing": True,
+                "recompute_granularity": "full",
+            }
+        elif not self.modules:
+            settings = {"fine_grained_activation_offloading": False}
+        else:
+            settings = {
+                "fine_grained_activation_offloading": True,
+                "offload_modules": list(self.modules),
+            }
+            if self.fraction != 1.0:
+                settings["activation_offload_fraction"] = self.fraction
+        return megatron_patch(settings)
+
+
+def megatron_patch(settings: dict[str, Any]) -> Patch:
+    """``settings`` placed under ``policy.megatron_cfg`` (no settings: an empty patch)."""
+    return {"policy": {"megatron_cfg": settings}} if settings else {}
+
+
+def _leaves(patch: Patch, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    out = []
+    for key, value in patch.items():
+        if isinstance(value, dict):
+            out += _leaves(value, (*prefix, key))  # an empty mapping changes nothing
+        else:
+            out.append(((*prefix, key), value))
+    return out
+
+
+def _value_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return "[" + ",".join(_value_text(v) for v in value) + "]"
+    return str(value)
+
+
+def render_overrides(patch: Patch, recipe: dict[str, Any]) -> list[str]:
+    """The patch as Hydra-grammar override lines for ``recipe`` (the loaded recipe it applies
+    to): a key the recipe has is set (``key=value``), one it lacks is added (``++key=value``),
+    so that every line applies as written."""
+    lines = []
+    for path, value in _leaves(patch):
+        node: Any = recipe
+        for key in path:
+            node = node.get(key, _MISSING) if isinstance(node, dict) else _MISSING
+        prefix = "++" if node is _MISSING else ""
+        lines.append(f"{prefix}{'.'.join(path)}={_value_text(value)}")
+    return lines
+
+
+_MISSING = object()
 
 
 def offloadable_modules(is_moe: bool) -> tuple[str, ...]:
@@ -221,8 +278,10 @@ def plan(
     measure the most promising candidates that fit; returns everything found."""
     from pathlib import Path
 
+    from nemo_rl_offload.config.loader import load_recipe
     from nemo_rl_offload.config.model_presets import architecture_for
-    from nemo_rl_offload.preflight import load_and_check
+    from nemo_rl_offload.offload.apply import effective_settings
+    from nemo_rl_offload.preflight import check_recipe
 
     budgets_gib, budget_fractions = list(budgets_gib or []), list(budget_fractions or [])
     if not budgets_gib and not budget_fractions:
@@ -231,7 +290,8 @@ def plan(
         raise UserInputError(f"--budget-gib: must be > 0 (got: {budgets_gib})")
     if any(not 0 < f <= 1 for f in budget_fractions):
         raise UserInputError(f"--budget-fraction: must be in (0, 1] (got: {budget_fractions})")
-    report = load_and_check(config, overrides)
+    loaded = load_recipe(config, overrides)
+    report = check_recipe(loaded, base_dir=Path.cwd())
     if report.errors:
         raise UserInputError(report.errors)
     recipe = report.recipe
@@ -241,32 +301,33 @@ def plan(
         raise UserInputError(
             "cluster.gpus_per_node: 0; the planner measures GPU memory, so it needs GPU workers"
         )
-    is_moe = bool(
-        architecture_for(recipe["policy"]["model_name"], base_dir=Path.cwd()).num_moe_experts
-    )
+    # Whether the model has experts, as the offload rules and the workers decide it: from the
+    # effective settings (the preset's num_moe_experts, or model_overrides').
+    architecture = architecture_for(recipe["policy"]["model_name"], base_dir=Path.cwd())
+    is_moe = effective_settings(
+        recipe["policy"], architecture, te_installed=report.caps.has_transformer_engine
+    ).is_moe
     everything = offloadable_modules(is_moe)
     # Expert offload needs the grouped expert layout; every measurement (and so every plan)
     # runs on it, so that the profile and the candidates are the same model. Graphed
     # offloading needs the max-inflight cap, and more steps to reach the replays.
-    measured_with = [f"++{MCFG}.model_overrides.moe_grouped_gemm=true"] if is_moe else []
-    graph_lines, graph_steps = graph_settings(recipe["policy"]["megatron_cfg"])
-    measured_with += graph_lines
+    measured_with = megatron_patch(
+        {"model_overrides": {"moe_grouped_gemm": True}} if is_moe else {}
+    )
+    graph_patch, graph_steps = graph_settings(recipe["policy"]["megatron_cfg"])
+    measured_with = deep_merge(measured_with, graph_patch)
     steps += graph_steps
-    overrides = [*overrides, *measured_with]
+
+    def lines(patch: Patch) -> list[str]:
+        """The overrides a measurement runs with: the user's, then the patch's."""
+        return [*overrides, *render_overrides(with_layout(measured_with, patch, dtensor), loaded)]
+
     print("plan: profiling without offloading ...", file=err)
     base = _measure(
-        config,
-        retarget([*overrides, f"{MCFG}.fine_grained_activation_offloading=false"], dtensor),
-        steps,
-        err,
+        config, lines(megatron_patch({"fine_grained_activation_offloading": False})), steps, err
     )
     print(f"plan: profiling with every module offloaded ({', '.join(everything)}) ...", file=err)
-    full = _measure(
-        config,
-        retarget([*overrides, *Candidate(everything, 1.0, None).overrides()], dtensor),
-        steps,
-        err,
-    )
+    full = _measure(config, lines(Candidate(everything, 1.0, None).patch()), steps, err)
     microbatches = max(1.0, _replayed_median(full, "offload_step_microbatches"))
     peak, fwd_bwd = _measured(base)
     profile = Profile(
@@ -282,7 +343,7 @@ def plan(
     print("plan: profiling full recompute ...", file=err)
     recompute = Candidate((), 1.0, None, full_recompute=True)
     recompute.measured_peak_gib, recompute.measured_fwd_bwd_s = _measured(
-        _measure(config, retarget([*overrides, *recompute.overrides()], dtensor), steps, err)
+        _measure(config, lines(recompute.patch()), steps, err)
     )
     # The recipe without offloading is a plan too: when it fits, nothing needs changing.
     plain = Candidate((), 1.0, None, profile.peak_gib, profile.fwd_bwd_s)
@@ -296,9 +357,7 @@ def plan(
         for candidate in trials(ranked, max_trials):
             if candidate.name not in measured:
                 print(f"plan: measuring {candidate.name} ...", file=err)
-                records = _measure(
-                    config, retarget([*overrides, *candidate.overrides()], dtensor), steps, err
-                )
+                records = _measure(config, lines(candidate.patch()), steps, err)
                 candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
                 measured[candidate.name] = candidate
             tried.append(measured[candidate.name])
@@ -311,9 +370,7 @@ def plan(
             print(f"plan: measuring {candidate.name} again (a close contender) ...", file=err)
             remeasured(
                 candidate,
-                _measure(
-                    config, retarget([*overrides, *candidate.overrides()], dtensor), steps, err
-                ),
+                _measure(config, lines(candidate.patch()), steps, err),
             )
             rechecked.add(candidate.name)
         plans.append(
@@ -329,40 +386,53 @@ def plan(
         "plans": plans,
         "measured_with": measured_with,
         "dtensor": dtensor,
+        "recipe": loaded,
     }
 
 
-def graph_settings(megatron_cfg: dict[str, Any]) -> tuple[list[str], int]:
-    """For a recipe with full-iteration CUDA graphs: the override lines every measurement
-    needs (the max-inflight cap offloading requires there, when the recipe sets none) and the
-    steps each shape spends before its first replay (warm-up and capture). Else nothing."""
+def graph_settings(megatron_cfg: dict[str, Any]) -> tuple[Patch, int]:
+    """For a recipe with full-iteration CUDA graphs: the settings every measurement needs (the
+    max-inflight cap offloading requires there, when the recipe sets none) and the steps each
+    shape spends before its first replay (warm-up and capture). Else nothing."""
     if megatron_cfg.get("cuda_graph_impl") != "full_iteration":
-        return [], 0
-    lines = []
+        return {}, 0
+    settings = {}
     if megatron_cfg.get("fine_grained_offloading_max_inflight_offloads") is None:
-        lines.append(f"++{MCFG}.fine_grained_offloading_max_inflight_offloads={GRAPH_INFLIGHT}")
-    return lines, int(megatron_cfg.get("cuda_graph_warmup_steps", 3)) + 1
+        settings["fine_grained_offloading_max_inflight_offloads"] = GRAPH_INFLIGHT
+    return megatron_patch(settings), int(megatron_cfg.get("cuda_graph_warmup_steps", 3)) + 1
+
+
+def with_layout(measured_with: Patch, patch: Patch, dtensor: bool) -> Patch:
+    """A candidate's patch on top of what every measurement ran with (the expert layout, graph
+    settings), placed where the recipe reads it (:func:`retarget`)."""
+    return retarget(deep_merge(measured_with, patch), dtensor)
+
+
+def plan_patch(result: dict[str, Any], chosen: Candidate) -> Patch:
+    """The settings patch of a chosen plan: what every measurement ran with, then the plan's
+    own settings."""
+    return with_layout(result["measured_with"], chosen.patch(), result.get("dtensor", False))
 
 
 def plan_overrides(result: dict[str, Any], chosen: Candidate) -> list[str]:
-    """The recipe overrides of a chosen plan: what every measurement ran with (the expert
-    layout, graph settings), then the plan's own settings."""
-    return retarget([*result["measured_with"], *chosen.overrides()], result.get("dtensor", False))
+    """:func:`plan_patch` as override lines to paste after the recipe's own overrides."""
+    return render_overrides(plan_patch(result, chosen), result.get("recipe") or {})
 
 
-def retarget(lines: list[str], dtensor: bool) -> list[str]:
-    """The planner's overrides for a policy that selects DTensor: its activation checkpointing
-    is dtensor_cfg's (full recompute once on), as the mapping reads it; the rest stay."""
-    if not dtensor:
-        return lines
-    out = []
-    for line in lines:
-        if line.startswith(f"{MCFG}.recompute_granularity="):
-            continue  # dtensor_cfg.activation_checkpointing maps to full recompute
-        if line.startswith(f"{MCFG}.activation_checkpointing="):
-            line = "++policy.dtensor_cfg.activation_checkpointing=" + line.partition("=")[2]
-        out.append(line)
-    return out
+def retarget(patch: Patch, dtensor: bool) -> Patch:
+    """The planner's patch for a policy that selects DTensor: its activation checkpointing is
+    dtensor_cfg's (full recompute once on), as the mapping reads it; the rest stay."""
+    megatron = dict((patch.get("policy") or {}).get("megatron_cfg") or {})
+    if not dtensor or "activation_checkpointing" not in megatron:
+        return patch
+    switch = megatron.pop("activation_checkpointing")
+    megatron.pop("recompute_granularity", None)  # dtensor_cfg's switch means full recompute
+    policy = {**patch["policy"], "megatron_cfg": megatron}
+    policy["dtensor_cfg"] = {
+        **(policy.get("dtensor_cfg") or {}),
+        "activation_checkpointing": switch,
+    }
+    return {**patch, "policy": policy}
 
 
 def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:

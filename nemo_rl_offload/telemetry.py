@@ -22,11 +22,11 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from nemo_rl_offload.algorithms.batching import check_batch_sizes
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.config.batch_checks import check_batch_sizes
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
 from nemo_rl_offload.preflight import load_and_check
 
 RUN_OFFLOAD, RUN_AS_GIVEN, RUN_BASELINE = "offload", "recipe", "no offload"

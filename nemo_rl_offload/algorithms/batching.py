@@ -17,8 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from nemo_rl_offload.errors import UserInputError
-
 
 @dataclass
 class TokenSequence:
@@ -60,17 +58,6 @@ def make_microbatch(
                 array[row, : len(value)] = value
             batch[key] = array
     return batch
-
-
-def split(items: Sequence[Any], parts: int) -> list[list[Any]]:
-    """``items`` in ``parts`` contiguous chunks whose sizes differ by at most one."""
-    base, extra = divmod(len(items), parts)
-    chunks, start = [], 0
-    for index in range(parts):
-        size = base + (1 if index < extra else 0)
-        chunks.append(list(items[start : start + size]))
-        start += size
-    return chunks
 
 
 def microbatches(
@@ -141,32 +128,3 @@ def attach_rows(mbs: Sequence[dict[str, np.ndarray]], key: str, rows: Sequence[A
         mb[key] = out
     if start != len(rows):
         raise ValueError(f"{len(rows)} rows for micro-batches of {start} rows")
-
-
-def token_budgeted(policy_cfg: dict) -> bool:
-    """Whether micro-batches are formed by token count (sequence packing or dynamic batching)
-    rather than train_micro_batch_size rows."""
-    return any(
-        (policy_cfg.get(key) or {}).get("enabled")
-        for key in ("sequence_packing", "dynamic_batching")
-    )
-
-
-def check_split(count: int, policy_cfg: dict, dp_size: int, *, key: str, what: str) -> None:
-    """A step's ``count`` sequences must split evenly into data-parallel shards of whole
-    micro-batches (with token budgets, into equal shards: micro-batches are then formed by
-    tokens); ``key`` and ``what`` name the setting in the message."""
-    micro = 1 if token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
-    if count % (micro * dp_size):
-        raise UserInputError(
-            f"{key}: {what} do not split into {dp_size} data-parallel rank(s) x micro-batches "
-            f"of {micro}; use a multiple of {micro * dp_size}"
-        )
-
-
-def check_batch_sizes(policy_cfg: dict, dp_size: int) -> None:
-    """The global batch splits into data-parallel shards of whole micro-batches."""
-    gbs = int(policy_cfg["train_global_batch_size"])
-    check_split(
-        gbs, policy_cfg, dp_size, key="policy.train_global_batch_size", what=f"{gbs} sequences"
-    )

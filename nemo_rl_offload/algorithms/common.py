@@ -37,7 +37,6 @@ import numpy as np
 
 from nemo_rl_offload.algorithms import batching, packing
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup
 from nemo_rl_offload.config import checkpointing
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.data.datasets import (
@@ -49,7 +48,8 @@ from nemo_rl_offload.data.tokenizer import Tokenizer, load_tokenizer
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.metrics_logger import MetricsLogger
-from nemo_rl_offload.preflight import Report, load_and_check
+from nemo_rl_offload.models.policy_group import PolicyGroup
+from nemo_rl_offload.preflight import Report
 
 _LOG = logging.getLogger("nemo_rl_offload.run")
 STATE_FILE = "state.json"
@@ -213,6 +213,8 @@ class Run:
     stopped_at: int | None = None
     # logger.monitor_gpus on GPU workers (started in connect).
     gpu_monitor: Any = None
+    # The worker groups start_group began, shut down by close in that order.
+    groups: list[PolicyGroup] = field(default_factory=list)
 
     @property
     def policy_cfg(self) -> dict[str, Any]:
@@ -539,11 +541,16 @@ class Run:
             gpu_fraction=gpu_fraction,
             logits_temperature=logits_temperature,
         )
+        self.groups.append(group)
         for line in group.warnings:
             print(f"warning: {line}", file=sys.stderr)
         return group
 
     def close(self) -> None:
+        """Shut down the workers, the GPU monitor, the logger and Ray (if this run started
+        it)."""
+        for group in self.groups:
+            group.shutdown()
         if self.gpu_monitor is not None:
             self.gpu_monitor.close()
         self.logger.close()
@@ -551,50 +558,16 @@ class Run:
             cluster.shutdown(self.cluster_info)
 
 
-def _apply_plan(config_path: str, overrides: list[str], budget_gib: float) -> Any:
-    """``policy.megatron_cfg.offload_plan_budget_gib``: plan for the budget (the planner's
-    profiling runs first, on the recipe's own workers) and return the recipe checked again
-    with the chosen settings as overrides; no plan that fits stops the job with the reason."""
-    from nemo_rl_offload import planner
-
-    without_key = [*overrides, "~policy.megatron_cfg.offload_plan_budget_gib"]
-    print(f"plan: finding the fastest settings for {budget_gib:g} GiB ...", file=sys.stderr)
-    result = planner.plan(config_path, without_key, budgets_gib=[budget_gib])
-    planner.format_plan(result, sys.stderr)
-    (entry,) = result["plans"]
-    chosen = entry["chosen"]
-    if chosen is None:
-        raise UserInputError(
-            "policy.megatron_cfg.offload_plan_budget_gib: "
-            + planner.why_none(result["profile"], budget_gib, entry["tried"])
-        )
-    report = load_and_check(
-        config_path, [*without_key, *planner.plan_overrides(result, chosen)], starting=True
-    )
-    if report.errors:
-        raise UserInputError(report.errors)
-    print(f"plan applied: {chosen.name}", file=sys.stderr)
-    return report
-
-
-def prepare(config_path: str, overrides: list[str], algorithm: str, *, total_steps_key: str) -> Run:
-    """Check the recipe, load the tokenizer, find a checkpoint to resume (Ray starts later,
-    in :meth:`Run.connect`)."""
-    started = time.monotonic()  # checkpoint_must_save_by counts from here
-    report = load_and_check(config_path, overrides, starting=True)
-    if report.errors:
-        raise UserInputError(report.errors)
+def prepare(
+    report: Report, algorithm: str, *, total_steps_key: str, started: float | None = None
+) -> Run:
+    """From a recipe checked for ``algorithm`` (and planned, with a budget:
+    :mod:`nemo_rl_offload.plan_at_start`): load the tokenizer, find a checkpoint to resume
+    (Ray starts later, in :meth:`Run.connect`). ``started``: when the command started
+    (``time.monotonic``), which checkpoint_must_save_by counts from; by default, now."""
+    started = time.monotonic() if started is None else started
     for line in report.warnings:
         print(line, file=sys.stderr)
-    if report.algorithm != algorithm:
-        command = "distill" if report.algorithm == "distillation" else report.algorithm
-        raise UserInputError(
-            f"{config_path}: a recipe for {report.algorithm}, not {algorithm}; run "
-            f"nemo-rl-offload {command} --config {config_path}"
-        )
-    budget = (report.recipe["policy"].get("megatron_cfg") or {}).get("offload_plan_budget_gib")
-    if budget is not None:
-        report = _apply_plan(config_path, overrides, float(budget))
     recipe = report.recipe
     policy = recipe["policy"]
     architecture = architecture_for(policy["model_name"], base_dir=Path.cwd())

@@ -16,18 +16,21 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_rl_offload.algorithms import batching
+from nemo_rl_offload.algorithms import loop
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
+    Run,
     prepare,
     resolve_checkpoint,
 )
 from nemo_rl_offload.algorithms.grpo import rollout, validate
+from nemo_rl_offload.config import batch_checks
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.preflight import Report
 
 # Held-out prompts are sampled this many times each for val_reward (distillation has no
 # recipe key for it; GRPO's is grpo.val_num_generations_per_prompt).
@@ -48,124 +51,117 @@ def shared_vocab_size(policy_cfg: dict, teacher_cfg: dict) -> int:
     return student.vocab_size
 
 
-def run_distillation(config_path: str, overrides: list[str]) -> int:
-    run = prepare(config_path, overrides, "distillation", total_steps_key="max_num_steps")
-    policy = teacher = None
-    try:
-        cfg, loss_cfg, data_cfg = (
-            run.recipe["distillation"],
-            run.recipe["loss_fn"],
-            run.recipe["data"],
-        )
-        policy_cfg, teacher_cfg = run.policy_cfg, run.recipe["teacher"]
-        seed = int(cfg["seed"])
-        train_raw = load_split(data_cfg, "prompts", "train")
-        val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
-        train = run.encode(train_raw, "train")
-        val = run.encode(val_raw, "val")
-        _, on_gpu = worker_count(run.recipe["cluster"])
-        share = 0.5 if on_gpu else 1.0
-        run.connect()
-        policy = run.start_group("policy", seed=seed, trainable=True, gpu_fraction=share)
-        teacher = run.start_group("teacher", seed=seed + 1, trainable=False, gpu_fraction=share)
-        if teacher_cfg.get("init_checkpoint"):
-            path = resolve_checkpoint(teacher_cfg["init_checkpoint"], "teacher.init_checkpoint")
-            teacher.load(str(Path(path) / "policy"), weights_only=True)
-        else:
-            print(
-                "warning: teacher.init_checkpoint is not set: the teacher has random weights",
-                file=sys.stderr,
-            )
-        run.restore(policy)
-        env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
-        num_prompts = int(cfg["num_prompts_per_step"])
-        group = int(cfg.get("num_generations_per_prompt", 1))
-        batching.check_split(
-            num_prompts * group,
-            policy_cfg,
-            policy.dp_size,
-            key="distillation.num_prompts_per_step",
-            what=f"{num_prompts} x {group} responses",
-        )
-        top_k = cfg.get("topk_logits_k")
-        spec = {
-            "name": "distillation",
-            "kl_type": loss_cfg["kl_type"],
-            "mixed_kl_weight": float(loss_cfg.get("mixed_kl_weight", 0.5)),
-            "vocab_size": shared_vocab_size(policy_cfg, teacher_cfg),
-        }
-        sampler = run.sampler(len(train), seed)
-        val_answers = [str(v["answer"]) for v in val_raw]
+def run_distillation(report: Report, *, started: float | None = None) -> int:
+    """Run distillation on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
+    run = prepare(report, "distillation", total_steps_key="max_num_steps", started=started)
+    return loop.drive(run, start)
 
-        def validate_at(step: int) -> dict[str, float]:
-            return validate(
-                run,
-                policy,
-                env,
-                val,
-                val_answers,
-                seed,
-                step=step,
-                samples_per_prompt=VAL_SAMPLES_PER_PROMPT,
-            )
 
-        if cfg.get("val_at_start") and run.start_step == 0:
-            run.logger.log(0, validate_at(0), phase="val")
-        for step in run.steps():
-            if sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)):
-                break
-            start = time.perf_counter()
-            prompts, responses, rewards, _ = rollout(
-                run,
-                policy,
-                env,
-                train,
-                train_raw,
-                sampler.take(num_prompts),
-                group,
-                seed=seed * 1000003 + step,
-            )
-            sequences = [
-                TokenSequence(p.ids + r, len(p.ids), loss_multiplier=p.loss_multiplier)
-                for p, r in zip(prompts, responses, strict=True)
-            ]
-            batches = run.training_batches(sequences, policy.dp_size)
-            for mb in batches.flat:
-                del mb["labels"]  # the loss reads the student's logits, not label logprobs
-            scores = run.forward_only(
-                sequences,
-                lambda forward: teacher.topk_logprobs(
-                    forward, None if top_k is None else int(top_k)
-                ),
-                where="teacher",
-                keep_labels=False,
-            )
-            batches.attach("teacher_logprobs", [values for values, _ in scores])
-            if top_k is not None:
-                batches.attach("teacher_indices", [indices for _, indices in scores])
-            metrics = policy.train(batches.shards, spec)
-            elapsed = time.perf_counter() - start
-            run.log_train_step(
-                step,
-                metrics,
-                elapsed=elapsed,
-                tokens=sum(len(s.ids) for s in sequences),
-                per_count={"kl": "kl_sum"},
-                reward=float(np.mean(rewards)),
-                **run.truncated(prompts[::group]),
-            )
-            run.end_step(
-                step,
-                policy,
-                sampler.position,
-                val_period=int(cfg["val_period"]),
-                data_done=sampler.epoch >= int(cfg.get("max_num_epochs", 1 << 30)),
-                validate=lambda step=step: validate_at(step),
-            )
-        run.finish(policy)
-        return 0
-    finally:
-        for group_ in (policy, teacher):
-            if group_ is not None:
-                group_.shutdown()
-        run.close()
+def start(run: Run) -> loop.Steps:
+    """Load the prompts, start the student's and the teacher's workers, and give the loop
+    distillation's step body."""
+    cfg, loss_cfg, data_cfg = (
+        run.recipe["distillation"],
+        run.recipe["loss_fn"],
+        run.recipe["data"],
+    )
+    policy_cfg, teacher_cfg = run.policy_cfg, run.recipe["teacher"]
+    seed = int(cfg["seed"])
+    train_raw = load_split(data_cfg, "prompts", "train")
+    val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
+    train = run.encode(train_raw, "train")
+    val = run.encode(val_raw, "val")
+    _, on_gpu = worker_count(run.recipe["cluster"])
+    share = 0.5 if on_gpu else 1.0
+    run.connect()
+    policy = run.start_group("policy", seed=seed, trainable=True, gpu_fraction=share)
+    teacher = run.start_group("teacher", seed=seed + 1, trainable=False, gpu_fraction=share)
+    if teacher_cfg.get("init_checkpoint"):
+        path = resolve_checkpoint(teacher_cfg["init_checkpoint"], "teacher.init_checkpoint")
+        teacher.load(str(Path(path) / "policy"), weights_only=True)
+    else:
+        print(
+            "warning: teacher.init_checkpoint is not set: the teacher has random weights",
+            file=sys.stderr,
+        )
+    run.restore(policy)
+    env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
+    num_prompts = int(cfg["num_prompts_per_step"])
+    group = int(cfg.get("num_generations_per_prompt", 1))
+    batch_checks.check_split(
+        num_prompts * group,
+        policy_cfg,
+        policy.dp_size,
+        key="distillation.num_prompts_per_step",
+        what=f"{num_prompts} x {group} responses",
+    )
+    top_k = cfg.get("topk_logits_k")
+    spec = {
+        "name": "distillation",
+        "kl_type": loss_cfg["kl_type"],
+        "mixed_kl_weight": float(loss_cfg.get("mixed_kl_weight", 0.5)),
+        "vocab_size": shared_vocab_size(policy_cfg, teacher_cfg),
+    }
+    sampler = run.sampler(len(train), seed)
+    val_answers = [str(v["answer"]) for v in val_raw]
+
+    def validate_at(step: int) -> dict[str, float]:
+        return validate(
+            run,
+            policy,
+            env,
+            val,
+            val_answers,
+            seed,
+            step=step,
+            samples_per_prompt=VAL_SAMPLES_PER_PROMPT,
+        )
+
+    def train_step(step: int) -> loop.TrainResult:
+        start = time.perf_counter()
+        prompts, responses, rewards, _ = rollout(
+            run,
+            policy,
+            env,
+            train,
+            train_raw,
+            sampler.take(num_prompts),
+            group,
+            seed=seed * 1000003 + step,
+        )
+        sequences = [
+            TokenSequence(p.ids + r, len(p.ids), loss_multiplier=p.loss_multiplier)
+            for p, r in zip(prompts, responses, strict=True)
+        ]
+        batches = run.training_batches(sequences, policy.dp_size)
+        for mb in batches.flat:
+            del mb["labels"]  # the loss reads the student's logits, not label logprobs
+        scores = run.forward_only(
+            sequences,
+            lambda forward: teacher.topk_logprobs(forward, None if top_k is None else int(top_k)),
+            where="teacher",
+            keep_labels=False,
+        )
+        batches.attach("teacher_logprobs", [values for values, _ in scores])
+        if top_k is not None:
+            batches.attach("teacher_indices", [indices for _, indices in scores])
+        metrics = policy.train(batches.shards, spec)
+        elapsed = time.perf_counter() - start
+        return loop.TrainResult(
+            metrics,
+            elapsed=elapsed,
+            tokens=sum(len(s.ids) for s in sequences),
+            per_count={"kl": "kl_sum"},
+            values={"reward": float(np.mean(rewards)), **run.truncated(prompts[::group])},
+        )
+
+    return loop.Steps(
+        policy,
+        sampler,
+        train_step,
+        validate=validate_at,
+        val_period=int(cfg["val_period"]),
+        max_epochs=int(cfg.get("max_num_epochs", loop.NO_EPOCH_LIMIT)),
+        val_at_start=bool(cfg.get("val_at_start")),
+    )

@@ -13,14 +13,17 @@ import time
 
 import numpy as np
 
-from nemo_rl_offload.algorithms import batching
-from nemo_rl_offload.algorithms.batching import TokenSequence, check_batch_sizes
+from nemo_rl_offload.algorithms import batching, loop
+from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     Run,
     prepare,
 )
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.config.batch_checks import check_batch_sizes
 from nemo_rl_offload.data.datasets import load_split
+from nemo_rl_offload.distributed import sharding
+from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.preflight import Report
 
 
 def encode_pairs(run: Run, examples: list[dict], split: str) -> list[tuple[TokenSequence, ...]]:
@@ -83,70 +86,68 @@ def evaluate(run: Run, policy: PolicyGroup, pairs: list, rows: int, spec: dict) 
     }
 
 
-def run_dpo(config_path: str, overrides: list[str]) -> int:
-    run = prepare(config_path, overrides, "dpo", total_steps_key="max_num_steps")
-    policy = None
-    try:
-        cfg, data_cfg, policy_cfg = run.recipe["dpo"], run.recipe["data"], run.policy_cfg
-        seed = int(cfg["seed"])
-        train = encode_pairs(run, load_split(data_cfg, "preference", "train"), "train")
-        val = encode_pairs(run, load_split(data_cfg, "preference", "val"), "val")
-        val = val[: int(cfg.get("val_batches", 8)) * int(cfg.get("val_global_batch_size", 8))]
-        run.connect()
-        policy = run.start_group(
-            "policy", seed=seed, trainable=True, with_reference=holds_reference(run.recipe, "dpo")
+def run_dpo(report: Report, *, started: float | None = None) -> int:
+    """Run dpo on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
+    run = prepare(report, "dpo", total_steps_key="max_num_steps", started=started)
+    return loop.drive(run, start)
+
+
+def start(run: Run) -> loop.Steps:
+    """Load the pairs, start the workers (with the reference), and give the loop DPO's step
+    body."""
+    cfg, data_cfg, policy_cfg = run.recipe["dpo"], run.recipe["data"], run.policy_cfg
+    seed = int(cfg["seed"])
+    train = encode_pairs(run, load_split(data_cfg, "preference", "train"), "train")
+    val = encode_pairs(run, load_split(data_cfg, "preference", "val"), "val")
+    val = val[: int(cfg.get("val_batches", 8)) * int(cfg.get("val_global_batch_size", 8))]
+    run.connect()
+    policy = run.start_group(
+        "policy", seed=seed, trainable=True, with_reference=holds_reference(run.recipe, "dpo")
+    )
+    check_batch_sizes(policy_cfg, policy.dp_size)
+    run.restore(policy)
+    spec = {
+        "name": "dpo",
+        "beta": float(cfg["reference_policy_kl_penalty"]),
+        "preference_average_log_probs": bool(cfg.get("preference_average_log_probs", False)),
+        "sft_average_log_probs": bool(cfg.get("sft_average_log_probs", False)),
+        "preference_loss_weight": float(cfg.get("preference_loss_weight", 1.0)),
+        "sft_loss_weight": float(cfg.get("sft_loss_weight", 0.0)),
+    }
+    gbs, micro = (
+        int(policy_cfg["train_global_batch_size"]),
+        int(policy_cfg["train_micro_batch_size"]),
+    )
+    # Validation is forward-only: val_micro_batch_size pairs, else logprob_batch_size rows.
+    val_pairs = cfg.get("val_micro_batch_size")
+    val_rows = 2 * int(val_pairs) if val_pairs else run.logprob_rows()
+    sampler = run.sampler(len(train), seed)
+
+    def train_step(step: int) -> loop.TrainResult:
+        start = time.perf_counter()
+        pairs = [train[i] for i in sampler.take(gbs)]
+        mbs = with_reference(run, policy, pairs, micro, spec["preference_average_log_probs"])
+        metrics = policy.train(sharding.split(mbs, policy.dp_size), spec)
+        elapsed = time.perf_counter() - start
+        metrics.pop("num_pairs", None)
+        return loop.TrainResult(
+            metrics,
+            elapsed=elapsed,
+            tokens=sum(len(s.ids) for p in pairs for s in p),
+            per_count={
+                "preference_accuracy": "preference_accuracy_sum",
+                "reward_margin": "reward_margin_sum",
+            },
+            values=run.truncated([pair[0] for pair in pairs]),
         )
-        check_batch_sizes(policy_cfg, policy.dp_size)
-        run.restore(policy)
-        spec = {
-            "name": "dpo",
-            "beta": float(cfg["reference_policy_kl_penalty"]),
-            "preference_average_log_probs": bool(cfg.get("preference_average_log_probs", False)),
-            "sft_average_log_probs": bool(cfg.get("sft_average_log_probs", False)),
-            "preference_loss_weight": float(cfg.get("preference_loss_weight", 1.0)),
-            "sft_loss_weight": float(cfg.get("sft_loss_weight", 0.0)),
-        }
-        gbs, micro = (
-            int(policy_cfg["train_global_batch_size"]),
-            int(policy_cfg["train_micro_batch_size"]),
-        )
-        # Validation is forward-only: val_micro_batch_size pairs, else logprob_batch_size rows.
-        val_pairs = cfg.get("val_micro_batch_size")
-        val_rows = 2 * int(val_pairs) if val_pairs else run.logprob_rows()
-        sampler = run.sampler(len(train), seed)
-        if cfg.get("val_at_start") and run.start_step == 0:
-            run.logger.log(0, evaluate(run, policy, val, val_rows, spec), phase="val")
-        for step in run.steps():
-            if sampler.epoch >= int(cfg["max_num_epochs"]):
-                break
-            start = time.perf_counter()
-            pairs = [train[i] for i in sampler.take(gbs)]
-            mbs = with_reference(run, policy, pairs, micro, spec["preference_average_log_probs"])
-            metrics = policy.train(batching.split(mbs, policy.dp_size), spec)
-            elapsed = time.perf_counter() - start
-            metrics.pop("num_pairs", None)
-            run.log_train_step(
-                step,
-                metrics,
-                elapsed=elapsed,
-                tokens=sum(len(s.ids) for p in pairs for s in p),
-                per_count={
-                    "preference_accuracy": "preference_accuracy_sum",
-                    "reward_margin": "reward_margin_sum",
-                },
-                **run.truncated([pair[0] for pair in pairs]),
-            )
-            run.end_step(
-                step,
-                policy,
-                sampler.position,
-                val_period=int(cfg["val_period"]),
-                data_done=sampler.epoch >= int(cfg["max_num_epochs"]),
-                validate=lambda: evaluate(run, policy, val, val_rows, spec),
-            )
-        run.finish(policy)
-        return 0
-    finally:
-        if policy is not None:
-            policy.shutdown()
-        run.close()
+
+    return loop.Steps(
+        policy,
+        sampler,
+        train_step,
+        validate=lambda step: evaluate(run, policy, val, val_rows, spec),
+        val_period=int(cfg["val_period"]),
+        max_epochs=int(cfg["max_num_epochs"]),
+        val_at_start=bool(cfg.get("val_at_start")),
+    )

@@ -16,19 +16,20 @@ import numpy as np
 import torch
 
 from nemo_rl_offload import losses
-from nemo_rl_offload.algorithms import batching, loss_inputs, rewards
+from nemo_rl_offload.algorithms import loop, loss_inputs, rewards
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     EpochSampler,
     Run,
     prepare,
 )
-from nemo_rl_offload.algorithms.policy_group import PolicyGroup, holds_reference
-from nemo_rl_offload.config import grpo_options
+from nemo_rl_offload.config import batch_checks, grpo_options
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.generation import SamplingSettings
+from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.preflight import Report
 
 # Generation seeds of a step's later generation batches (dynamic sampling) are this far apart,
 # beyond any step number, so that no two batches of a run share a seed.
@@ -321,123 +322,118 @@ def stop_rule(cfg: Mapping[str, Any]) -> Callable[[Mapping[str, float]], str | N
     return lambda metrics: grpo_options.stop_message(metrics, key, threshold)
 
 
-def run_grpo(config_path: str, overrides: list[str]) -> int:
-    run = prepare(config_path, overrides, "grpo", total_steps_key="max_num_steps")
-    policy = None
-    try:
-        cfg, loss_cfg, data_cfg = run.recipe["grpo"], run.recipe["loss_fn"], run.recipe["data"]
-        policy_cfg, seed = run.policy_cfg, int(cfg["seed"])
-        train_raw = load_split(data_cfg, "prompts", "train")
-        val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
-        train = run.encode(train_raw, "train")
-        val = run.encode(val_raw, "val")
-        kl_penalty = losses.effective_kl_penalty(loss_cfg)
-        options = losses.PolicyLossOptions.from_recipe(loss_cfg)
-        error_threshold = cfg.get("seq_logprob_error_threshold")
-        run.connect()
-        policy = run.start_group(
-            "policy",
-            seed=seed,
-            trainable=True,
-            with_reference=holds_reference(run.recipe, "grpo"),
-            # NeMo-RL's training, old and reference log-probabilities are of the sampling
-            # distribution's temperature (top-k / top-p are not applied to them here)
-            logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
-        )
-        run.restore(policy)
-        env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
-        num_prompts, group = (
-            int(cfg["num_prompts_per_step"]),
-            int(cfg["num_generations_per_prompt"]),
-        )
-        batching.check_split(
-            num_prompts * group,
-            policy_cfg,
-            policy.dp_size,
-            key="grpo.num_prompts_per_step",
-            what=f"{num_prompts} prompts x {group} generations",
-        )
-        sampler = run.sampler(len(train), seed)
-        val_answers = [str(v["answer"]) for v in val_raw]
-        val_samples = int(cfg.get("val_num_generations_per_prompt", 1))
-        stop_when = stop_rule(cfg)
+def run_grpo(report: Report, *, started: float | None = None) -> int:
+    """Run grpo on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
+    run = prepare(report, "grpo", total_steps_key="max_num_steps", started=started)
+    return loop.drive(run, start)
 
-        def validate_at(step: int) -> dict[str, float]:
-            return validate(
-                run, policy, env, val, val_answers, seed, step=step, samples_per_prompt=val_samples
-            )
 
-        if cfg.get("val_at_start") and run.start_step == 0:
-            metrics = validate_at(0)
-            run.logger.log(0, metrics, phase="val")
-            stop = stop_when(metrics) if stop_when is not None else None
-            if stop is not None:
-                print(stop, file=sys.stderr, flush=True)
-                return 0
-        loss_spec = loss_inputs.loss_spec(loss_cfg)
-        max_epochs = int(cfg.get("max_num_epochs", 1 << 30))
-        for step in run.steps():
-            if sampler.epoch >= max_epochs:
-                break
-            start = time.perf_counter()
-            groups, gathered = collect_groups(
-                run, policy, env, (train, train_raw), sampler, seed=seed * 1000003 + step
+def start(run: Run) -> loop.Steps:
+    """Load the prompts, start the workers, and give the loop GRPO's step body."""
+    cfg, loss_cfg, data_cfg = run.recipe["grpo"], run.recipe["loss_fn"], run.recipe["data"]
+    policy_cfg, seed = run.policy_cfg, int(cfg["seed"])
+    train_raw = load_split(data_cfg, "prompts", "train")
+    val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
+    train = run.encode(train_raw, "train")
+    val = run.encode(val_raw, "val")
+    kl_penalty = losses.effective_kl_penalty(loss_cfg)
+    options = losses.PolicyLossOptions.from_recipe(loss_cfg)
+    error_threshold = cfg.get("seq_logprob_error_threshold")
+    run.connect()
+    policy = run.start_group(
+        "policy",
+        seed=seed,
+        trainable=True,
+        with_reference=holds_reference(run.recipe, "grpo"),
+        # NeMo-RL's training, old and reference log-probabilities are of the sampling
+        # distribution's temperature (top-k / top-p are not applied to them here)
+        logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
+    )
+    run.restore(policy)
+    env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
+    num_prompts, group = (
+        int(cfg["num_prompts_per_step"]),
+        int(cfg["num_generations_per_prompt"]),
+    )
+    batch_checks.check_split(
+        num_prompts * group,
+        policy_cfg,
+        policy.dp_size,
+        key="grpo.num_prompts_per_step",
+        what=f"{num_prompts} prompts x {group} generations",
+    )
+    sampler = run.sampler(len(train), seed)
+    val_answers = [str(v["answer"]) for v in val_raw]
+    val_samples = int(cfg.get("val_num_generations_per_prompt", 1))
+    stop_when = stop_rule(cfg)
+
+    def validate_at(step: int) -> dict[str, float]:
+        return validate(
+            run, policy, env, val, val_answers, seed, step=step, samples_per_prompt=val_samples
+        )
+
+    loss_spec = loss_inputs.loss_spec(loss_cfg)
+
+    def train_step(step: int) -> loop.TrainResult:
+        start = time.perf_counter()
+        groups, gathered = collect_groups(
+            run, policy, env, (train, train_raw), sampler, seed=seed * 1000003 + step
+        )
+        sequences, _ = training_sequences(groups, cfg)
+        final_rewards = torch.cat([g.rewards for g in groups]).tolist()
+        generation = loss_inputs.generation_rows(
+            sequences, [lp for g in groups for lp in g.logprobs]
+        )
+        loss_metrics: dict[str, float] = {}
+        old_logprobs = None
+        if options.needs_old_logprobs or error_threshold is not None:
+            old_logprobs = run.forward_only(sequences, policy.token_logprobs)
+            loss_metrics, dropped = loss_inputs.seq_logprob_error(
+                sequences, generation, old_logprobs, final_rewards, error_threshold
             )
-            sequences, _ = training_sequences(groups, cfg)
-            final_rewards = torch.cat([g.rewards for g in groups]).tolist()
-            generation = loss_inputs.generation_rows(
-                sequences, [lp for g in groups for lp in g.logprobs]
+            for index in dropped:
+                sequences[index].loss_multiplier = 0.0
+        batches = run.training_batches(sequences, policy.dp_size)
+        batches.attach("generation_logprobs", generation)
+        if old_logprobs is not None:
+            batches.attach("old_logprobs", old_logprobs)
+        if options.positive_example_nll_weight > 0:
+            scale = loss_inputs.positive_nll_scale(
+                sequences, final_rewards, token_level=options.token_level_loss
             )
-            loss_metrics: dict[str, float] = {}
-            old_logprobs = None
-            if options.needs_old_logprobs or error_threshold is not None:
-                old_logprobs = run.forward_only(sequences, policy.token_logprobs)
-                loss_metrics, dropped = loss_inputs.seq_logprob_error(
-                    sequences, generation, old_logprobs, final_rewards, error_threshold
-                )
-                for index in dropped:
-                    sequences[index].loss_multiplier = 0.0
-            batches = run.training_batches(sequences, policy.dp_size)
-            batches.attach("generation_logprobs", generation)
-            if old_logprobs is not None:
-                batches.attach("old_logprobs", old_logprobs)
-            if options.positive_example_nll_weight > 0:
-                scale = loss_inputs.positive_nll_scale(
-                    sequences, final_rewards, token_level=options.token_level_loss
-                )
-                batches.attach("rewards", np.asarray(final_rewards, dtype=np.float32))
-                batches.attach("positive_nll_scale", np.full(len(sequences), scale, np.float32))
-            if kl_penalty > 0:
-                reference = run.forward_only(
-                    sequences, lambda forward: policy.token_logprobs(forward, reference=True)
-                )
-                batches.attach("reference_logprobs", reference)
-            metrics = policy.train(batches.shards, loss_spec)
-            loss_metrics.update(losses.grpo_metric_means(metrics))
-            elapsed = time.perf_counter() - start
-            run.log_train_step(
-                step,
-                metrics,
-                elapsed=elapsed,
-                tokens=sum(len(s.ids) for s in sequences),
+            batches.attach("rewards", np.asarray(final_rewards, dtype=np.float32))
+            batches.attach("positive_nll_scale", np.full(len(sequences), scale, np.float32))
+        if kl_penalty > 0:
+            reference = run.forward_only(
+                sequences, lambda forward: policy.token_logprobs(forward, reference=True)
+            )
+            batches.attach("reference_logprobs", reference)
+        metrics = policy.train(batches.shards, loss_spec)
+        loss_metrics.update(losses.grpo_metric_means(metrics))
+        elapsed = time.perf_counter() - start
+        return loop.TrainResult(
+            metrics,
+            elapsed=elapsed,
+            tokens=sum(len(s.ids) for s in sequences),
+            values={
                 **loss_metrics,
                 **gathered,
-                response_tokens_mean=float(np.mean([len(r) for g in groups for r in g.responses])),
-                truncation_rate=float(np.mean([t for g in groups for t in g.truncated])),
+                "response_tokens_mean": float(
+                    np.mean([len(r) for g in groups for r in g.responses])
+                ),
+                "truncation_rate": float(np.mean([t for g in groups for t in g.truncated])),
                 **run.truncated([g.prompt for g in groups]),
-            )
-            run.end_step(
-                step,
-                policy,
-                sampler.position,
-                val_period=int(cfg["val_period"]),
-                validate=lambda step=step: validate_at(step),
-                data_done=sampler.epoch >= max_epochs,
-                stop_when=stop_when,
-            )
-        run.finish(policy)
-        return 0
-    finally:
-        if policy is not None:
-            policy.shutdown()
-        run.close()
+            },
+        )
+
+    return loop.Steps(
+        policy,
+        sampler,
+        train_step,
+        validate=validate_at,
+        val_period=int(cfg["val_period"]),
+        max_epochs=int(cfg.get("max_num_epochs", loop.NO_EPOCH_LIMIT)),
+        val_at_start=bool(cfg.get("val_at_start")),
+        stop_when=stop_when,
+    )

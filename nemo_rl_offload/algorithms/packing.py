@@ -35,13 +35,18 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.batching_settings import (
+    PACKER_NAMES,
+    BatchingSettings,
+    round_up,
+)
+
+# Re-exported: offload/runtime.py still imports pack_length from here (the one import from
+# offload/ back up into algorithms/ left; it belongs to config.batching_settings).
+from nemo_rl_offload.config.batching_settings import pack_length as pack_length
+
 # Where a sequence sits: (micro-batch index, row, first position, length).
 Place = tuple[int, int, int, int]
-
-
-def _round_up(value: int, multiple: int) -> int:
-    multiple = max(1, multiple)
-    return -(-value // multiple) * multiple
 
 
 # ---------------------------------------------------------------------------- packing algorithms
@@ -147,6 +152,8 @@ PACKERS: dict[str, Callable[..., list[list[int]]]] = {
     "first_fit_shuffle": first_fit_shuffle,
     "concatenative": concatenative,
 }
+if tuple(PACKERS) != PACKER_NAMES:  # the recipe checks accept exactly the packers that exist
+    raise ImportError(f"PACKERS {tuple(PACKERS)} differ from config's PACKER_NAMES")
 
 
 def pack(
@@ -164,7 +171,7 @@ def pack(
     packer = PACKERS[algorithm.lower()]
     bins = [b for b in packer(list(lengths), capacity) if b]
     multiple = max(1, bins_multiple_of)
-    target = _round_up(max(len(bins), multiple), multiple)
+    target = round_up(max(len(bins), multiple), multiple)
     if target > len(lengths):
         raise ValueError(
             f"{len(lengths)} sequences cannot fill {target} packs (one per data-parallel rank)"
@@ -173,73 +180,6 @@ def pack(
         source = max(range(len(bins)), key=lambda b: (len(bins[b]), -b))
         bins.append([bins[source].pop()])
     return bins
-
-
-# ---------------------------------------------------------------------------- settings
-@dataclass(frozen=True)
-class BatchingSettings:
-    """How a policy section groups sequences into micro-batches: ``mode`` is ``rows`` (padded
-    rows of a fixed count), ``packing`` or ``dynamic``; token budgets for training and
-    forward-only passes."""
-
-    mode: str = "rows"
-    train_rows: int = 1
-    logprob_rows: int = 1
-    train_tokens: int = 0
-    logprob_tokens: int = 0
-    algorithm: str = "modified_first_fit_decreasing"
-    largest_first: bool = False
-    round_to: int = 1  # make_sequence_length_divisible_by (padded lengths, pack lengths)
-    sequence_length_round: int = 1  # dynamic batching's padded lengths
-
-    @classmethod
-    def from_policy(cls, section: dict[str, Any], *, pair_rows: bool = False) -> BatchingSettings:
-        """From a policy (or teacher) section. ``pair_rows``: DPO, whose forward-only rows
-        default to two per pair."""
-        train_rows = int(section.get("train_micro_batch_size") or 1)
-        logprob_rows = section.get("logprob_batch_size")
-        if logprob_rows is None:
-            logprob_rows = train_rows * (2 if pair_rows else 1)
-        round_to = int(section.get("make_sequence_length_divisible_by", 1) or 1)
-        base = {"train_rows": train_rows, "logprob_rows": int(logprob_rows), "round_to": round_to}
-        packing = section.get("sequence_packing") or {}
-        dynamic = section.get("dynamic_batching") or {}
-        max_len = int(section.get("max_total_sequence_length") or 0)
-        if packing.get("enabled"):
-            cfg, mode = packing, "packing"
-        elif dynamic.get("enabled"):
-            cfg, mode = dynamic, "dynamic"
-        else:
-            return cls(**base)
-        # NeMo-RL's recipes default the budgets to the rows' worth of longest sequences.
-        train_tokens = int(cfg.get("train_mb_tokens") or max_len * train_rows)
-        logprob_tokens = int(cfg.get("logprob_mb_tokens") or max_len * int(logprob_rows))
-        return cls(
-            mode=mode,
-            **base,
-            train_tokens=train_tokens,
-            logprob_tokens=logprob_tokens,
-            algorithm=str(packing.get("algorithm") or "modified_first_fit_decreasing"),
-            largest_first=packing.get("microbatch_order") == "largest_first",
-            sequence_length_round=int(dynamic.get("sequence_length_round") or 1),
-        )
-
-    def pack_length(self, *, training: bool = True) -> int:
-        """The length every pack is padded to: the budget rounded up to the padding
-        multiple (tensor parallelism with sequence parallel splits the sequence)."""
-        return _round_up(self.train_tokens if training else self.logprob_tokens, self.round_to)
-
-
-def pack_length(section: dict[str, Any]) -> int | None:
-    """The training pack length of a policy section with sequence packing on, else None: the
-    one step length the offload runtime pads to (one plan per micro-batch count)."""
-    packing_cfg = section.get("sequence_packing")
-    if not (isinstance(packing_cfg, dict) and packing_cfg.get("enabled")):
-        return None
-    try:
-        return BatchingSettings.from_policy(section).pack_length()
-    except (TypeError, ValueError):  # a malformed section: the schema reports it
-        return None
 
 
 # ---------------------------------------------------------------------------- micro-batches
@@ -411,7 +351,7 @@ def _dynamic_batches(
     cuts: list[tuple[int, int]] = []  # [start, end) row ranges, the same on every rank
     start, longest = 0, 0
     for row in range(per_rank):
-        padded = _round_up(max(lengths[r[row]] for r in rank_rows), multiple)
+        padded = round_up(max(lengths[r[row]] for r in rank_rows), multiple)
         if padded > budget:
             raise ValueError(
                 f"a {padded}-token padded sequence does not fit a {budget}-token micro-batch"
@@ -443,8 +383,9 @@ def _row_batches(
     sequences: Sequence[Any], rows: int, shards: int, *, pad_id: int, round_to: int
 ) -> Batches:
     """Padded rows of a fixed count, consecutive sequences per micro-batch, consecutive
-    micro-batches per rank (``batching.microbatches`` then ``batching.split``)."""
-    from nemo_rl_offload.algorithms.batching import microbatches, split
+    micro-batches per rank (``batching.microbatches`` then ``sharding.split``)."""
+    from nemo_rl_offload.algorithms.batching import microbatches
+    from nemo_rl_offload.distributed.sharding import split
 
     mbs = microbatches(sequences, rows, pad_id=pad_id, round_to=round_to)
     places = [(i // rows, i % rows, 0, len(s.ids)) for i, s in enumerate(sequences)]

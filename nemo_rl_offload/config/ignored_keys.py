@@ -55,7 +55,7 @@ def _dense_model(where: str) -> Callable[[Any, Mapping[str, Any]], bool]:
     def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
         if value is None or value is False:
             return True
-        from nemo_rl_offload.config.model_presets import architecture_for
+        from nemo_rl_offload.config.model_presets import architecture_for, has_experts
         from nemo_rl_offload.errors import UserInputError
 
         section = recipe.get(where) or {}
@@ -66,7 +66,7 @@ def _dense_model(where: str) -> Callable[[Any, Mapping[str, Any]], bool]:
                 experts = architecture_for(str(section.get("model_name")), where="").num_moe_experts
             except (UserInputError, OSError, ValueError):
                 return True  # the model's own check reports it
-        return not (isinstance(experts, int) and experts > 1)
+        return not has_experts(experts)
 
     return inert
 

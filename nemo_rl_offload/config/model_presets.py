@@ -59,6 +59,16 @@ class Architecture:
         return self.transformer.get("num_moe_experts")
 
 
+def has_experts(num_moe_experts: Any) -> bool:
+    """The one rule for whether a model has experts, applied to its effective
+    ``num_moe_experts`` (the preset's, or ``megatron_cfg.model_overrides``'): more than one
+    (one expert is a dense MLP). The offload rules, the planner, the workers and the recipe-key
+    checks all ask this, so they never disagree about a model."""
+    if isinstance(num_moe_experts, bool) or not isinstance(num_moe_experts, int):
+        return False
+    return num_moe_experts > 1
+
+
 PRESETS: dict[str, Architecture] = {
     # Trains on 2 CPU cores in seconds (~0.9M parameters); byte-level vocabulary (256 bytes +
     # specials, padded).
@@ -92,7 +102,7 @@ PRESETS: dict[str, Architecture] = {
         vocab_size=384,
         max_position_embeddings=512,
     ),
-    # The 1.3B Llama-like model measured in shared/measurements/RESULTS.md.
+    # The 1.3B Llama-like model of the benchmarks (benchmarks/results/*_llama-1b_*).
     "llama-1b": Architecture(
         name="llama-1b",
         transformer={

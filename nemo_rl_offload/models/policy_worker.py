@@ -244,7 +244,7 @@ class PolicyWorker:
             else torch.device("cpu")
         )
         budget_gib = megatron_cfg.get("offload_host_memory_budget_gib")
-        is_moe = bool(getattr(model.config, "num_moe_experts", None))
+        is_moe = effective.is_moe
         self.runtime = OffloadRuntime(
             model.config,
             host_budget_bytes=int(budget_gib * 2**30)
@@ -254,8 +254,8 @@ class PolicyWorker:
             graphed=self.graphs is not None,
             on_release=self._release_graphs,
             fraction_placement=megatron_cfg.get("activation_offload_fraction_placement"),
-            # Measured faster on dense models and on graphed MoE steps; eager MoE steps (host
-            # bound) were slower with them in two runs (docs/offloading.md).
+            # Faster on dense models and on graphed MoE steps, slower on eager MoE steps (host
+            # bound): benchmarks/results/2026-11-22_h100_benchmark_copies_ab_*_seq4096.md.
             strided_copies=not is_moe or self.graphs is not None,
         )
         # policy.logprob_chunk_size: the labels' log-probabilities in chunks of the sequence.

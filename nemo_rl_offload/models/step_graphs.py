@@ -2,8 +2,8 @@
 
 ``cuda_graph_impl: full_iteration`` captures a whole forward-backward pass (every micro-batch,
 the loss, the gradient reduction; not the optimizer step) in one CUDA graph and replays it, so a
-step costs one launch instead of thousands (the 1B local-spec step of 4 x 4096 tokens runs
-6,101 kernels: benchmarks/results/2026-11-22_h100_profile_strided_graphs_llama-1b_seq4096.json).
+step costs one launch instead of one per kernel (the kernels of the 1B local-spec step are
+counted in benchmarks/results/2026-11-22_h100_profile_strided_graphs_llama-1b_seq4096.json).
 
 Megatron-core's own wrapper (``megatron.core.full_cuda_graph.FullCudaGraphWrapper``) keeps ONE
 training graph per process, in class attributes: right for pre-training, where every step has

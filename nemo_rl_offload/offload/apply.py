@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl_offload.config.model_presets import Architecture
+from nemo_rl_offload.config.model_presets import Architecture, has_experts
 
 # megatron_cfg keys that are TransformerConfig fields of the same name.
 FGO_KEYS = (
@@ -105,9 +105,8 @@ class EffectiveSettings:
 
     @property
     def is_moe(self) -> bool:
-        """The model has experts (more than one: one expert is a dense MLP)."""
-        experts = self.value("num_moe_experts")
-        return isinstance(experts, int) and not isinstance(experts, bool) and experts > 1
+        """The model has experts (:func:`.model_presets.has_experts`)."""
+        return has_experts(self.value("num_moe_experts"))
 
 
 def resolve_transformer_impl(requested: str | None, te_installed: bool) -> str:

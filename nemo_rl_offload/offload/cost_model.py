@@ -1,4 +1,4 @@
-"""The physical model of offloading's cost (../shared/DESIGN.md): the benchmark's floors.
+"""The physical model of offloading's cost (docs/benchmark.md): the benchmark's floors.
 
 Per micro-batch, offloading moves S bytes to the host during the forward pass (forward time F,
 device-to-host bandwidth Wd) and back during the backward pass (time B, host-to-device

@@ -732,7 +732,7 @@ def _token_batching(ctx: _Context) -> None:
     key = "sequence_packing" if packing_on else "dynamic_batching"
     cfg = packing_cfg if packing_on else dynamic_cfg
     if packing_on:
-        from nemo_rl_offload.algorithms.packing import PACKERS
+        from nemo_rl_offload.config.batching_settings import PACKER_NAMES as PACKERS
 
         algorithm = packing_cfg.get("algorithm")
         if algorithm is not None and str(algorithm).lower() not in PACKERS:

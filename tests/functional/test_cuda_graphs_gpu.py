@@ -16,7 +16,7 @@ within the plain spread (deterministic mode: both are bitwise); offloading still
 cuts the activation peak under graphs. Peak memory and step times of every run go to
 $NEMO_RL_OFFLOAD_RESULTS (a directory) when set.
 
-Run (device tool, docs/cuda_graphs.md):
+Run on a GPU machine (docs/gpu.md, docs/cuda_graphs.md):
     python3 -m pytest -m gpu -q tests/functional/test_cuda_graphs_gpu.py
 """
 

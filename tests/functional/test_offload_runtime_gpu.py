@@ -23,7 +23,7 @@ A shorter run with the default (flash) attention, whose backward is not determin
 that the gradient difference stays within the spread of two plain passes. Results go to
 $NEMO_RL_OFFLOAD_RESULTS (a directory) when set.
 
-Run (device tool, docs/training.md):
+Run on a GPU machine (docs/gpu.md):
     python3 -m pytest -m gpu -q tests/functional/test_offload_runtime_gpu.py
 """
 

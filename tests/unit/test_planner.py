@@ -132,13 +132,35 @@ def test_best_is_the_fastest_measured_within_the_budget():
     assert planner.best([c], 19.5) is None
 
 
-def test_override_lines_are_recipe_overrides():
+def test_a_candidate_is_a_settings_patch_printed_as_recipe_overrides():
     candidate = planner.Candidate(("core_attn", "attn_proj"), 0.5, 0.0)
-    assert candidate.overrides() == [
-        "policy.megatron_cfg.fine_grained_activation_offloading=true",
-        "policy.megatron_cfg.offload_modules=[core_attn,attn_proj]",
-        "policy.megatron_cfg.activation_offload_fraction=0.5",
+    assert candidate.patch() == {
+        "policy": {
+            "megatron_cfg": {
+                "fine_grained_activation_offloading": True,
+                "offload_modules": ["core_attn", "attn_proj"],
+                "activation_offload_fraction": 0.5,
+            }
+        }
+    }
+    recipe = {"policy": {"megatron_cfg": {"fine_grained_activation_offloading": False}}}
+    assert planner.render_overrides(candidate.patch(), recipe) == [
+        "policy.megatron_cfg.fine_grained_activation_offloading=true",  # the recipe has it
+        "++policy.megatron_cfg.offload_modules=[core_attn,attn_proj]",  # it does not
+        "++policy.megatron_cfg.activation_offload_fraction=0.5",
     ]
+
+
+def test_rendered_overrides_applied_to_the_recipe_give_the_patched_recipe():
+    from nemo_rl_offload.config.loader import apply_overrides, deep_merge
+
+    recipe = {"policy": {"megatron_cfg": {"offload_modules": ["core_attn"], "tp": 1}}}
+    patch = planner.Candidate(("attn_norm", "core_attn"), 1.0, 0.0).patch()
+    patch = planner.with_layout(
+        planner.megatron_patch({"model_overrides": {"moe_grouped_gemm": True}}), patch, False
+    )
+    lines = planner.render_overrides(patch, recipe)
+    assert apply_overrides(recipe, lines) == deep_merge(recipe, patch)
 
 
 def test_cpu_recipes_and_bad_budgets_are_one_line():
@@ -157,11 +179,11 @@ def test_full_recompute_is_a_candidate_with_its_own_overrides():
     recompute = planner.Candidate((), 1.0, 14.0, 14.2, 0.45, full_recompute=True)
     offload = planner.Candidate(("core_attn",), 1.0, 18.0, 18.1, 0.40)
     assert recompute.name == "full recompute"
-    assert recompute.overrides() == [
-        "policy.megatron_cfg.fine_grained_activation_offloading=false",
-        "policy.megatron_cfg.activation_checkpointing=true",
-        "policy.megatron_cfg.recompute_granularity=full",
-    ]
+    assert recompute.patch()["policy"]["megatron_cfg"] == {
+        "fine_grained_activation_offloading": False,
+        "activation_checkpointing": True,
+        "recompute_granularity": "full",
+    }
     assert planner.best([offload, recompute], 19.0) is offload  # faster, fits
     assert planner.best([offload, recompute], 15.0) is recompute  # the only one that fits
 
@@ -170,7 +192,12 @@ def _result(profile, budget, tried, chosen=None):
     return {
         "profile": profile,
         "plans": [{"budget_gib": budget, "fitting": 0, "tried": tried, "chosen": chosen}],
-        "measured_with": [],
+        "measured_with": {},
+        "recipe": {
+            "policy": {
+                "megatron_cfg": {"fine_grained_activation_offloading": False, "offload_modules": []}
+            }
+        },
     }
 
 
@@ -184,7 +211,7 @@ def test_the_printed_plan_quotes_lines_for_a_shell_and_they_parse_as_overrides()
     out = StringIO()
     assert planner.format_plan(_result(profile, 19.5, [chosen], chosen), out) is True
     assert "  'policy.megatron_cfg.offload_modules=[core_attn,attn_proj]'" in out.getvalue()
-    for line in chosen.overrides():
+    for line in planner.plan_overrides(_result(profile, 19.5, [chosen], chosen), chosen):
         parse_override(line)  # what the planner measures with must be a valid override
 
 
@@ -209,12 +236,18 @@ def test_plan_json_names_the_choice_and_its_overrides_with_the_layout():
     profile = planner.Profile(20.0, 1.0, {"expert_fc1": 0.5}, resident_gib=13.0)
     chosen = planner.Candidate(("expert_fc1",), 1.0, 19.5, 19.4, 1.2)
     result = _result(profile, 19.6, [chosen], chosen)
-    result["measured_with"] = ["++policy.megatron_cfg.model_overrides.moe_grouped_gemm=true"]
+    result["measured_with"] = planner.megatron_patch(
+        {"model_overrides": {"moe_grouped_gemm": True}}
+    )
     data = planner.as_json(result)
     assert data["profile"]["resident_gib"] == 13.0
     (entry,) = data["plans"]
     assert entry["chosen"] == "expert_fc1"
-    assert entry["overrides"] == [*result["measured_with"], *chosen.overrides()]
+    assert entry["overrides"] == [
+        "++policy.megatron_cfg.model_overrides.moe_grouped_gemm=true",
+        "policy.megatron_cfg.fine_grained_activation_offloading=true",
+        "policy.megatron_cfg.offload_modules=[expert_fc1]",
+    ]
     assert entry["tried"][0]["measured_peak_gib"] == 19.4
     out = StringIO()
     planner.format_plan(result, out)  # the printed plan and the JSON give the same lines
@@ -235,7 +268,7 @@ def test_the_recipe_without_offloading_is_chosen_when_it_fits():
     plain = planner.Candidate((), 1.0, 18.0, 18.0, 0.33)
     offload = planner.Candidate(("attn_norm",), 0.5, 17.9, 17.9, 0.41)
     assert plain.name == "no offload"
-    assert plain.overrides() == ["policy.megatron_cfg.fine_grained_activation_offloading=false"]
+    assert plain.patch() == planner.megatron_patch({"fine_grained_activation_offloading": False})
     assert planner.best([plain, offload], 19.0) is plain
     assert planner.best([plain, offload], 17.95) is offload
 
@@ -295,7 +328,7 @@ def test_a_graphed_recipe_is_measured_over_replays_with_the_inflight_cap(
     # The recipe warms each shape up for 2 steps and captures the 3rd: 3 more steps each.
     assert {steps for _, steps in calls} == {3 + 2 + 1}
     wanted = [inflight_line] if inflight_line else []
-    assert result["measured_with"] == wanted
+    assert planner.render_overrides(result["measured_with"], result["recipe"]) == wanted
     assert all(lines[len(overrides) : len(overrides) + len(wanted)] == wanted for lines, _ in calls)
     (entry,) = result["plans"]
     assert entry["chosen"] is not None
@@ -303,10 +336,11 @@ def test_a_graphed_recipe_is_measured_over_replays_with_the_inflight_cap(
 
 
 def test_an_eager_recipe_is_measured_as_asked():
-    assert planner.graph_settings({"cuda_graph_impl": "none"}) == ([], 0)
-    assert planner.graph_settings({}) == ([], 0)
-    lines, extra = planner.graph_settings({"cuda_graph_impl": "full_iteration"})
-    assert extra == 3 + 1 and lines[0].endswith("max_inflight_offloads=4")
+    assert planner.graph_settings({"cuda_graph_impl": "none"}) == ({}, 0)
+    assert planner.graph_settings({}) == ({}, 0)
+    patch, extra = planner.graph_settings({"cuda_graph_impl": "full_iteration"})
+    settings = patch["policy"]["megatron_cfg"]
+    assert extra == 3 + 1 and settings["fine_grained_offloading_max_inflight_offloads"] == 4
 
 
 def test_only_close_fitting_plans_are_contenders():

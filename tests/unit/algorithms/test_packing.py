@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from nemo_rl_offload.algorithms import packing
-from nemo_rl_offload.algorithms.batching import TokenSequence, make_microbatch, token_budgeted
+from nemo_rl_offload.algorithms.batching import TokenSequence, make_microbatch
+from nemo_rl_offload.config.batch_checks import token_budgeted
 
 PAD = 0
 

@@ -481,15 +481,19 @@ def test_the_grouped_expert_gemm_choice_stays_and_other_model_overrides_do_not()
 
 
 def test_the_planners_full_recompute_plan_sets_dtensor_cfgs_switch():
-    from nemo_rl_offload.planner import Candidate, retarget
+    from nemo_rl_offload.planner import Candidate, render_overrides, retarget
 
-    lines = Candidate((), 1.0, None, full_recompute=True).overrides()
-    assert retarget(lines, False) == lines
-    assert retarget(lines, True) == [
-        "policy.megatron_cfg.fine_grained_activation_offloading=false",
-        "++policy.dtensor_cfg.activation_checkpointing=true",
-    ]
-    recipe = load_recipe(TINY_SFT, [*DTENSOR_TINY_SFT, *retarget(lines, True)])
+    patch = Candidate((), 1.0, None, full_recompute=True).patch()
+    assert retarget(patch, False) == patch
+    assert retarget(patch, True) == {
+        "policy": {
+            "megatron_cfg": {"fine_grained_activation_offloading": False},
+            "dtensor_cfg": {"activation_checkpointing": True},
+        }
+    }
+    loaded = load_recipe(TINY_SFT, DTENSOR_TINY_SFT)
+    lines = render_overrides(retarget(patch, True), loaded)
+    recipe = load_recipe(TINY_SFT, [*DTENSOR_TINY_SFT, *lines])
     megatron = to_megatron(recipe).recipe["policy"]["megatron_cfg"]
     assert megatron["activation_checkpointing"] is True
     assert megatron["fine_grained_activation_offloading"] is False

@@ -1,5 +1,5 @@
-"""The GPU path (nccl, CUDA RNG tracker, no CPU patches, fine-grained offloading on): run with
-the device tool; skipped without CUDA."""
+"""The GPU path (nccl, CUDA RNG tracker, no CPU patches, fine-grained offloading on): run on
+a GPU machine (docs/gpu.md); skipped without CUDA."""
 
 from __future__ import annotations
 

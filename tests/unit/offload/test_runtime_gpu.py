@@ -1,7 +1,7 @@
 """The offload runtime on a GPU: an RL-shaped sequence of steps (changing micro-batch counts and
 lengths, forward-only passes in between) on the ~1B dense preset with offloading on.
 
-Run with the device tool (docs/training.md); skipped without CUDA.
+Run on a GPU machine (docs/gpu.md); skipped without CUDA.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from nemo_rl_offload.algorithms.batching import split
 from nemo_rl_offload.distributed.cluster import worker_count
+from nemo_rl_offload.distributed.sharding import split
 from nemo_rl_offload.distributed.worker_group import WorkerGroup
 from nemo_rl_offload.models import checkpoint
 from nemo_rl_offload.models.policy_worker import PolicyWorker

@@ -1,0 +1,94 @@
+"""The one training loop every algorithm runs; an algorithm supplies only its step body.
+
+The loop owns what must behave the same in SFT, DPO, GRPO and distillation: validation at
+start, the steps still to run after a resume, the end of the data epochs, logging each step's
+metrics, validation and checkpoint saving after a step (:meth:`Run.end_step`: ``val_period``,
+``save_period``, keep_top_k, the stop rule and checkpoint_must_save_by), the last save, and
+shutting the workers down whatever happens. An algorithm's :class:`Steps` says how to train
+one step, how to validate, and where its data position is.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_rl_offload.algorithms.common import EpochSampler, Run
+
+# The GRPO and distillation default: no epoch limit unless the recipe sets max_num_epochs.
+NO_EPOCH_LIMIT = 1 << 30
+
+
+@dataclass
+class TrainResult:
+    """One training step as the loop logs it (:meth:`Run.log_train_step`): the workers'
+    summed ``metrics``, the step's wall time and tokens, which sums are divided by the step's
+    count (``per_count``) and the algorithm's own ``values``."""
+
+    metrics: dict[str, float]
+    elapsed: float
+    tokens: int
+    per_count: dict[str, str] | None = None
+    values: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Steps:
+    """An algorithm's step body, ready to run: the trained ``policy`` group (the one
+    checkpointed), the ``sampler`` whose position is the data position, and how to train one
+    step and validate (both given the step number, which seeds GRPO's and distillation's
+    sampling)."""
+
+    policy: Any
+    sampler: EpochSampler
+    train_step: Callable[[int], TrainResult]
+    validate: Callable[[int], dict[str, float]]
+    val_period: int
+    max_epochs: int = NO_EPOCH_LIMIT
+    val_at_start: bool = False
+    stop_when: Callable[[dict[str, Any]], str | None] | None = None
+
+    @property
+    def data_done(self) -> bool:
+        return self.sampler.epoch >= self.max_epochs
+
+
+def drive(run: Run, start: Callable[[Run], Steps]) -> int:
+    """Run ``start``'s step body until the steps, the data epochs or the stop rule end it;
+    the workers ``start`` began (``run.start_group``) are shut down however it ends."""
+    try:
+        steps = start(run)
+        if steps.val_at_start and run.start_step == 0:
+            metrics = steps.validate(0)
+            run.logger.log(0, metrics, phase="val")
+            stop = steps.stop_when(metrics) if steps.stop_when is not None else None
+            if stop is not None:
+                print(stop, file=sys.stderr, flush=True)
+                return 0
+        for step in run.steps():
+            if steps.data_done:
+                break
+            result = steps.train_step(step)
+            run.log_train_step(
+                step,
+                result.metrics,
+                elapsed=result.elapsed,
+                tokens=result.tokens,
+                per_count=result.per_count,
+                **result.values,
+            )
+            run.end_step(
+                step,
+                steps.policy,
+                steps.sampler.position,
+                val_period=steps.val_period,
+                data_done=steps.data_done,
+                validate=lambda step=step: steps.validate(step),
+                stop_when=steps.stop_when,
+            )
+        run.finish(steps.policy)
+        return 0
+    finally:
+        run.close()

@@ -1,0 +1,44 @@
+"""Whether a step's sequences split into data-parallel shards of whole micro-batches.
+
+These are recipe checks (the batch keys against the parallel layout), kept with the other
+recipe checks so that the algorithms, the telemetry runs and any later pre-start check share
+one rule; they need the data-parallel size, which is known once the workers report their
+layout. No torch, no Ray.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_rl_offload.errors import UserInputError
+
+
+def token_budgeted(policy_cfg: dict[str, Any]) -> bool:
+    """Whether micro-batches are formed by token count (sequence packing or dynamic batching)
+    rather than train_micro_batch_size rows."""
+    return any(
+        (policy_cfg.get(key) or {}).get("enabled")
+        for key in ("sequence_packing", "dynamic_batching")
+    )
+
+
+def check_split(
+    count: int, policy_cfg: dict[str, Any], dp_size: int, *, key: str, what: str
+) -> None:
+    """A step's ``count`` sequences must split evenly into data-parallel shards of whole
+    micro-batches (with token budgets, into equal shards: micro-batches are then formed by
+    tokens); ``key`` and ``what`` name the setting in the message."""
+    micro = 1 if token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
+    if count % (micro * dp_size):
+        raise UserInputError(
+            f"{key}: {what} do not split into {dp_size} data-parallel rank(s) x micro-batches "
+            f"of {micro}; use a multiple of {micro * dp_size}"
+        )
+
+
+def check_batch_sizes(policy_cfg: dict[str, Any], dp_size: int) -> None:
+    """The global batch splits into data-parallel shards of whole micro-batches."""
+    gbs = int(policy_cfg["train_global_batch_size"])
+    check_split(
+        gbs, policy_cfg, dp_size, key="policy.train_global_batch_size", what=f"{gbs} sequences"
+    )
