@@ -111,11 +111,7 @@ def _runtime_settings(
     """The offload runtime's own settings, resolved: the length buckets steps are padded to
     (with offloading or full-iteration CUDA graphs on), the host budget (offloading on), and
     which groups a fraction below 1 offloads."""
-    from nemo_rl_offload.offload.runtime import (
-        DEFAULT_FRACTION_PLACEMENT,
-        pads_steps,
-        step_buckets,
-    )
+    from nemo_rl_offload.offload.runtime import pads_steps, step_buckets
 
     megatron = section.get("megatron_cfg") or {}
     offloading = effective.value("fine_grained_activation_offloading") is True
@@ -150,12 +146,12 @@ def _runtime_settings(
     )
     fraction = effective.value("activation_offload_fraction")
     if isinstance(fraction, int | float) and fraction < 1:
-        placement = megatron.get("activation_offload_fraction_placement")
+        placement = apply.runtime_choices(effective, megatron, graphed=graphed).fraction_placement
         resolved["activation_offload_fraction_placement"] = (
             (placement, f"{path}.activation_offload_fraction_placement")
-            if placement
+            if megatron.get("activation_offload_fraction_placement")
             else (
-                DEFAULT_FRACTION_PLACEMENT,
+                placement,
                 "default (each module's fraction, evenly over the layers)",
             )
         )

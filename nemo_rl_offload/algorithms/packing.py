@@ -41,10 +41,6 @@ from nemo_rl_offload.config.batching_settings import (
     round_up,
 )
 
-# Re-exported: offload/runtime.py still imports pack_length from here (the one import from
-# offload/ back up into algorithms/ left; it belongs to config.batching_settings).
-from nemo_rl_offload.config.batching_settings import pack_length as pack_length
-
 # Where a sequence sits: (micro-batch index, row, first position, length).
 Place = tuple[int, int, int, int]
 

@@ -2,7 +2,7 @@
 
 Why not Megatron's own local ``DotProductAttention``: it materialises the S x S attention
 probabilities, which costs O(S^2) memory, and when fine-grained offloading covers ``core_attn``
-it copies that whole matrix to the host (RESULTS.md run 1: 6.2 GB per step at S=2048). SDPA
+it copies that whole matrix to the host, gigabytes per step at a few thousand tokens. SDPA
 dispatches to flash / memory-efficient kernels on GPU (and a fused kernel on CPU), which keep
 only O(S) statistics for the backward pass.
 
@@ -118,11 +118,11 @@ class SDPACoreAttention(MegatronModule):
         self.kv_cache: KVCache | None = None
 
     def _kernels(self) -> contextlib.AbstractContextManager[None]:
-        """Under Megatron's deterministic_mode, SDPA's math kernel: measured on an H100, the
-        flash backward differs between two identical passes (torch's flash backward accumulates
-        with atomics) and cuDNN's occasionally does, while the math kernel is bitwise
-        reproducible. It materialises the S x S attention probabilities (O(S^2) memory), the
-        price of reproducibility."""
+        """Under Megatron's deterministic_mode, SDPA's math kernel: torch's flash backward
+        accumulates with atomics, so two identical passes differ, and cuDNN's occasionally does,
+        while the math kernel is bitwise reproducible
+        (benchmarks/results/2026-11-22_h100_attention_determinism.json). It materialises the
+        S x S attention probabilities (O(S^2) memory), the price of reproducibility."""
         if not self.config.deterministic_mode:
             return contextlib.nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel

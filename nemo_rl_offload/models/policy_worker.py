@@ -244,7 +244,6 @@ class PolicyWorker:
             else torch.device("cpu")
         )
         budget_gib = megatron_cfg.get("offload_host_memory_budget_gib")
-        is_moe = effective.is_moe
         self.runtime = OffloadRuntime(
             model.config,
             host_budget_bytes=int(budget_gib * 2**30)
@@ -253,10 +252,7 @@ class PolicyWorker:
             sequence_buckets=step_buckets(self.section)[0],
             graphed=self.graphs is not None,
             on_release=self._release_graphs,
-            fraction_placement=megatron_cfg.get("activation_offload_fraction_placement"),
-            # Faster on dense models and on graphed MoE steps, slower on eager MoE steps (host
-            # bound): benchmarks/results/2026-11-22_h100_benchmark_copies_ab_*_seq4096.md.
-            strided_copies=not is_moe or self.graphs is not None,
+            choices=apply.runtime_choices(effective, megatron_cfg, graphed=self.graphs is not None),
         )
         # policy.logprob_chunk_size: the labels' log-probabilities in chunks of the sequence.
         chunk = self.section.get("logprob_chunk_size")

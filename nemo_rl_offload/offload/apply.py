@@ -109,6 +109,43 @@ class EffectiveSettings:
         return has_experts(self.value("num_moe_experts"))
 
 
+# activation_offload_fraction_placement when the recipe does not set it.
+DEFAULT_FRACTION_PLACEMENT = "spread"
+
+
+@dataclass(frozen=True)
+class RuntimeChoices:
+    """The offload runtime's choices for every plan of one model (they become each plan's
+    ``owned.PlanChoices``), decided in one place, :func:`runtime_choices`:
+
+    - ``fraction_placement``: which groups a fraction below 1 offloads (``spread`` or Megatron's
+      ``earliest``);
+    - ``strided_copies``: permuted tensors copied as they lie;
+    - ``pool_expert_groups``: expert groups draw pinned buffers from the pool once their plan is
+      recorded (their shapes recur only with drop-and-pad dispatch);
+    - ``lean_hooks``: the hooks' work in less host time."""
+
+    fraction_placement: str = DEFAULT_FRACTION_PLACEMENT
+    strided_copies: bool = True
+    pool_expert_groups: bool = False
+    lean_hooks: bool = True
+
+
+def runtime_choices(
+    effective: EffectiveSettings, megatron_cfg: dict[str, Any], *, graphed: bool
+) -> RuntimeChoices:
+    """The runtime's choices for a model with ``effective`` settings (``graphed``: its steps run
+    as full-iteration CUDA graphs)."""
+    return RuntimeChoices(
+        fraction_placement=megatron_cfg.get("activation_offload_fraction_placement")
+        or DEFAULT_FRACTION_PLACEMENT,
+        # Faster on dense models and on graphed MoE steps, slower on eager MoE steps (host
+        # bound): benchmarks/results/2026-11-22_h100_benchmark_copies_ab_*_seq4096.md.
+        strided_copies=not effective.is_moe or graphed,
+        pool_expert_groups=effective.value("moe_pad_expert_input_to_capacity") is True,
+    )
+
+
 def resolve_transformer_impl(requested: str | None, te_installed: bool) -> str:
     """``auto`` (the default) means Transformer Engine when it is installed, else Megatron's local
     layer spec."""

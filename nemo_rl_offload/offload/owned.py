@@ -593,8 +593,8 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         buffer of the same strides (a view of a pooled buffer of its shape: one
         ``cudaMemcpyAsync``, no kernel), and :meth:`reload` brings it back into a GPU tensor of
         the same strides. Other non-contiguous tensors (slices of a larger tensor) keep
-        Megatron's path. The runtime chooses it per model (docs/offloading.md says where it was
-        measured faster).
+        Megatron's path. Chosen per model by ``apply.runtime_choices`` (where it was measured
+        faster: benchmarks/results/2026-11-22_h100_benchmark_copies_ab_*_seq4096.md).
 
         Stands in for: no upstream issue (Megatron copies every non-contiguous tensor through
         ``contiguous()``).

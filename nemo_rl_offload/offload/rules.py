@@ -31,7 +31,7 @@ LOCAL_GRAPH_OFFLOAD_MODULES = MOE_OFFLOAD_MODULES
 DEFAULT_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024
 DEFAULT_CUDA_GRAPH_WARMUP_STEPS = 3
 # megatron-core 0.19 without Transformer Engine: selective recompute of these modules fails with
-# NameError FP8GlobalStateManager (measured on an H100, shared/measurements/RESULTS.md run 4).
+# NameError FP8GlobalStateManager (megatron-core's recompute path reaches for TE's FP8 state).
 RECOMPUTE_NEEDS_TE = frozenset({"layernorm", "mlp"})
 
 

@@ -1,7 +1,7 @@
 """Keep Megatron's fine-grained offloading correct across the phases of an RL step.
 
 Megatron-core's PipelineOffloadManager records one offload plan during the first training step
-and replays it on every later one. RL steps do not repeat (shared/measurements/RESULTS.md):
+and replays it on every later one. RL steps do not repeat:
 
 - a forward-only pass (logprobs, reference or teacher scores, generation) in between crashes the
   next backward (``AssertionError: Chunk mismatch``): :meth:`OffloadRuntime.forward_only`
@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.offload.apply import RuntimeChoices
+
 _LOG = logging.getLogger("nemo_rl_offload.offload")
 SMALLEST_BUCKET = 32
-# activation_offload_fraction_placement when the recipe does not set it (owned.PlanChoices).
-DEFAULT_FRACTION_PLACEMENT = "spread"
 
 
 def host_allocator_bytes() -> int:
@@ -135,7 +135,7 @@ def step_buckets(policy_cfg: dict[str, Any]) -> tuple[list[int], bool]:
     are the default (derived from its max_total_sequence_length and padding multiple). With
     sequence packing every training micro-batch is one pack of the same length, so that length
     is the only bucket: one plan per micro-batch count."""
-    from nemo_rl_offload.algorithms.packing import pack_length
+    from nemo_rl_offload.config.batching_settings import pack_length
 
     packed = pack_length(policy_cfg)
     if packed is not None:
@@ -211,20 +211,14 @@ class OffloadRuntime:
         sequence_buckets: Sequence[int] = (),
         graphed: bool = False,
         on_release: Callable[[tuple[int, int]], None] | None = None,
-        fraction_placement: str | None = None,
-        strided_copies: bool = True,
-        lean_hooks: bool = True,
+        choices: RuntimeChoices | None = None,
     ) -> None:
         """``config`` is the model's TransformerConfig (offloading is on when its flag is).
         ``graphed``: steps run as full-iteration CUDA graphs (padded then, offloading or not);
-        ``on_release(shape)`` is told when a plan is released; ``fraction_placement``: which
-        groups a fraction below 1 offloads (the recipe's ``activation_offload_fraction_placement``,
-        None: :data:`DEFAULT_FRACTION_PLACEMENT`);
-        ``strided_copies``: permuted tensors copied as they lie; ``lean_hooks``: the hooks' work
-        in less host time. With drop-and-pad MoE dispatch in ``config`` the expert groups'
-        shapes are static, so their pinned buffers come from the pool (``pool_expert_groups``).
-        These become every plan's :attr:`choices` (:class:`.owned.PlanChoices`), with the
-        Megatron-LM 7398 fix, the copy timing and ``pool_every_group`` on.
+        ``on_release(shape)`` is told when a plan is released; ``choices``: the model's
+        (:func:`.apply.runtime_choices`, their one owner). They become every plan's
+        :attr:`choices` (:class:`.owned.PlanChoices`), with the Megatron-LM 7398 fix, the copy
+        timing and ``pool_every_group`` on.
 
         With offloading on, it refuses (UserInputError) a megatron-core whose offload code is
         not the one the runtime's subclasses were checked against
@@ -245,13 +239,14 @@ class OffloadRuntime:
         if self.enabled:
             owned.require_checked_megatron()
         # Every plan's choices (a benchmark may replace them before the first step).
+        choices = choices or RuntimeChoices()
         self.choices = owned.PlanChoices(
             reload_waits_for_offload=True,
-            strided_copies=strided_copies,
-            fraction_placement=fraction_placement or DEFAULT_FRACTION_PLACEMENT,
-            pool_expert_groups=bool(getattr(config, "moe_pad_expert_input_to_capacity", False)),
+            strided_copies=choices.strided_copies,
+            fraction_placement=choices.fraction_placement,
+            pool_expert_groups=choices.pool_expert_groups,
             pool_every_group=True,
-            lean_hooks=lean_hooks,
+            lean_hooks=choices.lean_hooks,
             copy_timer=owned.CopyTimer(),
         )
 

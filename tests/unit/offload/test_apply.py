@@ -127,3 +127,25 @@ def test_selective_recompute_drops_full_only_keys():
 )
 def test_transformer_impl_resolution(requested, te, expected):
     assert apply.resolve_transformer_impl(requested, te) == expected
+
+
+def test_runtime_choices_are_read_from_the_effective_settings():
+    """One owner of the runtime's per-plan choices: strided copies off only on eager MoE steps,
+    expert groups pooled only with drop-and-pad dispatch, the recipe's fraction placement."""
+    dense, _ = _build()
+    moe, _ = _build("tiny-moe")
+    padded, _ = _build(
+        "tiny-moe",
+        model_overrides={
+            "moe_expert_capacity_factor": 1.0,
+            "moe_pad_expert_input_to_capacity": True,
+        },
+    )
+    assert apply.runtime_choices(dense, {}, graphed=False) == apply.RuntimeChoices()
+    eager_moe = apply.runtime_choices(moe, {}, graphed=False)
+    assert eager_moe.strided_copies is False and eager_moe.pool_expert_groups is False
+    assert apply.runtime_choices(moe, {}, graphed=True).strided_copies is True
+    assert apply.runtime_choices(padded, {}, graphed=True).pool_expert_groups is True
+    placed = {"activation_offload_fraction_placement": "earliest"}
+    assert apply.runtime_choices(dense, placed, graphed=False).fraction_placement == "earliest"
+    assert apply.runtime_choices(dense, {}, graphed=False).fraction_placement == "spread"

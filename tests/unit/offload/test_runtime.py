@@ -10,7 +10,7 @@ import torch
 from support.fake_offload import FakeManager as _FakeManager
 from support.fake_offload import fake_plans as _fake_plans
 
-from nemo_rl_offload.offload import owned, runtime
+from nemo_rl_offload.offload import apply, owned, runtime
 
 
 def _group(name: str, nbytes: int, offload: bool = True) -> SimpleNamespace:
@@ -359,7 +359,13 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
     config = SimpleNamespace(fine_grained_activation_offloading=True)
     drop_and_pad = SimpleNamespace(**vars(config), moe_pad_expert_input_to_capacity=True)
     rt = runtime.OffloadRuntime(
-        drop_and_pad, fraction_placement="earliest", strided_copies=False, lean_hooks=False
+        drop_and_pad,
+        choices=apply.RuntimeChoices(
+            fraction_placement="earliest",
+            strided_copies=False,
+            pool_expert_groups=True,
+            lean_hooks=False,
+        ),
     )
     for length in (256, 512):
         rt.before_step(1, length)
@@ -370,9 +376,9 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
         assert choices.reload_waits_for_offload is True  # Megatron-LM 7398, always
         assert isinstance(choices.copy_timer, owned.CopyTimer)
     assert _FakeManager.OFFLOAD_MGR.cpu_tensor_pool.lean is False
-    unset = runtime.OffloadRuntime(config, fraction_placement=None)  # the recipe left it out
+    unset = runtime.OffloadRuntime(config)  # the defaults
     unset.before_step(1, 1024)
     choices = _FakeManager.OFFLOAD_MGR.choices
-    assert choices.fraction_placement == runtime.DEFAULT_FRACTION_PLACEMENT
+    assert choices.fraction_placement == apply.DEFAULT_FRACTION_PLACEMENT
     assert choices.lean_hooks is True  # the default
     assert choices.pool_expert_groups is False  # routed shapes: Megatron's
