@@ -268,7 +268,7 @@ def collect_groups(
     metrics = {"reward": float(torch.cat(generated).mean())}
     # NeMo-RL's generation throughput counts the sequences' tokens (prompt and response); the
     # new tokens alone are what the sampler's speed is measured in (docs/generation.md).
-    gpus = max(len(policy.dp_rank_of), 1)
+    gpus = max(policy.workers, 1)
     if seconds > 0:
         metrics.update(
             generation_tokens_per_sec_per_gpu=sequence_tokens / seconds / gpus,

@@ -101,6 +101,11 @@ class PolicyGroup:
         )
 
     @property
+    def workers(self) -> int:
+        """The group's workers (one per GPU on GPU nodes): NeMo-RL's per-GPU rates divide by it."""
+        return len(self.dp_rank_of)
+
+    @property
     def warnings(self) -> list[str]:
         return sorted({line for info in self.setup_info for line in info.get("warnings", [])})
 

@@ -109,6 +109,8 @@ def fake_run(grpo_cfg: dict, **generation) -> SimpleNamespace:
 
 
 class FakePolicy:
+    workers = 1
+
     def __init__(self, truncate: bool = False) -> None:
         self.calls: list[int] = []
         self.truncate = truncate
