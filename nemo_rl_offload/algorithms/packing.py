@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.errors import UserInputError
+
 # Where a sequence sits: (micro-batch index, row, first position, length).
 Place = tuple[int, int, int, int]
 
@@ -191,17 +193,25 @@ class BatchingSettings:
     largest_first: bool = False
     round_to: int = 1  # make_sequence_length_divisible_by (padded lengths, pack lengths)
     sequence_length_round: int = 1  # dynamic batching's padded lengths
+    where: str = "policy"  # the recipe section, for messages
 
     @classmethod
-    def from_policy(cls, section: dict[str, Any], *, pair_rows: bool = False) -> BatchingSettings:
-        """From a policy (or teacher) section. ``pair_rows``: DPO, whose forward-only rows
-        default to two per pair."""
+    def from_policy(
+        cls, section: dict[str, Any], *, pair_rows: bool = False, where: str = "policy"
+    ) -> BatchingSettings:
+        """From a policy (or teacher) section named ``where``. ``pair_rows``: DPO, whose
+        forward-only rows default to two per pair."""
         train_rows = int(section.get("train_micro_batch_size") or 1)
         logprob_rows = section.get("logprob_batch_size")
         if logprob_rows is None:
             logprob_rows = train_rows * (2 if pair_rows else 1)
         round_to = int(section.get("make_sequence_length_divisible_by", 1) or 1)
-        base = {"train_rows": train_rows, "logprob_rows": int(logprob_rows), "round_to": round_to}
+        base = {
+            "train_rows": train_rows,
+            "logprob_rows": int(logprob_rows),
+            "round_to": round_to,
+            "where": where,
+        }
         packing = section.get("sequence_packing") or {}
         dynamic = section.get("dynamic_batching") or {}
         max_len = int(section.get("max_total_sequence_length") or 0)
@@ -368,6 +378,16 @@ def _packed_batches(
 ) -> Batches:
     length = settings.pack_length(training=training)
     lengths = [len(s.ids) for s in sequences]
+    longest = max(lengths, default=0)
+    if longest > length:
+        # validate only warns about a budget below max_total_sequence_length (as NeMo-RL,
+        # whose packers refuse the sequence when it comes), so this is where it is refused.
+        budget = "train_mb_tokens" if training else "logprob_mb_tokens"
+        raise UserInputError(
+            f"{settings.where}.sequence_packing.{budget}: a {longest}-token sequence does not "
+            f"fit a {length}-token pack; set {budget} to at least {longest} (or "
+            "max_total_sequence_length, to hold any sequence)"
+        )
     bins = pack(lengths, length, settings.algorithm, bins_multiple_of=shards if training else 1)
     per_rank: list[list[list[int]]] = [bins[d::shards] for d in range(shards)]
     if settings.largest_first:  # each rank's largest packs first, the packer's order otherwise
