@@ -221,7 +221,7 @@ def plan(
     measure the most promising candidates that fit; returns everything found."""
     from pathlib import Path
 
-    from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.config.model_presets import section_architecture
     from nemo_rl_offload.preflight import load_and_check
 
     budgets_gib, budget_fractions = list(budgets_gib or []), list(budget_fractions or [])
@@ -241,9 +241,7 @@ def plan(
         raise UserInputError(
             "cluster.gpus_per_node: 0; the planner measures GPU memory, so it needs GPU workers"
         )
-    is_moe = bool(
-        architecture_for(recipe["policy"]["model_name"], base_dir=Path.cwd()).num_moe_experts
-    )
+    is_moe = bool(section_architecture(recipe["policy"], base_dir=Path.cwd()).num_moe_experts)
     everything = offloadable_modules(is_moe)
     # Expert offload needs the grouped expert layout; every measurement (and so every plan)
     # runs on it, so that the profile and the candidates are the same model. Graphed

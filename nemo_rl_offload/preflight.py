@@ -15,7 +15,11 @@ from typing import Any
 
 from nemo_rl_offload.config import checkpointing, dtensor_recipes, grpo_options, ignored_keys
 from nemo_rl_offload.config.loader import load_recipe
-from nemo_rl_offload.config.model_presets import Architecture, ModelNotOnMachine, architecture_for
+from nemo_rl_offload.config.model_presets import (
+    Architecture,
+    ModelNotOnMachine,
+    section_architecture,
+)
 from nemo_rl_offload.config.schema import grpo_loss_problems
 from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
 from nemo_rl_offload.distributed.cluster import worker_count
@@ -72,12 +76,13 @@ def _architecture(
 ) -> Architecture | None:
     """The model's architecture, or None when it is unknown (its problem is reported). A
     Hugging Face model that is not on this machine is a warning for ``validate`` (the checks
-    that need the model are skipped, everything else is checked) and an error for a run."""
+    that need the model are skipped, everything else is checked) and an error for a run.
+    ``hf_config_overrides`` apply here, so every check sees the model that will be built."""
     model_name = section.get("model_name")
     if not isinstance(model_name, str):
         return None  # the schema reports it
     try:
-        return architecture_for(model_name, base_dir=base_dir, where=f"{where}.model_name")
+        architecture = section_architecture(section, where=where, base_dir=base_dir)
     except ModelNotOnMachine as exc:
         if starting:
             report.errors += exc.problems
@@ -90,6 +95,13 @@ def _architecture(
     except UserInputError as exc:
         report.errors += exc.problems
         return None
+    report.warnings += [
+        f"warning: {where}.hf_config_overrides.{key}: not read by this backend's Hugging Face "
+        "to Megatron mapping, so it changes nothing here (export-hf still writes it to "
+        "config.json)"
+        for key in architecture.unread_overrides
+    ]
+    return architecture
 
 
 def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any, str]]:
