@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_offload.config import checkpointing, dtensor_recipes, grpo_options, ignored_keys
-from nemo_rl_offload.config.loader import load_recipe
+from nemo_rl_offload.config.loader import load_recipe, unset_environment
 from nemo_rl_offload.config.model_presets import (
     Architecture,
     ModelNotOnMachine,
@@ -340,6 +340,29 @@ def _check_data_source(recipe: dict[str, Any], report: Report) -> None:
         )
 
 
+def _check_unset_environment(recipe: dict[str, Any], report: Report, starting: bool) -> None:
+    """A value that reads an environment variable unset here (``${oc.env:NAME}``) is unknown:
+    NeMo-RL resolves it when the run starts on its cluster, so ``validate`` warns and skips
+    the checks of that value, and a run refuses to start without it."""
+    unknown = unset_environment(recipe)
+    for path, names in unknown:
+        variables = ", ".join(names)
+        if starting:
+            report.errors.append(
+                f"{path}: reads the environment variable {variables}, which is not set; set "
+                f"it before the run (or give {path} on the command line)"
+            )
+        else:
+            report.warnings.append(
+                f"warning: {path}: reads the environment variable {variables}, which is not "
+                "set on this machine, so the checks of its value were skipped; set it before "
+                "a run"
+            )
+    if not starting:
+        prefixes = tuple(f"{path}{end}" for path, _ in unknown for end in (":", "."))
+        report.errors = [line for line in report.errors if not line.startswith(prefixes)]
+
+
 def check_recipe(
     recipe: dict[str, Any],
     *,
@@ -421,6 +444,7 @@ def check_recipe(
                 {**_resolved_offload(effective), **_runtime_settings(section, where, effective)},
             )
         )
+    _check_unset_environment(recipe, report, starting)
     if megatron_crosscheck and report.ok:
         for where, effective in effective_by_section.items():
             _megatron_crosscheck(effective, where, report)
