@@ -26,7 +26,7 @@ from typing import Any
 
 from nemo_rl_offload.algorithms.common import resolve_checkpoint
 from nemo_rl_offload.config.model_presets import HF_MODEL_TYPES as MODEL_TYPES
-from nemo_rl_offload.config.model_presets import Architecture, architecture_for
+from nemo_rl_offload.config.model_presets import Architecture, hf_config, section_architecture
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.checkpoint import is_legacy, read_legacy_shard, read_saved
 from nemo_rl_offload.preflight import load_and_check
@@ -37,9 +37,7 @@ _SHARD = re.compile(r"model_tp(\d+)_pp(\d+)\.pt$")
 def default_model_type(architecture: Architecture) -> str:
     """The source directory's model_type when it is one we write, else the closest family."""
     if architecture.hf_directory:
-        import json
-
-        source = json.loads((Path(architecture.hf_directory) / "config.json").read_text())
+        source = hf_config(architecture.hf_directory, architecture.hf_overrides)
         if source.get("model_type") in MODEL_TYPES:
             return str(source["model_type"])
     t = architecture.transformer
@@ -48,6 +46,15 @@ def default_model_type(architecture: Architecture) -> str:
     if t.get("qk_layernorm"):
         return "qwen3"
     return "qwen2" if t.get("add_qkv_bias") else "llama"
+
+
+def export_config(architecture: Architecture, model_type: str, *, torch_dtype: str) -> dict:
+    """The exported config.json. The recipe's hf_config_overrides describe the trained model:
+    those the mapping read are in the architecture already, the rest are written as given."""
+    from nemo_rl_offload.models.hf_convert import hf_config_for
+
+    config = hf_config_for(architecture, model_type, torch_dtype=torch_dtype)
+    return {**config, **architecture.hf_overrides}
 
 
 def _read_shards(policy_dir: Path) -> list[list[dict[str, Any]]]:
@@ -156,7 +163,7 @@ def export(
     """Write the checkpoint (a step directory, or a checkpoint_dir: its latest step) as a
     Hugging Face directory ``out``; returns the files written."""
     from nemo_rl_offload.models.hf_checkpoint import merge_pipeline_stages, write_hf_checkpoint
-    from nemo_rl_offload.models.hf_convert import hf_config_for, megatron_to_hf
+    from nemo_rl_offload.models.hf_convert import megatron_to_hf
 
     if model_type is not None and model_type not in MODEL_TYPES:
         raise UserInputError(f"--model-type: '{model_type}' is not one of {', '.join(MODEL_TYPES)}")
@@ -164,7 +171,7 @@ def export(
     if report.errors:
         raise UserInputError(report.errors)
     policy = report.recipe["policy"]
-    architecture = architecture_for(policy["model_name"], base_dir=Path.cwd())
+    architecture = section_architecture(policy, base_dir=Path.cwd())
     step_dir = resolve_checkpoint(checkpoint, "--checkpoint")
     policy_dir = step_dir / "policy"
     if is_legacy(policy_dir):
@@ -186,7 +193,7 @@ def export(
     except UserInputError as exc:
         raise UserInputError([f"{step_dir}: {line}" for line in exc.problems]) from exc
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    config = hf_config_for(architecture, model_type, torch_dtype=dtype)
+    config = export_config(architecture, model_type, torch_dtype=dtype)
     tokenizer = (policy.get("tokenizer") or {}).get("name")
     tokenizer_from = architecture.hf_directory or (
         tokenizer if tokenizer and Path(tokenizer).expanduser().is_dir() else None

@@ -279,7 +279,7 @@ def plan(
     from pathlib import Path
 
     from nemo_rl_offload.config.loader import load_recipe
-    from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.config.model_presets import section_architecture
     from nemo_rl_offload.offload.apply import effective_settings
     from nemo_rl_offload.preflight import check_recipe
 
@@ -302,8 +302,8 @@ def plan(
             "cluster.gpus_per_node: 0; the planner measures GPU memory, so it needs GPU workers"
         )
     # Whether the model has experts, as the offload rules and the workers decide it: from the
-    # effective settings (the preset's num_moe_experts, or model_overrides').
-    architecture = architecture_for(recipe["policy"]["model_name"], base_dir=Path.cwd())
+    # effective settings (the model's num_moe_experts, or model_overrides').
+    architecture = section_architecture(recipe["policy"], base_dir=Path.cwd())
     is_moe = effective_settings(
         recipe["policy"], architecture, te_installed=report.caps.has_transformer_engine
     ).is_moe

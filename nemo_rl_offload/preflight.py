@@ -14,8 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_offload.config import checkpointing, dtensor_recipes, grpo_options, ignored_keys
-from nemo_rl_offload.config.loader import load_recipe
-from nemo_rl_offload.config.model_presets import Architecture, ModelNotOnMachine, architecture_for
+from nemo_rl_offload.config.loader import load_recipe, unset_environment
+from nemo_rl_offload.config.model_presets import (
+    Architecture,
+    ModelNotOnMachine,
+    section_architecture,
+)
 from nemo_rl_offload.config.schema import grpo_loss_problems
 from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
 from nemo_rl_offload.distributed.cluster import worker_count
@@ -72,12 +76,13 @@ def _architecture(
 ) -> Architecture | None:
     """The model's architecture, or None when it is unknown (its problem is reported). A
     Hugging Face model that is not on this machine is a warning for ``validate`` (the checks
-    that need the model are skipped, everything else is checked) and an error for a run."""
+    that need the model are skipped, everything else is checked) and an error for a run.
+    ``hf_config_overrides`` apply here, so every check sees the model that will be built."""
     model_name = section.get("model_name")
     if not isinstance(model_name, str):
         return None  # the schema reports it
     try:
-        return architecture_for(model_name, base_dir=base_dir, where=f"{where}.model_name")
+        architecture = section_architecture(section, where=where, base_dir=base_dir)
     except ModelNotOnMachine as exc:
         if starting:
             report.errors += exc.problems
@@ -90,6 +95,13 @@ def _architecture(
     except UserInputError as exc:
         report.errors += exc.problems
         return None
+    report.warnings += [
+        f"warning: {where}.hf_config_overrides.{key}: not read by this backend's Hugging Face "
+        "to Megatron mapping, so it changes nothing here (export-hf still writes it to "
+        "config.json)"
+        for key in architecture.unread_overrides
+    ]
+    return architecture
 
 
 def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any, str]]:
@@ -324,6 +336,29 @@ def _check_data_source(recipe: dict[str, Any], report: Report) -> None:
         )
 
 
+def _check_unset_environment(recipe: dict[str, Any], report: Report, starting: bool) -> None:
+    """A value that reads an environment variable unset here (``${oc.env:NAME}``) is unknown:
+    NeMo-RL resolves it when the run starts on its cluster, so ``validate`` warns and skips
+    the checks of that value, and a run refuses to start without it."""
+    unknown = unset_environment(recipe)
+    for path, names in unknown:
+        variables = ", ".join(names)
+        if starting:
+            report.errors.append(
+                f"{path}: reads the environment variable {variables}, which is not set; set "
+                f"it before the run (or give {path} on the command line)"
+            )
+        else:
+            report.warnings.append(
+                f"warning: {path}: reads the environment variable {variables}, which is not "
+                "set on this machine, so the checks of its value were skipped; set it before "
+                "a run"
+            )
+    if not starting:
+        prefixes = tuple(f"{path}{end}" for path, _ in unknown for end in (":", "."))
+        report.errors = [line for line in report.errors if not line.startswith(prefixes)]
+
+
 def check_recipe(
     recipe: dict[str, Any],
     *,
@@ -405,6 +440,7 @@ def check_recipe(
                 {**_resolved_offload(effective), **_runtime_settings(section, where, effective)},
             )
         )
+    _check_unset_environment(recipe, report, starting)
     if megatron_crosscheck and report.ok:
         for where, effective in effective_by_section.items():
             _megatron_crosscheck(effective, where, report)

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from nemo_rl_offload.config.batch_checks import check_batch_sizes
-from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.config.model_presets import section_architecture
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
@@ -101,7 +101,7 @@ def _run_steps(
     try:
         for line in group.warnings:
             print(f"warning: {line}", file=err)
-        vocab = architecture_for(section["model_name"], base_dir=Path.cwd()).vocab_size
+        vocab = section_architecture(section, base_dir=Path.cwd()).vocab_size
         rng = np.random.default_rng(seed)
         records = []
         for step in range(1, steps + 1):

@@ -38,7 +38,7 @@ import numpy as np
 from nemo_rl_offload.algorithms import batching, packing
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.config import checkpointing
-from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.config.model_presets import section_architecture
 from nemo_rl_offload.data.datasets import (
     CUT_PART_TOKENS,
     EncodedExample,
@@ -242,7 +242,7 @@ class Run:
         """How ``where``'s workers group sequences: padded rows, sequence packing or dynamic
         batching (``algorithms.packing``)."""
         return packing.BatchingSettings.from_policy(
-            self.recipe[where], pair_rows=self.algorithm == "dpo"
+            self.recipe[where], pair_rows=self.algorithm == "dpo", where=where
         )
 
     def training_batches(self, sequences: list[TokenSequence], dp_size: int) -> packing.Batches:
@@ -570,7 +570,7 @@ def prepare(
         print(line, file=sys.stderr)
     recipe = report.recipe
     policy = recipe["policy"]
-    architecture = architecture_for(policy["model_name"], base_dir=Path.cwd())
+    architecture = section_architecture(policy, base_dir=Path.cwd())
     tokenizer_cfg = policy.get("tokenizer") or {}
     tokenizer = load_tokenizer(tokenizer_cfg.get("name"), architecture.hf_directory)
     if tokenizer.vocab_size > architecture.vocab_size:

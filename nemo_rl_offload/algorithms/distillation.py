@@ -25,7 +25,7 @@ from nemo_rl_offload.algorithms.common import (
 )
 from nemo_rl_offload.algorithms.grpo import rollout, validate
 from nemo_rl_offload.config import batch_checks
-from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.config.model_presets import section_architecture
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.environments.math import MathEnvironment
@@ -39,10 +39,8 @@ VAL_SAMPLES_PER_PROMPT = 4
 
 def shared_vocab_size(policy_cfg: dict, teacher_cfg: dict) -> int:
     """Student and teacher must score the same vocabulary for a KL between them."""
-    student = architecture_for(policy_cfg["model_name"], base_dir=Path.cwd())
-    teacher = architecture_for(
-        teacher_cfg["model_name"], base_dir=Path.cwd(), where="teacher.model_name"
-    )
+    student = section_architecture(policy_cfg, base_dir=Path.cwd())
+    teacher = section_architecture(teacher_cfg, where="teacher", base_dir=Path.cwd())
     if student.vocab_size != teacher.vocab_size:
         raise UserInputError(
             f"teacher.model_name: its vocabulary ({teacher.vocab_size}) differs from the "

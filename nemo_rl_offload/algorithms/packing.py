@@ -40,6 +40,7 @@ from nemo_rl_offload.config.batching_settings import (
     BatchingSettings,
     round_up,
 )
+from nemo_rl_offload.errors import UserInputError
 
 # Where a sequence sits: (micro-batch index, row, first position, length).
 Place = tuple[int, int, int, int]
@@ -304,6 +305,16 @@ def _packed_batches(
 ) -> Batches:
     length = settings.pack_length(training=training)
     lengths = [len(s.ids) for s in sequences]
+    longest = max(lengths, default=0)
+    if longest > length:
+        # validate only warns about a budget below max_total_sequence_length (as NeMo-RL,
+        # whose packers refuse the sequence when it comes), so this is where it is refused.
+        budget = "train_mb_tokens" if training else "logprob_mb_tokens"
+        raise UserInputError(
+            f"{settings.where}.sequence_packing.{budget}: a {longest}-token sequence does not "
+            f"fit a {length}-token pack; set {budget} to at least {longest} (or "
+            "max_total_sequence_length, to hold any sequence)"
+        )
     bins = pack(lengths, length, settings.algorithm, bins_multiple_of=shards if training else 1)
     per_rank: list[list[list[int]]] = [bins[d::shards] for d in range(shards)]
     if settings.largest_first:  # each rank's largest packs first, the packer's order otherwise

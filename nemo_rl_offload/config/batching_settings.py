@@ -41,17 +41,25 @@ class BatchingSettings:
     largest_first: bool = False
     round_to: int = 1  # make_sequence_length_divisible_by (padded lengths, pack lengths)
     sequence_length_round: int = 1  # dynamic batching's padded lengths
+    where: str = "policy"  # the recipe section, for messages
 
     @classmethod
-    def from_policy(cls, section: dict[str, Any], *, pair_rows: bool = False) -> BatchingSettings:
-        """From a policy (or teacher) section. ``pair_rows``: DPO, whose forward-only rows
-        default to two per pair."""
+    def from_policy(
+        cls, section: dict[str, Any], *, pair_rows: bool = False, where: str = "policy"
+    ) -> BatchingSettings:
+        """From a policy (or teacher) section named ``where``. ``pair_rows``: DPO, whose
+        forward-only rows default to two per pair."""
         train_rows = int(section.get("train_micro_batch_size") or 1)
         logprob_rows = section.get("logprob_batch_size")
         if logprob_rows is None:
             logprob_rows = train_rows * (2 if pair_rows else 1)
         round_to = int(section.get("make_sequence_length_divisible_by", 1) or 1)
-        base = {"train_rows": train_rows, "logprob_rows": int(logprob_rows), "round_to": round_to}
+        base = {
+            "train_rows": train_rows,
+            "logprob_rows": int(logprob_rows),
+            "round_to": round_to,
+            "where": where,
+        }
         packing = section.get("sequence_packing") or {}
         dynamic = section.get("dynamic_batching") or {}
         max_len = int(section.get("max_total_sequence_length") or 0)

@@ -44,6 +44,12 @@ ALIASES: dict[str, dict[str, str]] = {
     "grpo": {"accuracy": "val_reward", "pass_k": "val_pass_k"},
     "distillation": {"accuracy": "val_reward", "pass_k": "val_pass_k"},
 }
+# Names that mean different metrics in each phase. NeMo-RL's NeMo-Gym rollouts log
+# ``total_reward/mean`` (the mean total reward over the batch's samples) in both phases: in
+# validation that is the mean held-out reward, in training the step's mean reward.
+PHASE_ALIASES: dict[str, dict[str, dict[str, str]]] = {
+    "grpo": {"val": {"total_reward/mean": "val_reward"}, "train": {"total_reward/mean": "reward"}},
+}
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,9 @@ def resolve_metric(metric_name: str, algorithm: str) -> Metric:
             f"'{metric_name}' starts with '{phase}:'; write val:<name> or train:<name>"
         )
     for candidate in phases:
-        if key in produced[candidate]:
-            return Metric(candidate, key)
+        named = PHASE_ALIASES.get(algorithm, {}).get(candidate, {}).get(key, key)
+        if named in produced[candidate]:
+            return Metric(candidate, named)
     names = [f"{p}:{k}" for p in ("val", "train") for k in produced[p]]
     raise ValueError(
         f"{algorithm} does not produce a metric '{metric_name}'; use one of " + ", ".join(names)

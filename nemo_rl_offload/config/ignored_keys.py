@@ -440,11 +440,6 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         ),
         f"{where}.refit_buffer_size_gb": Unused(_NO_REFIT, _always),
         f"{where}.offload_optimizer_for_logprob": Unused(_SPEED_ONLY, _one_of(False)),
-        f"{where}.hf_config_overrides": Unused(
-            "the model is built from its config.json as it is",
-            _empty,
-            refuse="edit config.json of a local copy of the model instead (or remove the key)",
-        ),
         f"{where}.draft": train_only(_not_yet_section(f"{where}.draft", "draft-model training")),
         f"{where}.router_replay": train_only(
             _not_yet_section(f"{where}.router_replay", "MoE router replay")

@@ -492,7 +492,9 @@ def resolve_interpolations(data: dict[str, Any]) -> dict[str, Any]:
     """Resolve every ``${...}`` in ``data`` and return new plain data (no OmegaConf objects).
 
     Each value that cannot be resolved is reported as
-    ``<dotted path>: cannot resolve '<text>': <reason>``, all in one UserInputError.
+    ``<dotted path>: cannot resolve '<text>': <reason>``, all in one UserInputError. A value
+    that reads an environment variable unset here keeps its ``${oc.env:NAME}`` text (see
+    :func:`unset_environment`).
     """
     if not isinstance(data, dict):
         raise TypeError("resolve_interpolations needs a dict")
@@ -502,6 +504,7 @@ def resolve_interpolations(data: dict[str, Any]) -> dict[str, Any]:
     _check_plain(data, (), "", problems)
     if problems:
         raise UserInputError(problems)
+    data = _keep_unset_environment(data)
 
     # A syntax error in an interpolation surfaces when the config is created, so check each
     # string on its own first and leave the bad ones out of the config; then try every other
@@ -529,6 +532,44 @@ def resolve_interpolations(data: dict[str, Any]) -> dict[str, Any]:
         raise UserInputError(f"recipe: cannot resolve interpolations: {_reason(exc)}") from None
     assert isinstance(result, dict)
     return result
+
+
+# ``${oc.env:NAME}`` without a default: NeMo-RL resolves it on its cluster when the run starts.
+_ENV_READ = re.compile(r"\$\{oc\.env:\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}")
+
+
+def _keep_unset_environment(node: Any) -> Any:
+    """Escape each ``${oc.env:NAME}`` whose variable is unset here, so that it resolves to its
+    own text: the value (and any that interpolates it) is unknown on this machine, which
+    :func:`unset_environment` finds for the checks to report, instead of failing the load."""
+    if isinstance(node, dict):
+        return {key: _keep_unset_environment(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_keep_unset_environment(value) for value in node]
+    if isinstance(node, str) and "${" in node:
+        # Not one already escaped by the recipe (``\${...}``), which is text already.
+        return re.sub(
+            r"(?<!\\)" + _ENV_READ.pattern,
+            lambda m: m.group(0) if m.group(1) in os.environ else "\\" + m.group(0),
+            node,
+        )
+    return node
+
+
+def unset_environment(data: Any, here: tuple[Any, ...] = ()) -> list[tuple[str, list[str]]]:
+    """(dotted path, variable names) of each loaded value that reads an environment variable
+    unset on this machine (kept as ``${oc.env:NAME}`` text by the loader)."""
+    found: list[tuple[str, list[str]]] = []
+    items = data.items() if isinstance(data, dict) else enumerate(data)
+    for key, value in items:
+        path = (*here, key)
+        if isinstance(value, dict | list):
+            found.extend(unset_environment(value, path))
+        elif isinstance(value, str):
+            names = [name for name in _ENV_READ.findall(value) if name not in os.environ]
+            if names:
+                found.append((_dotted(path), list(dict.fromkeys(names))))
+    return found
 
 
 def _interpolated_strings(node: Any, here: tuple[Any, ...]) -> list[tuple[tuple[Any, ...], str]]:

@@ -12,7 +12,7 @@ import difflib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,10 @@ class Architecture:
     share_embeddings_and_output_weights: bool = False
     hf_directory: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # ``hf_config_overrides`` as applied on top of config.json, and those of its keys that
+    # the mapping above never read (they change nothing here; export-hf still writes them).
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    unread_overrides: tuple[str, ...] = ()
 
     @property
     def num_moe_experts(self) -> int | None:
@@ -139,15 +143,52 @@ PRESETS: dict[str, Architecture] = {
 }
 
 
-def _from_hf_config(directory: Path) -> Architecture:
-    """Read the architecture of a local Hugging Face model directory from its config.json."""
-    config_path = directory / "config.json"
+class _ReadRecorder(dict[str, Any]):
+    """config.json's mapping that remembers which keys the mapping looked at, so that an
+    override of a key it never reads is reported instead of silently changing nothing."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        super().__init__(data)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.read.add(key)
+        return super().__contains__(key)
+
+
+def hf_config(directory: str | Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A Hugging Face model directory's config.json with ``hf_config_overrides`` applied as
+    NeMo-RL applies them (keyword arguments of ``AutoConfig.from_pretrained``: each top-level
+    key replaces config.json's value, a mapping as a whole)."""
+    config_path = Path(directory) / "config.json"
     if not config_path.is_file():
         raise UserInputError(f"{config_path}: missing; a Hugging Face model directory needs one")
     try:
         hf = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise UserInputError(f"{config_path}: not valid JSON ({exc})") from exc
+    return {**hf, **(overrides or {})}
+
+
+def _from_hf_config(
+    directory: Path,
+    overrides: dict[str, Any] | None = None,
+    overrides_where: str = "policy.hf_config_overrides",
+) -> Architecture:
+    """Read the architecture of a local Hugging Face model directory from its config.json,
+    with ``overrides`` (named ``overrides_where`` in messages) on top."""
+    overrides = dict(overrides or {})
+    config_path = directory / "config.json"
+    hf = _ReadRecorder(hf_config(directory, overrides))
     missing = [
         key
         for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
@@ -155,6 +196,13 @@ def _from_hf_config(directory: Path) -> Architecture:
     ]
     if missing:
         raise UserInputError(f"{config_path}: missing {', '.join(missing)}")
+    if "router_aux_loss_coef" in overrides and not isinstance(
+        overrides["router_aux_loss_coef"], int | float
+    ):
+        raise UserInputError(
+            f"{overrides_where}.router_aux_loss_coef: must be a number (got: "
+            f"{overrides['router_aux_loss_coef']!r})"
+        )
     heads = hf["num_attention_heads"]
     transformer: dict[str, Any] = {
         **_LLAMA_STYLE,
@@ -178,6 +226,10 @@ def _from_hf_config(directory: Path) -> Architecture:
             moe_router_topk=hf.get("num_experts_per_tok", 2),
             moe_ffn_hidden_size=hf.get("moe_intermediate_size", transformer["ffn_hidden_size"]),
         )
+        # The auxiliary load-balancing loss's weight, as Megatron-Bridge maps it (export-hf
+        # writes it back under this name).
+        if hf.get("router_aux_loss_coef") is not None:
+            transformer["moe_aux_loss_coeff"] = float(hf["router_aux_loss_coef"])
         # Qwen3-MoE without norm_topk_prob keeps the full softmax's top-k probabilities
         # (Megatron: softmax before top-k); Mixtral and norm_topk_prob renormalise them
         # (Megatron's default: softmax over the chosen logits only).
@@ -188,11 +240,14 @@ def _from_hf_config(directory: Path) -> Architecture:
     rope_theta = hf.get("rope_theta") or rope.get("rope_theta")
     scaling = (hf.get("rope_scaling") or {}).get("rope_type") or rope.get("rope_type")
     if scaling not in (None, "default"):
+        overridden = [key for key in ("rope_scaling", "rope_parameters") if key in overrides]
+        where = f"{overrides_where}.{overridden[0]}" if overridden else str(config_path)
+        fix = "remove the override" if overridden else "use a checkpoint without rope_scaling"
         raise UserInputError(
-            f"{config_path}: RoPE scaling '{scaling}' is not supported yet (the model would "
-            "compute different positions); use a checkpoint without rope_scaling"
+            f"{where}: RoPE scaling '{scaling}' is not supported yet (the model would "
+            f"compute different positions); {fix}"
         )
-    return Architecture(
+    architecture = Architecture(
         name=str(directory),
         transformer=transformer,
         vocab_size=hf["vocab_size"],
@@ -200,7 +255,10 @@ def _from_hf_config(directory: Path) -> Architecture:
         rotary_base=int(rope_theta or 10000),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         hf_directory=str(directory),
+        hf_overrides=overrides,
     )
+    unread = tuple(key for key in overrides if key not in hf.read)
+    return replace(architecture, unread_overrides=unread)
 
 
 class ModelNotOnMachine(UserInputError):
@@ -249,23 +307,35 @@ def cached_snapshot(repo_id: str) -> Path | None:
 
 
 def architecture_for(
-    model_name: str, *, base_dir: Path | None = None, where: str = "policy.model_name"
+    model_name: str,
+    *,
+    base_dir: Path | None = None,
+    where: str = "policy.model_name",
+    hf_overrides: dict[str, Any] | None = None,
 ) -> Architecture:
-    """The architecture named by ``policy.model_name``: a preset or a local HF directory.
+    """The architecture named by ``policy.model_name``: a preset or a local HF directory,
+    whose config.json ``hf_overrides`` (the section's ``hf_config_overrides``) update.
 
     A relative directory is looked up from ``base_dir`` (the working directory by default).
     """
+    overrides_where = f"{where.rpartition('.')[0] or 'policy'}.hf_config_overrides"
     if model_name in PRESETS:
+        if hf_overrides:
+            raise UserInputError(
+                f"{overrides_where}: preset '{model_name}' is not built from a config.json, so "
+                "there is nothing to override; remove the key or give a Hugging Face model "
+                f"directory as {where}"
+            )
         return PRESETS[model_name]
     candidate = Path(model_name).expanduser()
     if not candidate.is_absolute() and base_dir is not None:
         candidate = base_dir / candidate
     if candidate.is_dir():
-        return _from_hf_config(candidate)
+        return _from_hf_config(candidate, hf_overrides, overrides_where)
     if _HF_REPO_ID.match(model_name):
         snapshot = cached_snapshot(model_name)
         if snapshot is not None:
-            return _from_hf_config(snapshot)
+            return _from_hf_config(snapshot, hf_overrides, overrides_where)
         roots = " or ".join(str(root) for root in hf_cache_roots()[-2:])
         raise ModelNotOnMachine(
             f"{where}: Hugging Face model '{model_name}' is not on this machine (model hubs are "
@@ -278,4 +348,18 @@ def architecture_for(
         f"{where}: '{model_name}' is neither a preset nor a local directory; "
         f"{hint}presets: {', '.join(sorted(PRESETS))} (model hubs are not reached: "
         "download a Hugging Face model to a directory and give its path)"
+    )
+
+
+def section_architecture(
+    section: dict[str, Any], *, where: str = "policy", base_dir: Path | None = None
+) -> Architecture:
+    """The architecture of a policy (or teacher) section named ``where``: its ``model_name``
+    with its ``hf_config_overrides``, the one way every consumer builds the same model."""
+    overrides = section.get("hf_config_overrides")
+    return architecture_for(
+        str(section["model_name"]),
+        base_dir=base_dir,
+        where=f"{where}.model_name",
+        hf_overrides=overrides if isinstance(overrides, dict) else None,
     )

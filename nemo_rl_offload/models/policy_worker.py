@@ -181,7 +181,7 @@ class PolicyWorker:
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         import torch
 
-        from nemo_rl_offload.config.model_presets import architecture_for
+        from nemo_rl_offload.config.model_presets import section_architecture
         from nemo_rl_offload.models.builder import build_gpt_model
         from nemo_rl_offload.models.chunked_logprobs import install as install_chunked_logprobs
         from nemo_rl_offload.models.parallel import initialize_megatron_parallel
@@ -212,8 +212,8 @@ class PolicyWorker:
                 world_size=self.world_size,
             )
         megatron_cfg = self.section["megatron_cfg"]
-        self.architecture = architecture_for(
-            self.section["model_name"], base_dir=Path.cwd(), where=f"{self.where}.model_name"
+        self.architecture = section_architecture(
+            self.section, where=self.where, base_dir=Path.cwd()
         )
         effective = apply.effective_settings(
             self.section,

@@ -750,7 +750,16 @@ def _token_batching(ctx: _Context) -> None:
             value = cfg.get(budget)
             if value is None:
                 continue
-            if not _is_int(value) or value < need:
+            if _is_int(value) and value < need and packing_on:
+                # NeMo-RL's packers refuse only a sequence longer than the pack, when one
+                # comes: most RL sequences are far shorter than max_total_sequence_length.
+                ctx.warn(
+                    f"warning: {ctx.where}.{key}.{budget}: {value} is less than "
+                    f"max_total_sequence_length {longest} (padded: {need}): a sequence longer "
+                    f"than {value} tokens stops the run when it occurs; set it to at least "
+                    f"{need} to rule that out"
+                )
+            elif not _is_int(value) or value < need:
                 ctx.error(
                     f"{ctx.where}.{key}.{budget}: {value} cannot hold a sequence of "
                     f"max_total_sequence_length {longest} (padded: {need}); set it to at "

@@ -21,6 +21,10 @@ LOSS = Metric("val", "val_loss")
         ("val:accuracy", "grpo", Metric("val", "val_reward")),  # NeMo-RL's name
         ("accuracy", "distillation", Metric("val", "val_reward")),
         ("val_preference_accuracy", "dpo", Metric("val", "val_preference_accuracy")),
+        # NeMo-RL's NeMo-Gym rollouts log total_reward/mean in both phases.
+        ("val:total_reward/mean", "grpo", Metric("val", "val_reward")),
+        ("train:total_reward/mean", "grpo", Metric("train", "reward")),
+        ("total_reward/mean", "grpo", Metric("val", "val_reward")),
     ],
 )
 def test_metric_names_resolve(name, algorithm, expected):
@@ -38,6 +42,8 @@ def test_metric_names_resolve(name, algorithm, expected):
         ("val:accuracy", "sft", "use one of"),
         ("test:val_loss", "sft", "starts with 'test:'"),
         ("train:val_loss", "sft", "does not produce"),
+        ("val:total_reward/mean", "sft", "does not produce"),
+        ("val:total_reward/max", "grpo", "does not produce"),
     ],
 )
 def test_unknown_metric_names_are_refused_with_the_choices(name, algorithm, says):

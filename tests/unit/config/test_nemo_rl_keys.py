@@ -116,7 +116,6 @@ def test_a_key_ignoring_which_changes_nothing_warns_once_and_is_silent_when_iner
             {"policy": {"megatron_cfg": {"fp8_cfg": {"enabled": True}}}},
             "policy.megatron_cfg.fp8_cfg",
         ),
-        ({"policy": {"hf_config_overrides": {"rope_scaling": {}}}}, "policy.hf_config_overrides"),
         ({"env": {"should_use_nemo_gym": True}}, "env.should_use_nemo_gym"),
         (
             {"policy": {"generation": {"top_p": 1.0, "val_top_p": 0.9}}},
