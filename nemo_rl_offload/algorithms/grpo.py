@@ -269,6 +269,7 @@ def collect_groups(
     # NeMo-RL's generation throughput counts the sequences' tokens (prompt and response); the
     # new tokens alone are what the sampler's speed is measured in (docs/generation.md).
     gpus = max(policy.workers, 1)
+    metrics["timing/train/generation"] = seconds  # NeMo-RL's phase timer names
     if seconds > 0:
         metrics.update(
             generation_tokens_per_sec_per_gpu=sequence_tokens / seconds / gpus,
@@ -387,6 +388,7 @@ def start(run: Run) -> loop.Steps:
         )
         loss_metrics: dict[str, float] = {}
         old_logprobs = None
+        logprobs_began = time.perf_counter()
         if options.needs_old_logprobs or error_threshold is not None:
             old_logprobs = run.forward_only(sequences, policy.token_logprobs)
             loss_metrics, dropped = loss_inputs.seq_logprob_error(
@@ -409,7 +411,12 @@ def start(run: Run) -> loop.Steps:
                 sequences, lambda forward: policy.token_logprobs(forward, reference=True)
             )
             batches.attach("reference_logprobs", reference)
+        training_began = time.perf_counter()
         metrics = policy.train(batches.shards, loss_spec)
+        phases = {
+            "timing/train/policy_and_reference_logprobs": training_began - logprobs_began,
+            "timing/train/policy_training": time.perf_counter() - training_began,
+        }
         loss_metrics.update(losses.grpo_metric_means(metrics))
         elapsed = time.perf_counter() - start
         return loop.TrainResult(
@@ -419,6 +426,7 @@ def start(run: Run) -> loop.Steps:
             values={
                 **loss_metrics,
                 **gathered,
+                **phases,
                 "response_tokens_mean": float(
                     np.mean([len(r) for g in groups for r in g.responses])
                 ),
