@@ -3,7 +3,9 @@ two CP ranks (all-gathered keys and values, the chunks' causal mask) against ful
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 from support import cp_attention_ranks
 from support.worker_ranks import run_ranks
 
@@ -46,3 +48,40 @@ def test_two_cp_ranks_attend_as_full_attention_with_gqa(tmp_path):
         assert set(result) == set(rows)
         for name, errors in result.items():
             assert max(errors.values()) < 1e-5, (name, errors)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_query_chunk_attends_its_keys_bottom_right_on_cuda(dtype):
+    """The CP attention's one SDPA call per query chunk (``causal_lower_right`` with grouped
+    query heads, which CPU tests run through the math kernel only) against float32 attention
+    with the explicit mask and keys and values repeated per head: outputs and gradients."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    torch.manual_seed(0)
+    sq, sk, heads, groups, dim = 512, 1536, 8, 2, 128
+    q = torch.randn(1, heads, sq, dim, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(1, groups, sk, dim, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(1, groups, sk, dim, device="cuda", dtype=dtype, requires_grad=True)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(sq, sk), enable_gqa=True
+    )
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    reference_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    rq, rk, rv = reference_inputs
+    ratio = heads // groups
+    mask = torch.ones(sq, sk, device="cuda", dtype=torch.bool).tril(sk - sq)
+    expected = F.scaled_dot_product_attention(
+        rq, rk.repeat_interleave(ratio, 1), rv.repeat_interleave(ratio, 1), attn_mask=mask
+    )
+    expected.backward(grad.float())
+    # Relative error over the whole tensor: a half-precision kernel is off by about its
+    # rounding (~1e-3 to 1e-2); a wrong mask by an order of one.
+    bound = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    for got, want in [(out, expected)] + [
+        (t.grad, r.grad) for t, r in zip((q, k, v), reference_inputs, strict=True)
+    ]:
+        error = float((got.float() - want).norm() / want.norm())
+        assert error < bound, error
