@@ -20,6 +20,11 @@ two linears (fc1's pre-hook opens ``mlp_fc1``; fc1's hook commits it and opens `
 pre-hook commits ``mlp_act`` and opens ``mlp_fc2``; fc2's hook commits it): Megatron's forward
 and its linears run unchanged, and the parameters keep their names. Nothing is released by force:
 each tensor's memory goes when the MLP's forward drops it, once its copy has been issued.
+
+The groups rely on how Megatron's ``MLP.forward`` runs (fc1 once, then the activation, then fc2
+once, each linear returning its output and bias) and on ``MLP.as_mlp_submodule`` building the
+class it is called on: :data:`FINGERPRINTS` holds their source hashes as checked, and the spec
+refuses the modules (one line) when the installed megatron-core's differ.
 """
 
 from __future__ import annotations
@@ -33,9 +38,35 @@ from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
 )
 from megatron.core.transformer.mlp import MLP
 
+from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES
+from nemo_rl_offload.offload.owned import CHECKED_MEGATRON_VERSION, fingerprint
 
 MLP_FC1, MLP_ACT, MLP_FC2 = "mlp_fc1", "mlp_act", "mlp_fc2"
+# Megatron's MLP methods the offload points rely on, and their source hashes
+# (owned.fingerprint) in megatron-core CHECKED_MEGATRON_VERSION.
+FINGERPRINTS = {"forward": "ffe0ebc9e20000af", "as_mlp_submodule": "be18d82adbf5db84"}
+
+
+def changed_mlp_code() -> list[str]:
+    """Names of the :data:`FINGERPRINTS` methods of the installed ``MLP`` whose source differs
+    from the checked one."""
+    return [
+        name for name, digest in FINGERPRINTS.items() if fingerprint(getattr(MLP, name)) != digest
+    ]
+
+
+def require_checked_mlp() -> None:
+    """Refuse the MLP's offload modules (UserInputError, one line) when Megatron's MLP code they
+    rely on is not the code they were checked against."""
+    changed = changed_mlp_code()
+    if changed:
+        names = ", ".join(f"MLP.{name}" for name in changed)
+        raise UserInputError(
+            f"policy.megatron_cfg.offload_modules: the MLP offload modules rely on megatron-core's "
+            f"{names}, which changed since megatron-core {CHECKED_MEGATRON_VERSION}; remove "
+            f"{sorted(MLP_OFFLOAD_MODULES)} or pin megatron-core=={CHECKED_MEGATRON_VERSION}"
+        )
 
 
 class OffloadingMLP(MLP):
@@ -116,7 +147,9 @@ def offloading_mlp_builder(mlp_builder: Any, offload_modules: frozenset[str]) ->
     """The layer spec's ``mlp`` builder with :class:`OffloadingMLP` (``offload_modules`` on) in
     place of Megatron's dense ``MLP``. ``mlp_builder`` must be the local spec's dense MLP
     (``functools.partial(MLP.as_mlp_submodule, submodules=...)``): any other MLP (experts,
-    Transformer Engine's fused MLP) is refused, since its saved tensors lie elsewhere."""
+    Transformer Engine's fused MLP) is refused, since its saved tensors lie elsewhere, and so
+    is a megatron-core whose MLP code differs from the checked one (:func:`require_checked_mlp`)."""
+    require_checked_mlp()
     if not (
         isinstance(mlp_builder, functools.partial)
         and getattr(mlp_builder.func, "__func__", None) is MLP.as_mlp_submodule.__func__

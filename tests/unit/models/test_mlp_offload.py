@@ -161,6 +161,18 @@ def test_groups_follow_the_mlp_and_stay_closed(megatron_cpu, effective_for, cpu_
     fgo.FineGrainedActivationOffloadingInterface.reset()
 
 
+def test_megatrons_mlp_code_is_the_checked_one_or_refused(monkeypatch):
+    """The installed MLP is the checked one (CI fails on a change); a changed one is refused in
+    one line naming the method."""
+    from nemo_rl_offload.errors import UserInputError
+    from nemo_rl_offload.models import mlp_offload
+
+    assert mlp_offload.changed_mlp_code() == []
+    monkeypatch.setitem(mlp_offload.FINGERPRINTS, "forward", "0" * 16)
+    with pytest.raises(UserInputError, match=r"rely on megatron-core's MLP.forward, which changed"):
+        mlp_offload.require_checked_mlp()
+
+
 def test_only_the_local_dense_mlp_is_replaced():
     from megatron.core.models.gpt import gpt_layer_specs
 
