@@ -44,6 +44,8 @@ from nemo_rl_offload.telemetry import environment  # noqa: E402
 
 FGO = {"fine_grained_activation_offloading": True}
 DENSE_FIVE = list(DENSE_MODULES)
+# This package's offload points in the dense MLP (nemo_rl_offload/models/mlp_offload.py).
+DENSE_MLP = ["mlp_fc1", "mlp_act", "mlp_fc2"]
 SELECTIVE_CORE_ATTN = {
     "activation_checkpointing": True,
     "recompute_granularity": "selective",
@@ -112,6 +114,10 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
     for name in ("no_offload", "fgo_attn_pair", "fgo_norms", "fgo_all5"):
         cases[f"{name}_graph"] = _graphed(cases[name])
     cases["fgo_all5_graph_inflight_2"] = _graphed(cases["fgo_all5"], inflight=2)
+    if "moe" not in model:  # the rules refuse the MLP's offload points on experts
+        cases["fgo_mlp"] = {**FGO, "offload_modules": DENSE_MLP}
+        cases["fgo_mlp_act"] = {**FGO, "offload_modules": ["mlp_act"]}
+        cases["fgo_all5_mlp"] = {**FGO, "offload_modules": DENSE_FIVE + DENSE_MLP}
     if "moe" in model:
         experts = list(EXPERT_MODULES)
         cases["fgo_experts"] = {**FGO, "offload_modules": experts}

@@ -88,12 +88,18 @@ def transformer_config_for(
     return kwargs, warnings
 
 
-def layer_spec(config: Any) -> Any:
+def layer_spec(config: Any, mlp_offload_modules: frozenset[str] = frozenset()) -> Any:
     """The transformer layer spec for ``config.transformer_impl`` (for the local spec, this
     pipeline stage's block spec where its final norm had to be replaced: see
-    :func:`_with_local_norms`)."""
+    :func:`_with_local_norms`), with the dense MLP's offload points ``mlp_offload_modules``
+    (:mod:`models.mlp_offload`; the rules allow them on the local spec's dense MLP only)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if mlp_offload_modules and (config.transformer_impl != "local" or config.num_moe_experts):
+        raise UserInputError(
+            f"policy.megatron_cfg.offload_modules: {sorted(mlp_offload_modules)} offload the "
+            "dense MLP of the local layer spec; remove them (the offload rules say why)"
+        )
     if config.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts,
@@ -114,6 +120,10 @@ def layer_spec(config: Any) -> Any:
         normalization=config.normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if mlp_offload_modules:
+        from nemo_rl_offload.models.mlp_offload import offloading_mlp_builder
+
+        spec.submodules.mlp = offloading_mlp_builder(spec.submodules.mlp, mlp_offload_modules)
     if config.num_moe_experts and config.moe_grouped_gemm:
         # Grouped experts without TE: TEGroupedMLP (where expert_fc1/moe_act are offloaded)
         # over pure-PyTorch grouped linears; the local spec would build SequentialMLP.
@@ -164,14 +174,27 @@ def build_gpt_model(
     wrapping (Float16Module, DDP) belong to the caller.
     """
     import torch
-    from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     kwargs, warnings = transformer_config_for(effective, on_gpu=on_gpu)
-    config = TransformerConfig(**kwargs)
-    model = GPTModel(
+    # This package's offload points go with the flag (off on CPU workers).
+    mlp_modules = apply.project_offload_modules(effective) if kwargs.get(FGO_FIELD) else frozenset()
+    config = apply.make_transformer_config(kwargs, mlp_modules)
+    model = gpt_model_for(config, architecture, mlp_modules)
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    return model, warnings
+
+
+def gpt_model_for(
+    config: Any, architecture: Architecture, mlp_offload_modules: frozenset[str] = frozenset()
+) -> GPTModel:
+    """The GPTModel of ``config`` for this pipeline stage, on the CPU, with the dense MLP's
+    offload points ``mlp_offload_modules``."""
+    from megatron.core import parallel_state
+
+    return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=layer_spec(config, mlp_offload_modules),
         vocab_size=architecture.vocab_size,
         max_sequence_length=architecture.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -180,6 +203,3 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=architecture.rotary_base,
     )
-    if on_gpu:
-        model.cuda(torch.cuda.current_device())
-    return model, warnings

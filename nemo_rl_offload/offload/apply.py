@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_rl_offload.config.model_presets import Architecture, has_experts
+from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES
 
 # megatron_cfg keys that are TransformerConfig fields of the same name.
 FGO_KEYS = (
@@ -251,6 +252,11 @@ def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:
     activation = effective.value("activation")
     if activation is not None:
         kwargs["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation]
+    modules = kwargs.get("offload_modules")
+    if isinstance(modules, list):
+        # This package's own module names reach the layer spec (project_offload_modules), not
+        # TransformerConfig, which refuses names it does not know.
+        kwargs["offload_modules"] = [name for name in modules if name not in MLP_OFFLOAD_MODULES]
     if kwargs.get("sequence_parallel") and (kwargs.get("tensor_model_parallel_size") or 1) == 1:
         # Megatron's config refuses sequence parallelism without tensor parallelism; with one
         # tensor-parallel rank it would split nothing, so it is off (validate warns).
@@ -258,8 +264,41 @@ def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:
     return kwargs
 
 
-def build_transformer_config(effective: EffectiveSettings) -> Any:
-    """Megatron-core's TransformerConfig for these settings (imports megatron-core)."""
+def project_offload_modules(effective: EffectiveSettings) -> frozenset[str]:
+    """The offload modules of this package (:data:`.capabilities.MLP_OFFLOAD_MODULES`) that the
+    settings turn on: the layer spec places them (``models.builder.layer_spec``)."""
+    if effective.value("fine_grained_activation_offloading") is not True:
+        return frozenset()
+    modules = effective.value("offload_modules")
+    if not isinstance(modules, list):
+        return frozenset()
+    return frozenset(name for name in modules if name in MLP_OFFLOAD_MODULES)
+
+
+def make_transformer_config(
+    kwargs: dict[str, Any], project_modules: frozenset[str] = frozenset()
+) -> Any:
+    """TransformerConfig(**kwargs), where offloading may be on with none of Megatron's own
+    modules listed, only this package's ``project_modules`` (:func:`project_offload_modules`):
+    Megatron asserts a non-empty list whenever its flag is on, so the config is made with the
+    flag off and the flag set afterwards. The flag is what makes the model open an offload chunk
+    per micro-batch and the schedules reset the manager; the checks Megatron skips that way are
+    the rules' (offload.rules), made on the recipe."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(**transformer_config_kwargs(effective))
+    if (
+        project_modules
+        and kwargs.get("fine_grained_activation_offloading")
+        and not kwargs.get("offload_modules")
+    ):
+        config = TransformerConfig(**{**kwargs, "fine_grained_activation_offloading": False})
+        config.fine_grained_activation_offloading = True
+        return config
+    return TransformerConfig(**kwargs)
+
+
+def build_transformer_config(effective: EffectiveSettings) -> Any:
+    """Megatron-core's TransformerConfig for these settings (imports megatron-core)."""
+    return make_transformer_config(
+        transformer_config_kwargs(effective), project_offload_modules(effective)
+    )

@@ -48,6 +48,11 @@ OFFLOAD_MODULES_BY_VERSION: dict[str, frozenset[str]] = {
 # one, selected by NVTE_CPU_OFFLOAD_V1=1 in every worker.
 TE_OFFLOAD_V1_ENV_FROM = (2, 10)
 MOE_OFFLOAD_MODULES = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
+# offload_modules this package adds to Megatron's (models.mlp_offload): the dense MLP's saved
+# tensors, which megatron-core 0.19 reaches only through Transformer Engine. Named as Megatron
+# names its points (the block, then the op whose saved tensors the group holds) and kept out of
+# TransformerConfig, which refuses names it does not know (offload.apply).
+MLP_OFFLOAD_MODULES = frozenset({"mlp_fc1", "mlp_act", "mlp_fc2"})
 
 
 @contextlib.contextmanager

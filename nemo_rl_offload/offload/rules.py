@@ -21,6 +21,7 @@ from typing import Any
 from nemo_rl_offload.config.model_presets import Architecture
 from nemo_rl_offload.offload import apply
 from nemo_rl_offload.offload.capabilities import (
+    MLP_OFFLOAD_MODULES,
     MOE_OFFLOAD_MODULES,
     Capabilities,
     transformer_config_fields,
@@ -200,7 +201,7 @@ def _module_list(ctx: _Context) -> None:
                 f"set {ctx.prefix}.fine_grained_activation_offloading=true to use it"
             )
         return
-    known = ctx.caps.offload_module_names
+    known = ctx.caps.offload_module_names | MLP_OFFLOAD_MODULES
     if raw is None or raw == []:
         ctx.error(
             f"{path}: fine-grained activation offloading is on but no modules are listed; "
@@ -214,7 +215,7 @@ def _module_list(ctx: _Context) -> None:
             hint = f"did you mean '{close[0]}'? " if close else ""
             ctx.error(
                 f"{path}: unknown module '{name}'; {hint}megatron-core "
-                f"{ctx.caps.megatron_version} offloads {_fmt(known)}"
+                f"{ctx.caps.megatron_version} with this package offloads {_fmt(known)}"
             )
     duplicates = sorted({name for name in modules if modules.count(name) > 1})
     if duplicates:
@@ -260,6 +261,46 @@ def _module_dependencies(ctx: _Context) -> None:
             f"nothing; set {ctx.prefix}.model_overrides.moe_grouped_gemm=true (Transformer "
             f"Engine's grouped linears, or this package's local ones without it), or remove "
             f"{_fmt(grouped)}"
+        )
+
+
+def _mlp_offload(ctx: _Context) -> None:
+    """The dense MLP's offload points (models.mlp_offload) exist where this package builds the
+    layer: Megatron's dense MLP of the local layer spec, run eagerly or under recompute of other
+    modules only."""
+    if not ctx.fgo_on:
+        return
+    mlp = set(ctx.modules) & MLP_OFFLOAD_MODULES
+    if not mlp:
+        return
+    path = ctx.path("offload_modules")
+    if ctx.is_moe:
+        ctx.error(
+            f"{path}: {_fmt(mlp)} offload the dense MLP, and this model's MLPs are experts; "
+            "offload expert_fc1/moe_act instead, or remove them"
+        )
+    if ctx.value("transformer_impl") != "local":
+        ctx.error(
+            f"{path}: {_fmt(mlp)} are placed in Megatron's local layer spec, and "
+            f"transformer_impl is {ctx.value('transformer_impl')!r}; set "
+            f"{ctx.prefix}.transformer_impl: local, or remove them"
+        )
+    impl = ctx.value("cuda_graph_impl", "none")
+    if impl not in (None, "none"):
+        ctx.error(
+            f"{path}: {_fmt(mlp)} are not checked under CUDA graphs (cuda_graph_impl is "
+            f"{impl!r}); set cuda_graph_impl: none, or remove them"
+        )
+    granularity = ctx.value("recompute_granularity")
+    if granularity == "full":
+        ctx.error(
+            f"{ctx.path('recompute_granularity')}: full recompute keeps no MLP activations to "
+            f"offload ({_fmt(mlp)}); remove them, or use selective recompute"
+        )
+    elif granularity == "selective" and "mlp" in _names(ctx.value("recompute_modules")):
+        ctx.error(
+            f"{ctx.path('recompute_modules')}: recomputing 'mlp' leaves nothing for "
+            f"{_fmt(mlp)} to offload; remove one of the two"
         )
 
 
@@ -677,6 +718,12 @@ def _offloaded_input_elements(ctx: _Context, tokens: int) -> dict[str, int]:
         "core_attn": tokens * heads * head_dim // tp,
         "attn_proj": tokens * heads * head_dim // tp,
     }
+    ffn = ctx.value("ffn_hidden_size")
+    if _is_int(ffn) and not ctx.is_moe:
+        gated = 2 if ctx.value("gated_linear_unit") else 1
+        sizes["mlp_fc1"] = norm_tokens * hidden
+        sizes["mlp_act"] = tokens * ffn * gated // tp
+        sizes["mlp_fc2"] = tokens * ffn // tp
     if ctx.is_moe:
         topk = ctx.value("moe_router_topk", 2)
         ffn = ctx.value("moe_ffn_hidden_size") or ctx.value("ffn_hidden_size") or 4 * hidden
@@ -805,6 +852,7 @@ _RULES = (
     _overrides,
     _module_list,
     _module_dependencies,
+    _mlp_offload,
     _exclusions,
     _ranges,
     _plan_budget,

@@ -58,7 +58,14 @@ ALLOCATOR_SLACK_GIB = 0.0625
 MODELS = {
     "dense": ("llama-1b", ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]),
     "moe": ("moe-1b", ["core_attn", "attn_proj", "expert_fc1", "moe_act"]),
+    # The five with the dense MLP's offload points (models.mlp_offload).
+    "dense_mlp": (
+        "llama-1b",
+        ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
+        + ["mlp_fc1", "mlp_act", "mlp_fc2"],
+    ),
 }
+DENSE = ("dense", "dense_mlp")
 # The MoE model again with Megatron's own hook code (the runtime's lean hooks off), which
 # failed this suite twice before the offload layer was owned (issue 19 part 4).
 MEGATRON_HOOKS = "moe_megatron_hooks"
@@ -161,7 +168,7 @@ def vocab() -> int:
     return architecture_for("llama-1b").vocab_size
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", MEGATRON_HOOKS])
+@pytest.mark.parametrize("kind", ["dense", "moe", MEGATRON_HOOKS, "dense_mlp"])
 def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
     model, modules = MODELS["moe" if kind == MEGATRON_HOOKS else kind]
     fgo = _worker(_section(model, modules, offload=True, deterministic=True, lr=1e-5))
@@ -234,7 +241,7 @@ def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
         # too, which replayed steps keep on the GPU): its peak may only be lower.
         assert first <= steady + tolerance, (shape, values)
     assert all(r["activation_peak_gib"] < r["plain_activation_peak_gib"] for r in records)
-    if kind == "dense":  # MoE expert sizes follow the routing: its pool may still adjust
+    if kind in DENSE:  # MoE expert sizes follow the routing: its pool may still adjust
         for before, after in zip(records, records[1:], strict=False):
             if not after["new_shape"]:
                 assert after["offload_pool_gib"] == before["offload_pool_gib"], (before, after)
@@ -259,7 +266,7 @@ def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
     # latency and varies several-fold between runs and steps
     # (benchmarks/results/2026-11-24_h100_offload_runtime_moe.json).
     assert all(r["d2h_gib"] == r["h2d_gib"] for r in records)
-    floor_gb_per_s = 20.0 if kind == "dense" else 4.0
+    floor_gb_per_s = 20.0 if kind in DENSE else 4.0
     replayed = [r for r in records if not r["new_shape"]]
     for way in ("d2h", "h2d"):
         gib = sum(r[f"{way}_gib"] for r in replayed)

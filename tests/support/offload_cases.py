@@ -6,10 +6,76 @@ from __future__ import annotations
 from support.policies import NO_TE, TE_2_10, P
 
 FGO = {"fine_grained_activation_offloading": True}
+MLP_MODULES = ["mlp_fc1", "mlp_act", "mlp_fc2"]
+FIVE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
 MOE_TE = {"transformer_impl": "transformer_engine", "model_overrides": {"moe_grouped_gemm": True}}
 
 # (id, model, caps, settings, error path, fragments of the message that must appear)
 REJECTED = [
+    (
+        "mlp_on_moe",
+        "tiny-moe",
+        NO_TE,
+        {**FGO, "offload_modules": ["core_attn", "mlp_fc1"]},
+        f"{P}.offload_modules",
+        ["[mlp_fc1] offload the dense MLP", "expert_fc1/moe_act"],
+    ),
+    (
+        "mlp_with_te_spec",
+        "tiny-dense",
+        TE_2_10,
+        {**FGO, "transformer_impl": "transformer_engine", "offload_modules": ["mlp_act"]},
+        f"{P}.offload_modules",
+        ["local layer spec", "transformer_impl: local"],
+    ),
+    (
+        "mlp_with_full_iteration_graphs",
+        "tiny-dense",
+        NO_TE,
+        {
+            **FGO,
+            "offload_modules": ["mlp_fc2"],
+            "cuda_graph_impl": "full_iteration",
+            "fine_grained_offloading_max_inflight_offloads": 4,
+        },
+        f"{P}.offload_modules",
+        ["not checked under CUDA graphs", "cuda_graph_impl: none"],
+    ),
+    (
+        "mlp_with_full_recompute",
+        "tiny-dense",
+        NO_TE,
+        {
+            **FGO,
+            "offload_modules": MLP_MODULES,
+            "activation_checkpointing": True,
+            "recompute_granularity": "full",
+        },
+        f"{P}.recompute_granularity",
+        ["full recompute keeps no MLP activations", "selective recompute"],
+    ),
+    (
+        "mlp_with_mlp_recompute",
+        "tiny-dense",
+        NO_TE,
+        {
+            **FGO,
+            "offload_modules": ["mlp_fc1"],
+            "activation_checkpointing": True,
+            "recompute_granularity": "selective",
+            "recompute_modules": ["mlp"],
+        },
+        f"{P}.recompute_modules",
+        ["recomputing 'mlp' leaves nothing for [mlp_fc1]"],
+    ),
+    (
+        "mlp_unknown_name",
+        "tiny-dense",
+        NO_TE,
+        {**FGO, "offload_modules": ["mlp_fc3"]},
+        f"{P}.offload_modules",
+        ["unknown module 'mlp_fc3'", "did you mean 'mlp_fc"],
+    ),
     (
         "backend_off",
         "tiny-dense",
@@ -457,6 +523,20 @@ REJECTED = [
 
 # (id, model, caps, settings) that must pass with no error at all: the nearest fixes.
 ACCEPTED = [
+    ("mlp_only", "tiny-dense", NO_TE, {**FGO, "offload_modules": MLP_MODULES}),
+    ("mlp_with_the_five", "tiny-dense", NO_TE, {**FGO, "offload_modules": FIVE + MLP_MODULES}),
+    (
+        "mlp_with_selective_core_attn_recompute",
+        "tiny-dense",
+        NO_TE,
+        {
+            **FGO,
+            "offload_modules": ["mlp_act"],
+            "activation_checkpointing": True,
+            "recompute_granularity": "selective",
+            "recompute_modules": ["core_attn"],
+        },
+    ),
     (
         "expert_offload_local_grouped_mlp",
         "tiny-moe",

@@ -81,6 +81,15 @@ def test_the_default_run_graphs_at_max_inflight_4_and_uses_the_runtimes_own_copi
     ), graphed
 
 
+def test_dense_matrix_offloads_the_mlp_and_the_rules_accept_it():
+    """The dense MLP's offload points are cases of the dense matrix only (refused on experts)."""
+    dense = bench.cases_for("llama-1b")
+    assert dense["fgo_all5_mlp"]["offload_modules"] == bench.DENSE_FIVE + bench.DENSE_MLP
+    for name in ("fgo_mlp", "fgo_mlp_act", "fgo_all5_mlp"):
+        assert bench.check_section(bench.section_for("llama-1b", 4096, dense[name])) == []
+    assert not any(name.startswith("fgo_mlp") for name in bench.cases_for("moe-1b"))
+
+
 DROP_AND_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
 
 

@@ -35,6 +35,28 @@ def test_fgo_settings_reach_transformer_config():
     assert config.fine_grained_offloading_max_inflight_offloads == 2
 
 
+def test_the_mlp_offload_modules_reach_the_spec_not_transformer_config():
+    """Megatron's TransformerConfig refuses names it does not know: this package's MLP modules
+    go to the layer spec (project_offload_modules), Megatron's to the config."""
+    effective, config = _build(
+        fine_grained_activation_offloading=True, offload_modules=["core_attn", "mlp_act"]
+    )
+    assert config.offload_modules == ["core_attn"]
+    assert apply.project_offload_modules(effective) == frozenset({"mlp_act"})
+    # Only this package's modules: offloading stays on (the model opens offload chunks).
+    effective, config = _build(
+        fine_grained_activation_offloading=True, offload_modules=["mlp_fc1", "mlp_fc2"]
+    )
+    assert config.fine_grained_activation_offloading is True and config.offload_modules == []
+    assert apply.project_offload_modules(effective) == frozenset({"mlp_fc1", "mlp_fc2"})
+    # Offloading off: none placed, whatever is listed.
+    effective, config = _build(
+        fine_grained_activation_offloading=False, offload_modules=["mlp_fc1"]
+    )
+    assert apply.project_offload_modules(effective) == frozenset()
+    assert config.fine_grained_activation_offloading is False
+
+
 def test_unset_knobs_keep_megatron_defaults():
     from megatron.core.transformer.transformer_config import TransformerConfig
 

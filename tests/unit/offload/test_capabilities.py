@@ -17,6 +17,14 @@ def test_module_names_asked_from_installed_megatron_match_the_table():
     assert caps.offload_module_names == OFFLOAD_MODULES_BY_VERSION[minor]
 
 
+def test_this_packages_module_names_are_not_megatrons():
+    """The dense MLP's offload points (models.mlp_offload) keep names Megatron does not use, so
+    neither can be mistaken for the other."""
+    assert capabilities.MLP_OFFLOAD_MODULES.isdisjoint(capabilities.detect().offload_module_names)
+    for names in OFFLOAD_MODULES_BY_VERSION.values():
+        assert capabilities.MLP_OFFLOAD_MODULES.isdisjoint(names)
+
+
 def test_table_fallback_when_megatron_cannot_answer(monkeypatch):
     monkeypatch.setattr(capabilities, "_names_from_megatron", lambda: None)
     capabilities.detect.cache_clear()

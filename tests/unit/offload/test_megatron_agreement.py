@@ -45,6 +45,12 @@ STRICTER_BY_DESIGN = {
     "full_iteration_moe",  # capture fails at run time (host sync in the token dispatch)
     "full_iteration_moe_capacity_without_padding",  # dropping alone still syncs
     "full_iteration_moe_allgather",  # the allgather dispatcher syncs always
+    # This package's dense-MLP offload modules never reach TransformerConfig (offload.apply).
+    "mlp_on_moe",
+    "mlp_with_te_spec",
+    "mlp_with_full_iteration_graphs",
+    "mlp_with_full_recompute",
+    "mlp_with_mlp_recompute",
 }
 
 

@@ -192,6 +192,23 @@ def test_min_size_warning_counts_only_small_modules():
     assert "core_attn ~4,194,304" in line and "attn_norm" not in line
 
 
+def test_mlp_inputs_under_min_size_warn_by_their_own_sizes():
+    # tiny-dense at 4096 tokens: fc1's input is 4096 x hidden 128 = 524,288 elements, under the
+    # default minimum; the gated activation's (2 x ffn 352) and fc2's (ffn) are over it.
+    findings = check("tiny-dense", NO_TE, **FGO, offload_modules=["mlp_fc1", "mlp_act", "mlp_fc2"])
+    assert findings.errors == []
+    (line,) = [w for w in findings.warnings if "min_offloaded_tensor_size" in w]
+    assert "mlp_fc1 ~524,288" in line and "mlp_act" not in line and "mlp_fc2" not in line
+    lowered = check(
+        "tiny-dense",
+        NO_TE,
+        **FGO,
+        offload_modules=["mlp_fc1"],
+        min_offloaded_tensor_size=524288,
+    )
+    assert not [w for w in lowered.warnings if "min_offloaded_tensor_size" in w]
+
+
 def test_fgo_on_cpu_is_reported_not_dropped():
     findings = check("tiny-dense", NO_TE, gpus=0, **FGO, offload_modules=["core_attn"])
     assert any("GPU-only" in w and "CPU workers" in w for w in findings.warnings)

@@ -1,0 +1,164 @@
+"""Offload points for the dense MLP's saved tensors on the local layer spec.
+
+megatron-core 0.19 offloads the attention block and the norm inputs without Transformer Engine,
+but not the dense MLP, whose saved tensors are about half of a layer's: fc1's input, what the
+activation saves (fc1's output), and fc2's input (the activation's output). This module adds
+three offload groups for them, run by Megatron's own offload manager (the runtime's plans,
+pinned pool and telemetry treat them like Megatron's groups):
+
+- ``mlp_fc1``: what fc1 saves (its input, the pre-MLP norm's output);
+- ``mlp_act``: what autograd saves between fc1 and fc2 (the bias add, the activation or gated
+  unit and a per-token scale: fc1's output, and the gate's activation for a gated unit);
+- ``mlp_fc2``: what fc2 saves (its input, the activation's output).
+
+Each group is marked the way Megatron marks its attention groups: a group start on the input
+(``FineGrainedActivationOffloadingInterface.__enter__``: the start function, then the saved-
+tensor hooks), and a commit on the output (``group_offload``), whose backward waits for the
+group's reload before the group's own backward runs. Megatron's ``MLP.forward`` calls fc1, the
+activation and fc2 in one function, so the groups are opened and closed by forward hooks on its
+two linears (fc1's pre-hook opens ``mlp_fc1``; fc1's hook commits it and opens ``mlp_act``; fc2's
+pre-hook commits ``mlp_act`` and opens ``mlp_fc2``; fc2's hook commits it): Megatron's forward
+and its linears run unchanged, and the parameters keep their names. Nothing is released by force:
+each tensor's memory goes when the MLP's forward drops it, once its copy has been issued.
+
+The groups rely on how Megatron's ``MLP.forward`` runs (fc1 once, then the activation, then fc2
+once, each linear returning its output and bias) and on ``MLP.as_mlp_submodule`` building the
+class it is called on: :data:`FINGERPRINTS` holds their source hashes as checked, and the spec
+refuses the modules (one line) when the installed megatron-core's differ.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
+    FineGrainedActivationOffloadingInterface as OffloadGroup,
+)
+from megatron.core.transformer.mlp import MLP
+
+from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES
+from nemo_rl_offload.offload.owned import CHECKED_MEGATRON_VERSION, fingerprint
+
+MLP_FC1, MLP_ACT, MLP_FC2 = "mlp_fc1", "mlp_act", "mlp_fc2"
+# Megatron's MLP methods the offload points rely on, and their source hashes
+# (owned.fingerprint) in megatron-core CHECKED_MEGATRON_VERSION.
+FINGERPRINTS = {"forward": "ffe0ebc9e20000af", "as_mlp_submodule": "be18d82adbf5db84"}
+
+
+def changed_mlp_code() -> list[str]:
+    """Names of the :data:`FINGERPRINTS` methods of the installed ``MLP`` whose source differs
+    from the checked one."""
+    return [
+        name for name, digest in FINGERPRINTS.items() if fingerprint(getattr(MLP, name)) != digest
+    ]
+
+
+def require_checked_mlp() -> None:
+    """Refuse the MLP's offload modules (UserInputError, one line) when Megatron's MLP code they
+    rely on is not the code they were checked against."""
+    changed = changed_mlp_code()
+    if changed:
+        names = ", ".join(f"MLP.{name}" for name in changed)
+        raise UserInputError(
+            f"policy.megatron_cfg.offload_modules: the MLP offload modules rely on megatron-core's "
+            f"{names}, which changed since megatron-core {CHECKED_MEGATRON_VERSION}; remove "
+            f"{sorted(MLP_OFFLOAD_MODULES)} or pin megatron-core=={CHECKED_MEGATRON_VERSION}"
+        )
+
+
+class OffloadingMLP(MLP):
+    """Megatron's dense MLP with the offload groups of :data:`MLP_OFFLOAD_MODULES` that
+    :meth:`place_offload_points` turns on (none: Megatron's MLP exactly)."""
+
+    offload_modules: frozenset[str] = frozenset()
+    _open: OffloadGroup | None = None  # the group whose saved-tensor hooks are on
+
+    def place_offload_points(self, modules: frozenset[str]) -> None:
+        """Turn on the offload groups ``modules`` (a subset of :data:`MLP_OFFLOAD_MODULES`)."""
+        unknown = set(modules) - MLP_OFFLOAD_MODULES
+        if unknown:
+            raise ValueError(f"not MLP offload modules: {sorted(unknown)}")
+        self.offload_modules = frozenset(modules)
+        self._handles = [
+            self.linear_fc1.register_forward_pre_hook(self._before_fc1),
+            self.linear_fc1.register_forward_hook(self._after_fc1),
+            self.linear_fc2.register_forward_pre_hook(self._before_fc2),
+            self.linear_fc2.register_forward_hook(self._after_fc2),
+        ]
+
+    def forward(self, hidden_states: Any, per_token_scale: Any = None, **kwargs: Any) -> Any:
+        """Megatron's forward; a group's saved-tensor hooks are turned off whatever happens (an
+        exception inside must not leave every later saved tensor in an offload group)."""
+        try:
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        finally:
+            self._close()
+
+    # --- the groups ----------------------------------------------------------------------
+
+    def _open_group(self, name: str, tensor: Any) -> Any:
+        """Start group ``name`` (a no-op when it is off) on ``tensor`` and turn its saved-tensor
+        hooks on; returns the tensor the group's ops must use."""
+        self._close()
+        self._open = OffloadGroup(name in self.offload_modules, tensor, name)
+        return self._open.__enter__()
+
+    def _close(self) -> OffloadGroup | None:
+        """Turn the open group's saved-tensor hooks off; returns it, to be committed."""
+        group, self._open = self._open, None
+        if group is not None:
+            group.__exit__(None, None, None)
+        return group
+
+    def _commit(self, name: str, tensor: Any) -> Any:
+        """Close the open group and commit it on ``tensor`` (its output) if it is ``name``."""
+        group = self._close()
+        if group is None or group.name != name:
+            return tensor
+        return group.group_offload(tensor)
+
+    def _before_fc1(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (self._open_group(MLP_FC1, args[0]), *args[1:])
+
+    def _after_fc1(self, module: Any, args: Any, output: Any) -> Any:
+        out, bias = output
+        out = self._commit(MLP_FC1, out)
+        return self._open_group(MLP_ACT, out), bias
+
+    def _before_fc2(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = self._commit(MLP_ACT, args[0])
+        return (self._open_group(MLP_FC2, hidden), *args[1:])
+
+    def _after_fc2(self, module: Any, args: Any, output: Any) -> Any:
+        out, bias = output
+        return self._commit(MLP_FC2, out), bias
+
+
+def _build(offload_modules: frozenset[str], **kwargs: Any) -> OffloadingMLP:
+    mlp = OffloadingMLP.as_mlp_submodule(**kwargs)
+    mlp.place_offload_points(offload_modules)
+    return mlp
+
+
+def offloading_mlp_builder(mlp_builder: Any, offload_modules: frozenset[str]) -> Callable:
+    """The layer spec's ``mlp`` builder with :class:`OffloadingMLP` (``offload_modules`` on) in
+    place of Megatron's dense ``MLP``. ``mlp_builder`` must be the local spec's dense MLP
+    (``functools.partial(MLP.as_mlp_submodule, submodules=...)``): any other MLP (experts,
+    Transformer Engine's fused MLP) is refused, since its saved tensors lie elsewhere, and so
+    is a megatron-core whose MLP code differs from the checked one (:func:`require_checked_mlp`)."""
+    require_checked_mlp()
+    if not (
+        isinstance(mlp_builder, functools.partial)
+        and getattr(mlp_builder.func, "__func__", None) is MLP.as_mlp_submodule.__func__
+        and set(mlp_builder.keywords) == {"submodules"}
+    ):
+        raise ValueError(
+            f"{sorted(offload_modules)} offload Megatron's dense MLP of the local layer spec; "
+            f"this layer's MLP is built by {mlp_builder!r}"
+        )
+    return functools.partial(
+        _build, offload_modules=frozenset(offload_modules), **mlp_builder.keywords
+    )
