@@ -556,15 +556,25 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         outside the bulk reloads the copy timing covers, so they are timed here (every reload of
         a MoE warm-up step goes this way).
 
-        Stands in for: Megatron-LM issue 7398.
+        A tensor a bulk reload brought back is used only after that reload: Megatron waits for
+        a group's reload at the group's backward commit, but a group that encloses others (a
+        norm group opened before the attention or MLP groups and committed after them) is used
+        by the norm's backward before its commit in the step that records the plan, so here the
+        compute stream waits for a reload still pending (``_reloading_group``) before handing
+        its tensor out. Megatron's commit still waits and forgets the group as before.
+
+        Stands in for: Megatron-LM issue 7398 (the offload wait); no upstream issue (the reload
+        wait of enclosing groups).
         Remove when: the installed megatron-core's ``tensor_pop`` waits for the group's offload
-        event itself."""
+        event itself, and for a pending reload of the group."""
         choices = self.choices
         if isinstance(tensor_tag, torch.Tensor):
             return super().tensor_pop(tensor_tag)
         group = self.offload_groups[tensor_tag[0] - 1]
         state = group._tensors.get(tensor_tag)
-        if not isinstance(state, tuple):  # on the GPU already
+        if not isinstance(state, tuple):  # on the GPU already, perhaps by a pending reload
+            if not fgo.is_graph_capturing() and group in self._reloading_group:
+                group.wait_reload_event(torch.cuda.current_stream())
             return super().tensor_pop(tensor_tag)
         stream = torch.cuda.current_stream()
         if choices.reload_waits_for_offload:

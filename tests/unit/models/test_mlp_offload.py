@@ -191,23 +191,13 @@ def test_only_the_local_dense_mlp_is_replaced():
         offloading_mlp_builder(moe.submodules.mlp, frozenset(MLP))
 
 
-NESTED_REASON = (
-    "Megatron's warm-up step reloads a group that encloses others (attn_norm around the attention "
-    "groups, mlp_norm around the MLP's) on the reload stream after its backward commit has "
-    "looked for it, so its backward uses the reload without waiting for it (on a GPU, a race); "
-    "OwnedChunkHandler.tensor_pop could wait for such a group's reload event"
-)
-
-
 @pytest.mark.parametrize(
     "modules",
     [
         MLP,
         ["qkv_linear", "core_attn", "attn_proj"],
-        pytest.param(
-            ["mlp_norm", *MLP], marks=pytest.mark.xfail(strict=True, reason=NESTED_REASON)
-        ),
-        pytest.param(ATTENTION_BLOCK, marks=pytest.mark.xfail(strict=True, reason=NESTED_REASON)),
+        ["mlp_norm", *MLP],
+        ATTENTION_BLOCK,
     ],
     ids=["mlp", "attention_groups", "mlp_norm_around_mlp", "attn_norm_around_attention"],
 )
@@ -215,19 +205,37 @@ def test_every_bulk_reload_is_waited_for_before_its_use(
     megatron_cpu, effective_for, cpu_offload, monkeypatch, modules
 ):
     """A tensor a bulk reload brought back is used only after the compute stream waited for
-    that reload (its group's backward commit found it), in the step that records the plan and in
-    replayed steps."""
+    that reload, in the step that records the plan and in replayed steps: also a group that
+    encloses others (attn_norm around the attention groups, mlp_norm around the MLP's), which
+    Megatron's warm-up step reloads after its backward commit looked for it
+    (``OwnedChunkHandler.tensor_pop`` waits for such a pending reload)."""
     unwaited: list[str] = []
     pop = owned.OwnedChunkHandler.tensor_pop
+    waited: set[int] = set()  # groups whose latest reload the compute stream waited for
+    record, wait = (
+        fgo.OffloadTensorGroup.record_reload_event,
+        fgo.OffloadTensorGroup.wait_reload_event,
+    )
+
+    def recording_record(group: Any, stream: Any) -> Any:
+        waited.discard(id(group))
+        return record(group, stream)
+
+    def recording_wait(group: Any, stream: Any) -> Any:
+        waited.add(id(group))
+        return wait(group, stream)
 
     def checked_pop(handler: Any, tag: Any) -> Any:
+        result = pop(handler, tag)
         if not isinstance(tag, torch.Tensor):
             group = handler.offload_groups[tag[0] - 1]
-            reloaded = not isinstance(group._tensors.get(tag), tuple)
-            if reloaded and group in handler._reloading_group:  # reloaded, never waited for
+            reloaded = group in handler._reloading_group or id(group) in waited
+            if reloaded and id(group) not in waited:
                 unwaited.append(group._name)
-        return pop(handler, tag)
+        return result
 
+    monkeypatch.setattr(fgo.OffloadTensorGroup, "record_reload_event", recording_record)
+    monkeypatch.setattr(fgo.OffloadTensorGroup, "wait_reload_event", recording_wait)
     monkeypatch.setattr(owned.OwnedChunkHandler, "tensor_pop", checked_pop)
     model, config = _model(effective_for, modules)
     offload = runtime.OffloadRuntime(config, choices=apply.RuntimeChoices(lean_hooks=False))

@@ -154,7 +154,7 @@ def test_a_reload_on_the_compute_stream_waits_for_its_offload_copy(monkeypatch, 
     choices = owned.PlanChoices(reload_waits_for_offload=waits, copy_timer=timer)
     chunk = _bare(owned.OwnedChunkHandler, choices=choices, cpu_tensor_pool=_pool())
     group = fgo.OffloadTensorGroup("core_attn")
-    chunk.offload_groups = [group]
+    chunk.offload_groups, chunk._reloading_group = [group], []
     saved, kept = torch.randn(4, 8), torch.randn(3)
     group.push_tensor((1, 0), _offload(chunk, saved))  # offloaded: (device, host, pooled)
     group.push_tensor((1, 1), kept)  # kept on the device
@@ -167,6 +167,13 @@ def test_a_reload_on_the_compute_stream_waits_for_its_offload_copy(monkeypatch, 
     assert log == expected
     log.clear()
     assert chunk.tensor_pop((1, 1)) is kept and log == []  # no copy: no wait, no timing
+    # A tensor a bulk reload brought back while that reload is pending (a group enclosing
+    # others, in the step recording the plan): the compute stream waits for the reload first.
+    reloaded = torch.randn(5)
+    group.push_tensor((1, 2), reloaded)
+    chunk._reloading_group.append(group)
+    assert chunk.tensor_pop((1, 2)) is reloaded and log == [("wait", group._reload_event)]
+    log.clear()
     plain = torch.randn(2)
     assert chunk.tensor_pop(plain) is plain and log == []  # a tensor Megatron did not tag
 
