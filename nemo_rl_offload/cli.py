@@ -130,14 +130,18 @@ def _run_telemetry(args: argparse.Namespace) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     from nemo_rl_offload import planner
 
-    result = planner.plan(
-        args.config,
-        args.overrides,
-        budgets_gib=args.budget_gib,
-        budget_fractions=args.budget_fraction,
-        steps=args.steps,
-        max_trials=args.max_trials,
-    )
+    try:
+        result = planner.plan(
+            args.config,
+            args.overrides,
+            budgets_gib=args.budget_gib,
+            budget_fractions=args.budget_fraction,
+            steps=args.steps,
+            max_trials=args.max_trials,
+        )
+    except planner.ProfileFailed as failed:
+        print(f"error: {failed}", file=sys.stderr)
+        return 1
     if args.json:
         from nemo_rl_offload.telemetry import write_json
 
