@@ -411,7 +411,7 @@ def write_case_record(target: Path, name: str, settings: dict[str, Any], run: An
 
     try:
         record = run()
-    except Exception as exc:  # any failure of the case is its result
+    except (Exception, SystemExit) as exc:  # any failure of the case is its result
         target.write_text(json.dumps(failed_record(name, settings, from_exception(exc))))
         return 1
     target.write_text(json.dumps(record))

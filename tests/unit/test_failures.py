@@ -77,23 +77,26 @@ def test_a_worker_error_is_read_from_the_workers_text():
 
 
 CHILD = """
-import sys
+import os, signal, sys
 from pathlib import Path
 sys.path.insert(0, {bench!r})
 import offload_benchmark as bench
 def run():
     kind = sys.argv[2]
-    if kind == "oom":
-        import torch
-        raise torch.OutOfMemoryError({oom!r})
+    if kind == "oom":  # torch.OutOfMemoryError's name and message, without importing torch
+        class OutOfMemoryError(RuntimeError):
+            pass
+        raise OutOfMemoryError({oom!r})
     if kind == "bug":
         raise RuntimeError("the schedule lost a micro-batch")
     if kind == "ok":
         return {{"case": "c", "peak_gib": 1.0}}
     if kind == "dies":  # before it could write anything: a traceback, then a shutdown warning
         sys.stderr.write("Traceback:\\nAssertionError: rank mismatch\\n" + {warning!r} + "\\n")
-        sys.exit(3)
-    import os, signal
+        sys.stderr.flush()
+        os._exit(3)
+    if kind == "exits":  # the recipe's problems, as recipe_section ends a case
+        raise SystemExit("policy.model_name: no such model")
     os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(bench.write_case_record(Path(sys.argv[1]), "c", {{"k": 1}}, run))
 """
@@ -122,6 +125,7 @@ def test_the_benchmark_child_reports_why_it_failed(child):
     assert child("bug")["failed"] == "RuntimeError: the schedule lost a micro-batch"
     assert child("ok") == {"case": "c", "peak_gib": 1.0}
     assert child("dies")["failed"] == "AssertionError: rank mismatch"
+    assert child("exits")["failed"] == "SystemExit: policy.model_name: no such model"
     assert child("killed")["failed"] == "killed: the process was killed by signal 9"
     row = bench.table([{"case": "c", "settings": {}, **child("bug")}]).splitlines()[-1]
     assert row.startswith("| c | failed: RuntimeError: the schedule lost a micro-batch |")
