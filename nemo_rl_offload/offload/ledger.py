@@ -86,6 +86,12 @@ class Entry:
     # module's output): their offload regions reach it too.
     shared_with: list[str] = field(default_factory=list)
 
+    @property
+    def lifetime(self) -> str:
+        """Saved in the owner's forward, freed when the owner's backward has run (a module
+        that saved the same storage later runs its backward earlier)."""
+        return f"forward of {self.owner} -> backward of {self.owner}"
+
     def bytes_at(self, tokens: int) -> float:
         return self.bytes_per_token * tokens + self.fixed_bytes
 
@@ -114,6 +120,8 @@ class Ledger:
     tokens_source: str
     lengths: tuple[int, int]
     kinds: list[LayerKind] = field(default_factory=list)
+    # What the ledger does not show of the recipe (its parallel sizes divide it per rank).
+    notes: list[str] = field(default_factory=list)
 
     def total_bytes(self, tokens: int | None = None) -> float:
         """Saved bytes of one micro-batch of ``tokens`` tokens (the recipe's by default)."""
@@ -131,6 +139,8 @@ class Ledger:
         data["offloadable_bytes_per_microbatch"] = self.offloadable_bytes()
         for kind, out in zip(self.kinds, data["kinds"], strict=True):
             out["bytes_per_layer"] = kind.bytes_at(self.tokens_per_microbatch)
+            for entry, entry_out in zip(kind.entries, out["entries"], strict=True):
+                entry_out["lifetime"] = entry.lifetime
         return data
 
 
@@ -431,7 +441,39 @@ def build_ledger(
                 kinds.append(LayerKind(MODEL, 1, model_entries))
     kinds.sort(key=lambda k: k.kind == MODEL)
     dtype = str(section.get("precision") or "float32")
-    return Ledger(architecture.name, dtype, tokens, source, tuple(lengths), kinds)
+    return Ledger(
+        architecture.name, dtype, tokens, source, tuple(lengths), kinds, parallel_notes(effective)
+    )
+
+
+def parallel_notes(effective: EffectiveSettings) -> list[str]:
+    """How the recipe's parallel sizes change what one rank holds, which the ledger (of a
+    full layer on one rank) does not show."""
+    notes = []
+    tp = int(effective.value("tensor_model_parallel_size") or 1)
+    if tp > 1:
+        sp = (
+            " and, with sequence_parallel, of the norms"
+            if effective.value("sequence_parallel")
+            else ""
+        )
+        notes.append(
+            f"tensor_model_parallel_size {tp}: each rank holds about 1/{tp} of the attention "
+            f"and MLP entries{sp}"
+        )
+    pp = int(effective.value("pipeline_model_parallel_size") or 1)
+    if pp > 1:
+        notes.append(
+            f"pipeline_model_parallel_size {pp}: each stage holds its own layers, for as many "
+            "micro-batches as are in flight on it"
+        )
+    ep = int(effective.value("expert_model_parallel_size") or 1)
+    if ep > 1:
+        notes.append(
+            f"expert_model_parallel_size {ep}: each rank holds the expert entries of the "
+            "tokens routed to its experts"
+        )
+    return notes
 
 
 def _size(nbytes: float) -> str:
@@ -475,6 +517,8 @@ def format_ledger(ledger: Ledger, out: TextIO) -> None:
                 + (f"  ({'; '.join(notes)})" if notes else ""),
                 file=out,
             )
+    for note in ledger.notes:
+        print(f"note: {note}", file=out)
     total, reach = ledger.total_bytes(), ledger.offloadable_bytes()
     share = 100 * reach / total if total else 0.0
     print(

@@ -134,3 +134,31 @@ def test_cli_ledger_of_a_bad_recipe_is_one_line():
     argv = ["plan", "--ledger", "--config", config, "policy.model_name=no-such-model"]
     assert cli.main(argv, out, err) == cli.EXIT_USER_ERROR
     assert "policy.model_name" in err.getvalue() and "Traceback" not in err.getvalue()
+
+
+def test_parallel_sizes_are_named_not_measured():
+    section = _section(
+        "tiny-dense", tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2
+    )
+    effective = apply.effective_settings(
+        section, architecture_for("tiny-dense"), te_installed=False
+    )
+    (note,) = ledger.parallel_notes(effective)
+    assert note.startswith("tensor_model_parallel_size 2: each rank holds about 1/2")
+    assert "sequence_parallel" in note
+    tokens, source = ledger.tokens_per_microbatch(section)
+    assert tokens == 2 * 64 // 2 and source.endswith("context_parallel_size 2")
+    assert (
+        ledger.parallel_notes(
+            apply.effective_settings(
+                _section("tiny-dense"), architecture_for("tiny-dense"), te_installed=False
+            )
+        )
+        == []
+    )
+
+
+def test_json_gives_each_entry_its_lifetime(dense):
+    data = dense.as_json()
+    entry = data["kinds"][0]["entries"][0]
+    assert entry["lifetime"] == f"forward of {entry['owner']} -> backward of {entry['owner']}"
