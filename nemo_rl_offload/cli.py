@@ -155,7 +155,8 @@ def _cmd_ledger(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     workers)."""
     from pathlib import Path
 
-    from nemo_rl_offload.offload.ledger import build_ledger, format_ledger
+    from nemo_rl_offload.models.ledger_run import build_ledger
+    from nemo_rl_offload.offload.ledger import format_ledger
     from nemo_rl_offload.preflight import load_and_check
 
     report = load_and_check(args.config, args.overrides)

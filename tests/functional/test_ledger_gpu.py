@@ -51,7 +51,7 @@ def _section() -> dict:
 # Megatron's CPU execution, this process needs nccl and none of that.
 LEDGER = """
 import json, sys
-from nemo_rl_offload.offload.ledger import build_ledger
+from nemo_rl_offload.models.ledger_run import build_ledger
 print(json.dumps(build_ledger(json.loads(sys.argv[1])).as_json()))
 """
 

@@ -16,6 +16,7 @@ from support.policies import make_policy  # noqa: E402
 
 from nemo_rl_offload import cli, planner  # noqa: E402
 from nemo_rl_offload.config.model_presets import architecture_for  # noqa: E402
+from nemo_rl_offload.models import ledger_run  # noqa: E402
 from nemo_rl_offload.offload import apply, ledger  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -29,7 +30,7 @@ def _section(model: str, precision: str = "float32", **cfg) -> dict:
 
 @pytest.fixture(scope="module")
 def dense() -> ledger.Ledger:
-    return ledger.build_ledger(_section("tiny-dense"))
+    return ledger_run.build_ledger(_section("tiny-dense"))
 
 
 def test_a_layer_ledger_adds_up_to_a_whole_model_forward(dense):
@@ -38,9 +39,9 @@ def test_a_layer_ledger_adds_up_to_a_whole_model_forward(dense):
     architecture = architecture_for("tiny-dense")
     effective = apply.effective_settings(section, architecture, te_installed=False)
     whole = ledger.one_layer_settings(effective, {"num_layers": 4})
-    with ledger.single_rank_megatron():
-        model = ledger.build_model(whole, architecture, section)
-        measured = ledger.measure(model, 96, architecture.vocab_size).total_bytes
+    with ledger_run.single_rank_megatron():
+        model = ledger_run.build_model(whole, architecture, section)
+        measured = ledger_run.measure(model, 96, architecture.vocab_size).total_bytes
     assert [(k.kind, k.layers) for k in dense.kinds] == [(ledger.DENSE, 4), (ledger.MODEL, 1)]
     assert dense.total_bytes(96) == pytest.approx(measured, rel=0.05)
     assert dense.tokens_per_microbatch == 2 * 64
@@ -93,13 +94,13 @@ def test_the_unchunked_loss_names_logprob_chunk_size():
 
 def test_moe_layers_reach_the_expert_offload_modules():
     section = _section("tiny-moe", model_overrides={"moe_grouped_gemm": True})
-    moe = ledger.build_ledger(section)
+    moe = ledger_run.build_ledger(section)
     (layer,) = [k for k in moe.kinds if k.kind == ledger.MOE]
     assert {"expert_fc1", "moe_act"} <= {e.offload for e in layer.entries}
 
 
 def test_bf16_recipes_report_bf16_sizes():
-    bf16 = ledger.build_ledger(_section("tiny-dense", precision="bfloat16"))
+    bf16 = ledger_run.build_ledger(_section("tiny-dense", precision="bfloat16"))
     (layer,) = [k for k in bf16.kinds if k.kind == ledger.DENSE]
     qkv = next(e for e in layer.entries if e.offload == "qkv_linear")
     assert qkv.dtype == "bfloat16"
