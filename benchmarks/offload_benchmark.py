@@ -342,8 +342,6 @@ def forward_time_s(worker: Any, microbatch: dict[str, np.ndarray]) -> float:
 
 def run_case_in_subprocess(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Run one case in a fresh process; returns its record (or the failure, as a record)."""
-    import subprocess
-
     target = out / f".case_{name}.json"
     command = [
         sys.executable,
@@ -368,14 +366,62 @@ def run_case_in_subprocess(name: str, args: argparse.Namespace, out: Path) -> di
         "--out",
         str(target),
     ]
+    settings = resolve_cases(args.model, [name])[name]
+    return run_child(command, target, name, settings)
+
+
+def run_child(
+    command: list[str], target: Path, name: str, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """Run a case's child process (``command`` writes its record to ``target``); returns the
+    record. A child that failed wrote its failure there (:func:`write_case_record`); one that
+    died before it could is described from its stderr's last exception, or its exit status
+    (a signal: killed, for instance by the host running out of memory)."""
+    import subprocess
+
+    from nemo_rl_offload.failures import Failure, from_text
+
+    target.unlink(missing_ok=True)
     done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0 or not target.is_file():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        settings = resolve_cases(args.model, [name])[name]
-        return {"case": name, "settings": settings, "failed": tail[0]}
-    record = json.loads(target.read_text())
-    target.unlink()
-    return record
+    if target.is_file():
+        record = json.loads(target.read_text())
+        target.unlink()
+        return record
+    text = done.stderr or done.stdout
+    failure = from_text(text)
+    if failure.type == "unknown" and done.returncode < 0:
+        failure = Failure("killed", f"the process was killed by signal {-done.returncode}")
+    elif failure.type == "unknown":
+        failure = Failure(
+            "unknown", f"exit status {done.returncode}; last output: {failure.message}"
+        )
+    return failed_record(name, settings, failure)
+
+
+def failed_record(name: str, settings: dict[str, Any], failure: Any) -> dict[str, Any]:
+    """A case's record when it failed: ``failed`` the one line the table prints, ``failure``
+    the structured reason (type, message, out-of-memory sizes)."""
+    return {
+        "case": name,
+        "settings": settings,
+        "failed": failure.summary(),
+        "failure": failure.as_dict(),
+    }
+
+
+def write_case_record(target: Path, name: str, settings: dict[str, Any], run: Any) -> int:
+    """The child's side: ``run()``'s record written to ``target``, or, when it raises, the
+    failure it raised (so the parent reads why, not the last line of stderr). Returns the
+    child's exit status."""
+    from nemo_rl_offload.failures import from_exception
+
+    try:
+        record = run()
+    except (Exception, SystemExit) as exc:  # any failure of the case is its result
+        target.write_text(json.dumps(failed_record(name, settings, from_exception(exc))))
+        return 1
+    target.write_text(json.dumps(record))
+    return 0
 
 
 def parse_model_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -746,9 +792,12 @@ def main(argv: list[str] | None = None) -> int:
         if settings.get("cuda_graph_impl") == "full_iteration":
             steps += GRAPHS["cuda_graph_warmup_steps"] + 1  # as many replays as eager steps
         data = batches(steps, args.microbatches, args.rows, args.seq, vocab)
-        record = run_case(args.one_case, settings, args, data, torch.cuda.is_available())
-        Path(args.out).write_text(json.dumps(record))
-        return 0
+        return write_case_record(
+            Path(args.out),
+            args.one_case,
+            settings,
+            lambda: run_case(args.one_case, settings, args, data, torch.cuda.is_available()),
+        )
     try:
         cases = resolve_cases(args.model, args.cases.split(",") if args.cases else None)
     except KeyError as unknown:

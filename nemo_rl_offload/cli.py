@@ -130,20 +130,54 @@ def _run_telemetry(args: argparse.Namespace) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     from nemo_rl_offload import planner
 
-    result = planner.plan(
-        args.config,
-        args.overrides,
-        budgets_gib=args.budget_gib,
-        budget_fractions=args.budget_fraction,
-        steps=args.steps,
-        max_trials=args.max_trials,
-    )
+    try:
+        result = planner.plan(
+            args.config,
+            args.overrides,
+            budgets_gib=args.budget_gib,
+            budget_fractions=args.budget_fraction,
+            steps=args.steps,
+            max_trials=args.max_trials,
+        )
+    except planner.ProfileFailed as failed:
+        print(f"error: {failed}", file=sys.stderr)
+        return 1
     if args.json:
         from nemo_rl_offload.telemetry import write_json
 
         write_json(planner.as_json(result), args.json)  # its folder made, written atomically
         print(f"written: {args.json}", file=sys.stderr)
     return 0 if planner.format_plan(result, sys.stdout) else 1
+
+
+def _cmd_ledger(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``plan --ledger``: the recipe's activation ledger, measured on the CPU here (no
+    workers)."""
+    from pathlib import Path
+
+    from nemo_rl_offload.models.ledger_run import build_ledger
+    from nemo_rl_offload.offload.ledger import format_ledger
+    from nemo_rl_offload.preflight import load_and_check
+
+    report = load_and_check(args.config, args.overrides)
+    if report.errors:
+        raise UserInputError(report.errors)
+    ledger = build_ledger(report.recipe["policy"], base_dir=Path.cwd())
+    format_ledger(ledger, out)
+    if args.json:
+        import json
+
+        target = Path(args.json)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(ledger.as_json(), indent=1))
+        print(f"written: {args.json}", file=err)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    if args.ledger:
+        return _cmd_ledger(args, out, err)
+    return _job(_run_plan)(args, out, err)
 
 
 def _comma_separated(cast: type, example: str) -> Any:
@@ -241,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Profile the recipe's policy without offloading, with every module "
         "offloaded and with full recompute; predict each module set's peak memory, measure the "
         "most promising ones that fit each budget, and print the fastest with the override "
-        "lines to paste. Needs GPU workers. Exit 0 with a plan for every budget, 1 otherwise.",
+        "lines to paste. Needs GPU workers. Exit 0 with a plan for every budget, 1 otherwise. "
+        "With --ledger: print what every layer saves for backward and what removes it.",
     )
     plan.add_argument("--config", required=True, help="recipe YAML file")
     plan.add_argument(
@@ -256,11 +291,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="budgets as fractions of the measured no-offload peak, e.g. 0.9,0.75,0.6",
     )
-    plan.add_argument("--json", default=None, help="also write the plans to this file")
+    plan.add_argument(
+        "--ledger",
+        action="store_true",
+        help="print the activation ledger instead: every tensor a training step saves, per "
+        "layer, with the offload module or recompute option that removes it (runs one layer "
+        "of each kind on the CPU here; no GPU, no budget)",
+    )
+    plan.add_argument("--json", default=None, help="also write the plans (or ledger) to this file")
     plan.add_argument("--steps", type=int, default=3, help="steps per measurement (default 3)")
     plan.add_argument("--max-trials", type=int, default=3, help="candidates to measure (default 3)")
     plan.add_argument("overrides", nargs="*", help="Hydra-style overrides")
-    plan.set_defaults(handler=_job(_run_plan))
+    plan.set_defaults(handler=_cmd_plan)
     export_hf = commands.add_parser(
         "export-hf",
         help="write a training checkpoint as a Hugging Face model directory",

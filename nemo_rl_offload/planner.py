@@ -85,6 +85,16 @@ class Candidate:
     measured_fwd_bwd_s: float | None = None
     full_recompute: bool = False  # recompute whole layers instead of offloading
     measurements: int = 1  # more than 1: a close contender, measured again (see remeasured)
+    # Why its measurement failed (failures.Failure.as_dict(): type, message, out-of-memory
+    # sizes); a failed candidate has no measured peak or time, so no budget picks it.
+    failure: dict[str, Any] | None = None
+
+    @property
+    def failed(self) -> str | None:
+        """The failure as one line, or None."""
+        from nemo_rl_offload.failures import Failure
+
+        return Failure.from_dict(self.failure).summary() if self.failure else None
 
     @property
     def name(self) -> str:
@@ -256,6 +266,37 @@ def _measure(config: str, overrides: list[str], steps: int, err: TextIO) -> list
     return measure(config, overrides, steps=steps, err=err)["records"]
 
 
+class ProfileFailed(RuntimeError):
+    """A profiling measurement failed, so nothing can be planned; the message says which and
+    why (out of memory with its sizes, or the exception)."""
+
+
+def measure_candidate(
+    candidate: Candidate,
+    measure: Any,
+) -> list[dict[str, Any]] | None:
+    """``measure()``'s records, or None with ``candidate.failure`` set when the workers
+    failed: a plan that does not fit, or a bug, is a result of the trial, not the end of the
+    plan."""
+    from nemo_rl_offload.distributed.worker_group import WorkerError
+    from nemo_rl_offload.failures import from_exception
+
+    try:
+        return measure()
+    except WorkerError as exc:
+        candidate.failure = from_exception(exc).as_dict()
+        return None
+
+
+def _profile(what: str, measure: Any) -> list[dict[str, Any]]:
+    """A profiling measurement; its failure ends the plan with :class:`ProfileFailed`."""
+    probe = Candidate((), 1.0, None)
+    records = measure_candidate(probe, measure)
+    if records is None:
+        raise ProfileFailed(f"plan: profiling {what} failed: {probe.failed}")
+    return records
+
+
 def _measured(records: list[dict[str, Any]]) -> tuple[float, float]:
     """(peak GiB, forward-backward s) of a measurement: medians of the replayed steps."""
     return (
@@ -323,11 +364,11 @@ def plan(
         return [*overrides, *render_overrides(with_layout(measured_with, patch, dtensor), loaded)]
 
     print("plan: profiling without offloading ...", file=err)
-    base = _measure(
-        config, lines(megatron_patch({"fine_grained_activation_offloading": False})), steps, err
-    )
+    no_offload = lines(megatron_patch({"fine_grained_activation_offloading": False}))
+    base = _profile("without offloading", lambda: _measure(config, no_offload, steps, err))
     print(f"plan: profiling with every module offloaded ({', '.join(everything)}) ...", file=err)
-    full = _measure(config, lines(Candidate(everything, 1.0, None).patch()), steps, err)
+    every = lines(Candidate(everything, 1.0, None).patch())
+    full = _profile("with every module offloaded", lambda: _measure(config, every, steps, err))
     microbatches = max(1.0, _replayed_median(full, "offload_step_microbatches"))
     peak, fwd_bwd = _measured(base)
     profile = Profile(
@@ -342,9 +383,11 @@ def plan(
         raise UserInputError("the workers report no GPU memory; run the planner on GPU workers")
     print("plan: profiling full recompute ...", file=err)
     recompute = Candidate((), 1.0, None, full_recompute=True)
-    recompute.measured_peak_gib, recompute.measured_fwd_bwd_s = _measured(
-        _measure(config, lines(recompute.patch()), steps, err)
+    records = measure_candidate(
+        recompute, lambda: _measure(config, lines(recompute.patch()), steps, err)
     )
+    if records is not None:
+        recompute.measured_peak_gib, recompute.measured_fwd_bwd_s = _measured(records)
     # The recipe without offloading is a plan too: when it fits, nothing needs changing.
     plain = Candidate((), 1.0, None, profile.peak_gib, profile.fwd_bwd_s)
     measured: dict[str, Candidate] = {recompute.name: recompute}
@@ -357,8 +400,12 @@ def plan(
         for candidate in trials(ranked, max_trials):
             if candidate.name not in measured:
                 print(f"plan: measuring {candidate.name} ...", file=err)
-                records = _measure(config, lines(candidate.patch()), steps, err)
-                candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
+                records = measure_candidate(
+                    candidate,
+                    lambda c=candidate: _measure(config, lines(c.patch()), steps, err),
+                )
+                if records is not None:
+                    candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
                 measured[candidate.name] = candidate
             tried.append(measured[candidate.name])
         options = [plain, *tried, recompute]
@@ -368,10 +415,15 @@ def plan(
             if candidate is plain or candidate.name in rechecked:
                 continue
             print(f"plan: measuring {candidate.name} again (a close contender) ...", file=err)
-            remeasured(
-                candidate,
-                _measure(config, lines(candidate.patch()), steps, err),
+            again = Candidate(candidate.modules, candidate.fraction, None)
+            records = measure_candidate(
+                again, lambda c=candidate: _measure(config, lines(c.patch()), steps, err)
             )
+            if records is None:  # it fit once and failed now: it cannot be relied on
+                candidate.failure = again.failure
+                candidate.measured_peak_gib = candidate.measured_fwd_bwd_s = None
+            else:
+                remeasured(candidate, records)
             rechecked.add(candidate.name)
         plans.append(
             {
@@ -474,8 +526,11 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
             file=out,
         )
         for c in entry["tried"]:
-            change = (c.measured_fwd_bwd_s or 0.0) / profile.fwd_bwd_s - 1
             predicted = "     -" if c.predicted_peak_gib is None else f"{c.predicted_peak_gib:6.2f}"
+            if c.failed:
+                print(f"  {c.name:<48} predicted {predicted} GiB  failed: {c.failed}", file=out)
+                continue
+            change = (c.measured_fwd_bwd_s or 0.0) / profile.fwd_bwd_s - 1
             print(
                 f"  {c.name:<48} predicted {predicted} GiB  measured "
                 f"{c.measured_peak_gib or 0:6.2f} GiB  {c.measured_fwd_bwd_s or 0:.3f} s "
@@ -504,7 +559,9 @@ def as_json(result: dict[str, Any]) -> dict[str, Any]:
             {
                 "budget_gib": entry["budget_gib"],
                 "fitting": entry["fitting"],
-                "tried": [{"name": c.name, **asdict(c)} for c in entry["tried"]],
+                "tried": [
+                    {"name": c.name, "failed": c.failed, **asdict(c)} for c in entry["tried"]
+                ],
                 "chosen": entry["chosen"].name if entry["chosen"] else None,
                 "overrides": plan_overrides(result, entry["chosen"]) if entry["chosen"] else None,
             }

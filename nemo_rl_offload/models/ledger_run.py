@@ -1,0 +1,132 @@
+"""Measure the activation ledger (:mod:`nemo_rl_offload.offload.ledger`) of a recipe: build one
+layer of each kind of its model as the workers build it, on the CPU, and record what a training
+forward saves at two lengths.
+
+Why here: building the model is the models layer's job (:func:`models.builder.build_gpt_model`,
+the precision wrapper, chunked log-probabilities); the ledger's data and its reading live in
+the offload layer below, which cannot import this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from nemo_rl_offload.offload import apply
+from nemo_rl_offload.offload.apply import EffectiveSettings
+from nemo_rl_offload.offload.ledger import (
+    DEFAULT_LENGTHS,
+    MODEL,
+    LayerKind,
+    Ledger,
+    entries,
+    layer_kinds,
+    one_layer_settings,
+    parallel_notes,
+    tokens_per_microbatch,
+)
+
+
+@contextlib.contextmanager
+def single_rank_megatron(seed: int = 1234) -> Iterator[None]:
+    """torch.distributed (one gloo rank) and Megatron's parallel state (all sizes 1, CPU
+    execution) for building models on the CPU in this process; what this started is torn
+    down after, what was there already is used as it is."""
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from nemo_rl_offload.models.cpu_compat import disable_cpu_execution
+    from nemo_rl_offload.models.parallel import (
+        destroy_megatron_parallel,
+        initialize_megatron_parallel,
+    )
+
+    own_dist = not dist.is_initialized()
+    own_groups = not parallel_state.model_parallel_is_initialized()
+    with tempfile.TemporaryDirectory() as folder:
+        if own_dist:
+            store = dist.FileStore(str(Path(folder) / "store"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            if own_groups:
+                initialize_megatron_parallel({}, seed=seed, on_gpu=False)
+            yield
+        finally:
+            if own_groups:
+                destroy_megatron_parallel()
+                disable_cpu_execution()
+            if own_dist:
+                dist.destroy_process_group()
+
+
+def build_model(effective: EffectiveSettings, architecture: Any, section: dict[str, Any]) -> Any:
+    """The model as a worker builds it (precision wrapper, chunked log-probabilities), on the
+    CPU, with RMSNorms that keep what the GPU keeps
+    (:mod:`nemo_rl_offload.offload.cuda_norms`)."""
+    from nemo_rl_offload.models.builder import build_gpt_model
+    from nemo_rl_offload.models.chunked_logprobs import install
+    from nemo_rl_offload.offload.cuda_norms import with_cuda_rms_norms
+
+    model, _ = build_gpt_model(effective, architecture, on_gpu=False)
+    with_cuda_rms_norms(model)  # the norms keep what CUDA's kernel keeps, not the CPU's copies
+    install(model, section.get("logprob_chunk_size"))
+    if model.config.bf16 or model.config.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(model.config, model)
+    return model.train()
+
+
+def measure(model: Any, tokens: int, vocab: int) -> Any:
+    """What a training forward of one sequence of ``tokens`` tokens saves (a Recorder)."""
+    import torch
+
+    from nemo_rl_offload.offload.saved_tensors import saved_bytes
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, tokens), generator=generator)
+    positions = torch.arange(tokens).unsqueeze(0)
+    return saved_bytes(model, lambda: model(ids, positions, None, labels=ids).sum())
+
+
+def build_ledger(
+    section: dict[str, Any],
+    *,
+    where: str = "policy",
+    base_dir: Path | None = None,
+    lengths: tuple[int, int] = DEFAULT_LENGTHS,
+) -> Ledger:
+    """The ledger of a policy (or teacher) section: one layer of each kind measured on the CPU
+    at ``lengths`` tokens, scaled to the section's tokens per micro-batch."""
+    from nemo_rl_offload.config.model_presets import section_architecture
+
+    architecture = section_architecture(section, where=where, base_dir=base_dir)
+    effective = apply.effective_settings(section, architecture, where=where, te_installed=False)
+    tokens, source = tokens_per_microbatch(section, where)
+    seq = int(section.get("max_total_sequence_length") or tokens)
+    chunked = bool(section.get("logprob_chunk_size"))
+    kinds: list[LayerKind] = []
+    with single_rank_megatron():
+        for kind, layers, overrides in layer_kinds(effective):
+            settings = one_layer_settings(effective, overrides)
+            model = build_model(settings, architecture, section)
+            short, long = (measure(model, n, architecture.vocab_size) for n in lengths)
+            del model
+            common = {"effective": settings, "seq": seq, "chunked": chunked}
+            kinds.append(
+                LayerKind(
+                    kind, layers, entries(short, long, lengths, in_layer=True, kind=kind, **common)
+                )
+            )
+            if not any(k.kind == MODEL for k in kinds):
+                model_entries = entries(short, long, lengths, in_layer=False, kind=MODEL, **common)
+                kinds.append(LayerKind(MODEL, 1, model_entries))
+    kinds.sort(key=lambda k: k.kind == MODEL)
+    dtype = str(section.get("precision") or "float32")
+    return Ledger(
+        architecture.name, dtype, tokens, source, tuple(lengths), kinds, parallel_notes(effective)
+    )

@@ -1,0 +1,165 @@
+"""The activation ledger (nemo_rl_offload/offload/ledger.py): measured per layer on the CPU,
+it must add up to what a whole model's forward saves, and name the offload module or
+recompute option that removes each entry."""
+
+from __future__ import annotations
+
+import json
+from io import StringIO
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from support.policies import make_policy  # noqa: E402
+
+from nemo_rl_offload import cli, planner  # noqa: E402
+from nemo_rl_offload.config.model_presets import architecture_for  # noqa: E402
+from nemo_rl_offload.models import ledger_run  # noqa: E402
+from nemo_rl_offload.offload import apply, ledger  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _section(model: str, precision: str = "float32", **cfg) -> dict:
+    section = make_policy(model, **cfg)
+    section.update(precision=precision, max_total_sequence_length=64, train_micro_batch_size=2)
+    return section
+
+
+@pytest.fixture(scope="module")
+def dense() -> ledger.Ledger:
+    return ledger_run.build_ledger(_section("tiny-dense"))
+
+
+def test_a_layer_ledger_adds_up_to_a_whole_model_forward(dense):
+    """Four layers at 96 tokens (neither measured length) against the ledger's total there."""
+    section = _section("tiny-dense")
+    architecture = architecture_for("tiny-dense")
+    effective = apply.effective_settings(section, architecture, te_installed=False)
+    whole = ledger.one_layer_settings(effective, {"num_layers": 4})
+    with ledger_run.single_rank_megatron():
+        model = ledger_run.build_model(whole, architecture, section)
+        measured = ledger_run.measure(model, 96, architecture.vocab_size).total_bytes
+    assert [(k.kind, k.layers) for k in dense.kinds] == [(ledger.DENSE, 4), (ledger.MODEL, 1)]
+    assert dense.total_bytes(96) == pytest.approx(measured, rel=0.05)
+    assert dense.tokens_per_microbatch == 2 * 64
+
+
+def test_every_dense_offload_module_covers_a_measured_entry(dense):
+    (layer,) = [k for k in dense.kinds if k.kind == ledger.DENSE]
+    by_offload = {e.offload: e for e in layer.entries if e.offload}
+    # linear_proj saves the attention's output, which the core attention saved first.
+    shared = {
+        ledger.removal(o, ledger.DENSE, True)[0] for e in layer.entries for o in e.shared_with
+    }
+    assert set(by_offload) | shared == set(planner.DENSE_MODULES)
+    assert "attn_proj" in shared
+    # What no offload module reaches today: the dense MLP's saved tensors.
+    unreached = {e.owner for e in layer.entries if not e.offload}
+    assert any(owner.startswith("mlp.") for owner in unreached)
+    assert 0 < dense.offloadable_bytes() < dense.total_bytes()
+    attention = by_offload["core_attn"]
+    assert attention.recompute == "core_attn" and attention.recompute_flops_per_token > 0
+    assert all(e.bytes_per_token >= 0 for e in layer.entries)
+
+
+@pytest.mark.parametrize(
+    ("owner", "kind", "wanted"),
+    [
+        ("input_layernorm", ledger.DENSE, ("attn_norm", "layernorm", True)),
+        ("self_attention.linear_qkv", ledger.DENSE, ("qkv_linear", "full", False)),
+        ("self_attention.core_attention", ledger.DENSE, ("core_attn", "core_attn", False)),
+        ("self_attention.linear_proj", ledger.DENSE, ("attn_proj", "full", False)),
+        ("pre_mlp_layernorm", ledger.DENSE, ("mlp_norm", "layernorm", True)),
+        ("mlp.linear_fc1", ledger.DENSE, (None, "mlp", True)),
+        ("mlp.linear_fc2", ledger.DENSE, (None, "mlp", True)),
+        ("self_attention", ledger.DENSE, (None, "full", False)),
+        ("mlp.experts.linear_fc1", ledger.MOE, ("expert_fc1", "moe", False)),
+        ("mlp.experts", ledger.MOE, ("moe_act", "moe_act", False)),
+        ("mlp.router", ledger.MOE, (None, "moe", False)),
+        ("output_layer", ledger.MODEL, (None, None, False)),
+    ],
+)
+def test_each_owner_maps_to_what_removes_it(owner, kind, wanted):
+    offload, recompute, note = ledger.removal(owner, kind, chunked=True)
+    assert (offload, recompute, "Transformer Engine" in note) == wanted
+
+
+def test_the_unchunked_loss_names_logprob_chunk_size():
+    assert "logprob_chunk_size" in ledger.removal("<model>", ledger.MODEL, chunked=False)[2]
+    assert ledger.removal("<model>", ledger.MODEL, chunked=True)[2] == ""
+
+
+def test_moe_layers_reach_the_expert_offload_modules():
+    section = _section("tiny-moe", model_overrides={"moe_grouped_gemm": True})
+    moe = ledger_run.build_ledger(section)
+    (layer,) = [k for k in moe.kinds if k.kind == ledger.MOE]
+    assert {"expert_fc1", "moe_act"} <= {e.offload for e in layer.entries}
+
+
+def test_bf16_recipes_report_bf16_sizes():
+    bf16 = ledger_run.build_ledger(_section("tiny-dense", precision="bfloat16"))
+    (layer,) = [k for k in bf16.kinds if k.kind == ledger.DENSE]
+    qkv = next(e for e in layer.entries if e.offload == "qkv_linear")
+    assert qkv.dtype == "bfloat16"
+    hidden = architecture_for("tiny-dense").transformer["hidden_size"]
+    assert qkv.bytes_per_token == 2 * hidden  # the linear's saved input
+    # The norms keep what CUDA's fused kernel keeps: the bf16 input and a float32 rstd per
+    # token, not the CPU composite's float32 copies.
+    norm = [e for e in layer.entries if e.owner == "input_layernorm"]
+    assert {(e.dtype, e.bytes_per_token) for e in norm} == {
+        ("bfloat16", 2 * hidden),
+        ("float32", 4),
+    }
+
+
+def test_cli_prints_the_ledger_of_a_recipe(tmp_path):
+    out, err = StringIO(), StringIO()
+    target = tmp_path / "ledger.json"
+    config = str(REPO / "examples" / "configs" / "tiny" / "sft.yaml")
+    argv = ["plan", "--ledger", "--config", config, "--json", str(target)]
+    assert cli.main(argv, out, err) == 0, err.getvalue()
+    text = out.getvalue()
+    assert "tiny-dense (float32), 512 tokens per micro-batch" in text
+    assert "dense layer x 4" in text and "attn_norm" in text
+    assert "today's offload modules reach" in text
+    data = json.loads(target.read_text())
+    assert data["tokens_per_microbatch"] == 512 and data["total_bytes_per_microbatch"] > 0
+
+
+def test_cli_ledger_of_a_bad_recipe_is_one_line():
+    out, err = StringIO(), StringIO()
+    config = str(REPO / "examples" / "configs" / "tiny" / "sft.yaml")
+    argv = ["plan", "--ledger", "--config", config, "policy.model_name=no-such-model"]
+    assert cli.main(argv, out, err) == cli.EXIT_USER_ERROR
+    assert "policy.model_name" in err.getvalue() and "Traceback" not in err.getvalue()
+
+
+def test_parallel_sizes_are_named_not_measured():
+    section = _section(
+        "tiny-dense", tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2
+    )
+    effective = apply.effective_settings(
+        section, architecture_for("tiny-dense"), te_installed=False
+    )
+    (note,) = ledger.parallel_notes(effective)
+    assert note.startswith("tensor_model_parallel_size 2: each rank holds about 1/2")
+    assert "sequence_parallel" in note
+    tokens, source = ledger.tokens_per_microbatch(section)
+    assert tokens == 2 * 64 // 2 and source.endswith("context_parallel_size 2")
+    assert (
+        ledger.parallel_notes(
+            apply.effective_settings(
+                _section("tiny-dense"), architecture_for("tiny-dense"), te_installed=False
+            )
+        )
+        == []
+    )
+
+
+def test_json_gives_each_entry_its_lifetime(dense):
+    data = dense.as_json()
+    entry = data["kinds"][0]["entries"][0]
+    assert entry["lifetime"] == f"forward of {entry['owner']} -> backward of {entry['owner']}"
