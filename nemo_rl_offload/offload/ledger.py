@@ -51,6 +51,13 @@ OFFLOAD_BY_OWNER = (
     (re.compile(r"^mlp\.experts\.linear_fc1$"), "expert_fc1"),
     (re.compile(r"^mlp\.experts$"), "moe_act"),
 )
+# Owner in a dense layer -> this package's MLP offload module (models/mlp_offload.py): fc1's
+# input, what the activation saves (fc1's output), fc2's input.
+DENSE_MLP_OFFLOAD_BY_OWNER = (
+    (re.compile(r"^mlp\.linear_fc1$"), "mlp_fc1"),
+    (re.compile(r"^mlp$"), "mlp_act"),
+    (re.compile(r"^mlp\.linear_fc2$"), "mlp_fc2"),
+)
 # Owner -> megatron-core's selective recompute module that re-runs it (recompute_modules).
 RECOMPUTE_BY_OWNER = (
     (re.compile(r"^(input_layernorm|pre_mlp_layernorm)$"), "layernorm"),
@@ -157,6 +164,8 @@ def removal(owner: str, kind: str, chunked: bool) -> tuple[str | None, str | Non
             note = "policy.logprob_chunk_size keeps only a log-sum-exp per token"
         return None, None, note
     offload = _first(OFFLOAD_BY_OWNER, owner)
+    if offload is None and kind != MOE:
+        offload = _first(DENSE_MLP_OFFLOAD_BY_OWNER, owner)
     recompute = _first(RECOMPUTE_BY_OWNER, owner)
     if recompute is None and owner.startswith("mlp"):
         recompute = "moe" if kind == MOE else "mlp"
