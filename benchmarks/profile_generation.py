@@ -3,7 +3,7 @@
     python3 benchmarks/profile_generation.py --out DIR
 
 Prints the kernels and host operations by total time over one profiled call, and times the same
-call greedy and sampled, with and without decode-step CUDA graphs; writes profile_generation.json.
+call greedy and sampled (decode steps as CUDA graphs); writes profile_generation.json.
 """
 
 from __future__ import annotations
@@ -17,29 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "functional"))
-
-
-def _worker(graphs: bool):
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
-
-    section = {
-        "model_name": "llama-1b",
-        "precision": "bfloat16",
-        "max_total_sequence_length": 2048,
-        "megatron_cfg": {"enabled": True},
-        "generation": {
-            "mcore_generation_config": {
-                "cuda_graph_impl": "local" if graphs else "none",
-                "num_cuda_graphs": 4,
-            }
-        },
-    }
-    worker = PolicyWorker(
-        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=True, trainable=False
-    )
-    worker.setup(*worker.node_address())
-    return worker
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generation_benchmark import build_worker, section_for  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +34,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, vocab, 128).tolist() for _ in range(args.batch)]
     results: dict = {}
-    worker = _worker(graphs=True)
+    engine = argparse.Namespace(cuda_graphs=True, num_cuda_graphs=4)
+    worker = build_worker(section_for("llama-1b", 2048, "bfloat16", engine), on_gpu=True)
     for greedy in (True, False):
         settings = {"max_new_tokens": args.new_tokens, "greedy": greedy, "stop_token_ids": ()}
         worker.generate(prompts, settings, seed=1, pad_id=0)  # warm-up

@@ -15,12 +15,9 @@ directory, if it came from one.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import re
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ from nemo_rl_offload.config.model_presets import HF_MODEL_TYPES as MODEL_TYPES
 from nemo_rl_offload.config.model_presets import Architecture, hf_config, section_architecture
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.checkpoint import is_legacy, read_legacy_shard, read_saved
+from nemo_rl_offload.offload.apply import SINGLE_RANK_LAYOUT
 from nemo_rl_offload.preflight import load_and_check
 
 _SHARD = re.compile(r"model_tp(\d+)_pp(\d+)\.pt$")
@@ -83,61 +81,30 @@ def _read_shards(policy_dir: Path) -> list[list[dict[str, Any]]]:
 
 
 # The model that reads a checkpoint for export: one CPU rank, no parallelism, the local spec.
-_SINGLE_RANK = {
-    "tensor_model_parallel_size": 1,
-    "pipeline_model_parallel_size": 1,
-    "context_parallel_size": 1,
-    "expert_model_parallel_size": 1,
-    "expert_tensor_parallel_size": 1,
-    "num_layers_in_first_pipeline_stage": None,
-    "num_layers_in_last_pipeline_stage": None,
-    "sequence_parallel": False,
-    "transformer_impl": "local",
+_EXPORT_LAYOUT = {
+    **SINGLE_RANK_LAYOUT,
     "fine_grained_activation_offloading": False,
     "offload_modules": None,
-    "cuda_graph_impl": "none",
 }
-
-
-@contextlib.contextmanager
-def _one_cpu_rank() -> Iterator[None]:
-    """torch.distributed (gloo, one rank) and Megatron's parallel state, for this process
-    only while the model is read; everything is torn down after."""
-    import torch.distributed as dist
-
-    from nemo_rl_offload.models.cpu_compat import disable_cpu_execution
-    from nemo_rl_offload.models.parallel import (
-        destroy_megatron_parallel,
-        initialize_megatron_parallel,
-    )
-
-    if dist.is_initialized():
-        raise RuntimeError("export-hf reads a checkpoint in a process of its own")
-    with tempfile.TemporaryDirectory(prefix="export-hf-") as scratch:
-        dist.init_process_group(
-            "gloo", store=dist.FileStore(f"{scratch}/store", 1), rank=0, world_size=1
-        )
-        try:
-            initialize_megatron_parallel({}, seed=0, on_gpu=False)
-            yield
-        finally:
-            destroy_megatron_parallel()
-            disable_cpu_execution()
-            dist.destroy_process_group()
 
 
 def _read_dist_checkpoint(
     policy_dir: Path, policy: dict[str, Any], architecture: Architecture
 ) -> dict[str, Any]:
     """The whole model's weights (one unsharded state dict) of a current-format checkpoint."""
+    import torch
+
     from nemo_rl_offload.models import checkpoint
     from nemo_rl_offload.models.builder import build_gpt_model
+    from nemo_rl_offload.models.parallel import single_rank_megatron
     from nemo_rl_offload.offload import apply
 
     read_saved(policy_dir)  # one line if it is not a checkpoint
     section = copy.deepcopy(policy)
-    section["megatron_cfg"] = {**(section.get("megatron_cfg") or {}), **_SINGLE_RANK}
-    with _one_cpu_rank():
+    section["megatron_cfg"] = {**(section.get("megatron_cfg") or {}), **_EXPORT_LAYOUT}
+    if torch.distributed.is_initialized():
+        raise RuntimeError("export-hf reads a checkpoint in a process of its own")
+    with single_rank_megatron(seed=0):
         effective = apply.effective_settings(section, architecture, te_installed=False)
         model, _ = build_gpt_model(effective, architecture, on_gpu=False)
         checkpoint.load(

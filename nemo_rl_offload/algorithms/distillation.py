@@ -159,7 +159,5 @@ def start(run: Run) -> loop.Steps:
         sampler,
         train_step,
         validate=validate_at,
-        val_period=int(cfg["val_period"]),
-        max_epochs=int(cfg.get("max_num_epochs", loop.NO_EPOCH_LIMIT)),
-        val_at_start=bool(cfg.get("val_at_start")),
+        section=cfg,
     )

@@ -147,7 +147,5 @@ def start(run: Run) -> loop.Steps:
         sampler,
         train_step,
         validate=lambda step: evaluate(run, policy, val, val_rows, spec),
-        val_period=int(cfg["val_period"]),
-        max_epochs=int(cfg["max_num_epochs"]),
-        val_at_start=bool(cfg.get("val_at_start")),
+        section=cfg,
     )

@@ -11,7 +11,7 @@ one step, how to validate, and where its data position is.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,16 +39,28 @@ class Steps:
     """An algorithm's step body, ready to run: the trained ``policy`` group (the one
     checkpointed), the ``sampler`` whose position is the data position, and how to train one
     step and validate (both given the step number, which seeds GRPO's and distillation's
-    sampling)."""
+    sampling). ``section``: the algorithm's recipe section, whose ``val_period``,
+    ``max_num_epochs`` and ``val_at_start`` schedule the loop."""
 
     policy: Any
     sampler: EpochSampler
     train_step: Callable[[int], TrainResult]
     validate: Callable[[int], dict[str, float]]
-    val_period: int
-    max_epochs: int = NO_EPOCH_LIMIT
-    val_at_start: bool = False
+    section: Mapping[str, Any]
     stop_when: Callable[[dict[str, Any]], str | None] | None = None
+
+    @property
+    def val_period(self) -> int:
+        return int(self.section["val_period"])
+
+    @property
+    def max_epochs(self) -> int:
+        epochs = self.section.get("max_num_epochs")
+        return NO_EPOCH_LIMIT if epochs is None else int(epochs)
+
+    @property
+    def val_at_start(self) -> bool:
+        return bool(self.section.get("val_at_start"))
 
     @property
     def data_done(self) -> bool:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +153,7 @@ class SDPACoreAttention(MegatronModule):
                 )
             self.kv_cache.store_prompt(self.layer_number, key, value)
 
-        sq, sk = query.size(0), key.size(0)
+        sq = query.size(0)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         # A generation call's prompts are whole on every context-parallel rank (the cache is
         # not split over ranks): they attend as at one rank.
@@ -164,7 +165,6 @@ class SDPACoreAttention(MegatronModule):
                 )
             bounds = torch.tensor([0, sq * self.config.context_parallel_size])
             return self._context_parallel(query, key, value, bounds)
-        is_causal = False
         sdpa_mask: Tensor | None = None
         if attention_mask is not None:
             # Megatron: True = masked out. An additive mask (rather than a boolean one) keeps a
@@ -173,36 +173,45 @@ class SDPACoreAttention(MegatronModule):
             blocked = attention_mask.to(device=query.device, dtype=torch.bool)
             sdpa_mask.masked_fill_(blocked, torch.finfo(query.dtype).min)
         elif mask_type == AttnMaskType.causal and sq > 1:
-            if sq == sk:
-                is_causal = True
-            else:
-                # Queries are the last sq positions of sk (bottom-right aligned), as with a KV
-                # cache; SDPA's is_causal aligns top-left, so build the mask.
-                allowed = torch.ones(sq, sk, dtype=torch.bool, device=query.device)
-                sdpa_mask = allowed.tril(diagonal=sk - sq)
-
+            # Queries are the last sq positions of sk (bottom-right aligned, as with a KV cache).
+            return self._lower_right(query, key, value).reshape(sq, query.size(1), -1)
         # [s, b, heads, dim] -> [b, heads, s, dim]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-        dropout_p = self.dropout_p if self.training else 0.0
+        context = self._sdpa(q, k, v, attn_mask=sdpa_mask)
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, query.size(1), -1)
+
+    @property
+    def _dropout_p(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
+    @property
+    def _grouped(self) -> bool:
+        return self.num_attention_heads_per_partition != self.num_query_groups_per_partition
+
+    def _sdpa(
+        self, q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Any = None, is_causal: bool = False
+    ) -> Tensor:
+        """torch's SDPA on [b, heads, s, dim] with this layer's scale, grouped query heads,
+        dropout (under Megatron's RNG tracker, as its attention) and, in deterministic mode,
+        the reproducible kernel (:meth:`_kernels`)."""
+        dropout_p = self._dropout_p
         rng = (
             tensor_parallel.get_cuda_rng_tracker().fork()
             if dropout_p > 0.0 and not self.config.sequence_parallel
             else contextlib.nullcontext()
         )
         with rng, self._kernels():
-            context = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q,
                 k,
                 v,
-                attn_mask=sdpa_mask,
+                attn_mask=attn_mask,
                 dropout_p=dropout_p,
                 is_causal=is_causal,
                 scale=self.softmax_scale,
-                enable_gqa=grouped,
+                enable_gqa=self._grouped,
             )
-        # [b, np, sq, hn] -> [sq, b, np * hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, query.size(1), -1)
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
         """Causal attention within each segment of a THD pack (see the module docstring)."""
@@ -228,9 +237,8 @@ class SDPACoreAttention(MegatronModule):
             # [t, heads, dim] -> [t, 1, heads, dim]; offsets are the whole pack's (padded).
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
             return self._context_parallel(query, key, value, cu_q).squeeze(1)
-        grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-        dropout_p = self.dropout_p if self.training else 0.0
-        if self._varlen_usable(query, dropout_p):
+        grouped = self._grouped
+        if self._varlen_usable(query, self._dropout_p):
             from torch.nn.attention.varlen import varlen_attn
 
             max_len = int(params.max_seqlen_q or query.size(0))
@@ -256,29 +264,15 @@ class SDPACoreAttention(MegatronModule):
                 **options,
             )
             return context.reshape(query.size(0), -1)
-        rng = (
-            tensor_parallel.get_cuda_rng_tracker().fork()
-            if dropout_p > 0.0 and not self.config.sequence_parallel
-            else contextlib.nullcontext()
-        )
         bounds = cu_q.tolist()
         pieces = []
-        with rng, self._kernels():
-            for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-                if end <= start:
-                    continue
-                # [len, heads, dim] -> [1, heads, len, dim]
-                q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-                out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    dropout_p=dropout_p,
-                    is_causal=end - start > 1,
-                    scale=self.softmax_scale,
-                    enable_gqa=grouped,
-                )
-                pieces.append(out.squeeze(0).transpose(0, 1))
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if end <= start:
+                continue
+            # [len, heads, dim] -> [1, heads, len, dim]
+            q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            out = self._sdpa(q, k, v, is_causal=end - start > 1)
+            pieces.append(out.squeeze(0).transpose(0, 1))
         context = torch.cat(pieces, dim=0) if pieces else query.new_zeros(query.shape)
         if context.size(0) != query.size(0):
             raise ValueError(
@@ -305,7 +299,6 @@ class SDPACoreAttention(MegatronModule):
             )[order]
             for t in (key, value)
         )
-        dropout_p = self.dropout_p if self.training else 0.0
         pieces = []
         starts = [int(x) for x in bounds.tolist()]
         for start, end in zip(starts[:-1], starts[1:], strict=True):
@@ -316,7 +309,7 @@ class SDPACoreAttention(MegatronModule):
             for half, index in enumerate((rank, 2 * cp - 1 - rank)):
                 q = query[local + half * chunk : local + (half + 1) * chunk]
                 seen = start + (index + 1) * chunk
-                pieces.append(self._lower_right(q, key[start:seen], value[start:seen], dropout_p))
+                pieces.append(self._lower_right(q, key[start:seen], value[start:seen]))
         context = torch.cat(pieces, dim=0)
         if context.size(0) != query.size(0):
             raise ValueError(
@@ -325,28 +318,15 @@ class SDPACoreAttention(MegatronModule):
             )
         return context.reshape(query.size(0), query.size(1), -1)
 
-    def _lower_right(self, query: Tensor, key: Tensor, value: Tensor, dropout_p: float) -> Tensor:
+    def _lower_right(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         """Causal attention of queries that are the last ``sq`` of the ``sk`` keys:
         [sq, b, np, hn] and [sk, b, ng, hn] -> [sq, b, np, hn]."""
         sq, sk = query.size(0), key.size(0)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-        rng = (
-            tensor_parallel.get_cuda_rng_tracker().fork()
-            if dropout_p > 0.0 and not self.config.sequence_parallel
-            else contextlib.nullcontext()
-        )
-        with rng, self._kernels():
-            context = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=None if sq == sk else causal_lower_right(sq, sk),
-                dropout_p=dropout_p,
-                is_causal=sq == sk,
-                scale=self.softmax_scale,
-                enable_gqa=grouped,
-            )
+        if sq == sk:
+            context = self._sdpa(q, k, v, is_causal=sq > 1)
+        else:
+            context = self._sdpa(q, k, v, attn_mask=causal_lower_right(sq, sk))
         return context.permute(2, 0, 1, 3)
 
     def _varlen_usable(self, query: Tensor, dropout_p: float) -> bool:

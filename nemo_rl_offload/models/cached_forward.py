@@ -23,18 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside Megatron's Float16Module / DDP wrappers."""
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 class CachedForward:
     def __init__(self, model: torch.nn.Module, vocab_size: int) -> None:
         from megatron.core import parallel_state as ps
+        from megatron.core.utils import unwrap_model
 
-        self.gpt = unwrap(model)
+        self.gpt = unwrap_model(model)
         self.config = self.gpt.config
         self.vocab_size = vocab_size
         self.tp = ps.get_tensor_model_parallel_world_size()
@@ -93,9 +87,7 @@ class CachedForward:
             else:
                 weight = self.gpt.output_layer.weight
             local = F.linear(picked, weight)
-            if self.tp > 1:  # the vocabulary is split over tensor-parallel ranks
-                local = tensor_parallel.gather_from_tensor_model_parallel_region(local)
-            logits = local[:, : self.vocab_size].float()
+            logits = full_vocab(local)[:, : self.vocab_size].float()
         if self.pp > 1:
             torch.distributed.broadcast(
                 logits,
@@ -103,3 +95,12 @@ class CachedForward:
                 group=ps.get_pipeline_model_parallel_group(),
             )
         return logits
+
+
+def full_vocab(logits: Tensor) -> Tensor:
+    """Logits are split over the vocabulary across tensor-parallel ranks: gather them."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    return logits

@@ -100,9 +100,9 @@ def install(model: Any, chunk: int | None, temperature: float = 1.0) -> None:
     model as it is."""
     if not chunk and temperature == 1.0:
         return
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
+    from megatron.core.utils import unwrap_model
+
+    inner = unwrap_model(model)
     plain = inner.compute_language_model_loss  # Megatron's, bound to this model
 
     def compute_language_model_loss(self: Any, labels: Tensor, logits: Tensor) -> Tensor:

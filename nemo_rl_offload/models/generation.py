@@ -97,15 +97,6 @@ def _filter_logits(logits: torch.Tensor, settings: SamplingSettings) -> torch.Te
     return logits
 
 
-def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
-    """Logits are split over the vocabulary across tensor-parallel ranks: gather them."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
-    return logits
-
-
 @dataclass(frozen=True)
 class EngineSettings:
     """How the sampler runs (not what it samples), from ``policy.generation.

@@ -9,7 +9,7 @@ which needs flash-attn). Its ``DynamicInferenceContext`` (and the dynamic engine
 flash-attn outright. Neither is installable here, so this module owns the smallest piece:
 
 - one preallocated cache per layer, ``[rows, query groups, max_len, head dim]`` (the layout
-  whose per-row, per-group slices are what a batched decode matmul reads without a copy);
+  a decode step's SDPA call reads as it lies: rows as the batch, query groups as the heads);
 - the position each row writes its next token at, as a tensor (rows at different lengths:
   right-padded prompts of different lengths decode side by side);
 - per-row masking of the positions a row has not reached yet, over a fixed window of the cache.

@@ -9,11 +9,10 @@ the offload layer below, which cannot import this one.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_offload.models.parallel import single_rank_megatron
 from nemo_rl_offload.offload import apply
 from nemo_rl_offload.offload.apply import EffectiveSettings
 from nemo_rl_offload.offload.ledger import (
@@ -27,40 +26,6 @@ from nemo_rl_offload.offload.ledger import (
     parallel_notes,
     tokens_per_microbatch,
 )
-
-
-@contextlib.contextmanager
-def single_rank_megatron(seed: int = 1234) -> Iterator[None]:
-    """torch.distributed (one gloo rank) and Megatron's parallel state (all sizes 1, CPU
-    execution) for building models on the CPU in this process; what this started is torn
-    down after, what was there already is used as it is."""
-    import tempfile
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from nemo_rl_offload.models.cpu_compat import disable_cpu_execution
-    from nemo_rl_offload.models.parallel import (
-        destroy_megatron_parallel,
-        initialize_megatron_parallel,
-    )
-
-    own_dist = not dist.is_initialized()
-    own_groups = not parallel_state.model_parallel_is_initialized()
-    with tempfile.TemporaryDirectory() as folder:
-        if own_dist:
-            store = dist.FileStore(str(Path(folder) / "store"), 1)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        try:
-            if own_groups:
-                initialize_megatron_parallel({}, seed=seed, on_gpu=False)
-            yield
-        finally:
-            if own_groups:
-                destroy_megatron_parallel()
-                disable_cpu_execution()
-            if own_dist:
-                dist.destroy_process_group()
 
 
 def build_model(effective: EffectiveSettings, architecture: Any, section: dict[str, Any]) -> Any:

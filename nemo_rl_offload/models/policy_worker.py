@@ -499,14 +499,14 @@ class PolicyWorker:
         """The top-k next-token log-probabilities and their token ids per position (all of the
         vocabulary when k is None), for distillation teachers; computed on the last pipeline
         stage, where the logits are."""
+        from nemo_rl_offload.models.cached_forward import full_vocab
         from nemo_rl_offload.models.chunked_logprobs import topk_logprobs
-        from nemo_rl_offload.models.generation import _full_vocab
 
         vocab = self.architecture.vocab_size
         chunk = self.section.get("logprob_chunk_size")
 
         def top_k(batch: dict[str, Any], logits: Any) -> dict[str, Any]:
-            return topk_logprobs(_full_vocab(logits)[..., :vocab], k, chunk)
+            return topk_logprobs(full_vocab(logits)[..., :vocab], k, chunk)
 
         outputs = self._forward(self.model, microbatches, top_k, with_labels=False)
         return [
@@ -631,10 +631,9 @@ class PolicyWorker:
 
     def _load_reference(self, weights: dict[str, Any]) -> None:
         if self.reference is not None:
-            reference = self.reference
-            while hasattr(reference, "module"):
-                reference = reference.module
-            reference.load_state_dict(weights)
+            from megatron.core.utils import unwrap_model
+
+            unwrap_model(self.reference).load_state_dict(weights)
 
     @property
     def _pipeline_stages(self) -> int:
@@ -675,7 +674,6 @@ class PolicyWorker:
             torch.cuda.empty_cache()
 
     def _unwrapped(self) -> Any:
-        model = self.model
-        while hasattr(model, "module"):
-            model = model.module
-        return model
+        from megatron.core.utils import unwrap_model
+
+        return unwrap_model(self.model)

@@ -110,6 +110,21 @@ class EffectiveSettings:
         return has_experts(self.value("num_moe_experts"))
 
 
+# The layout of a model built on one rank (export-hf's reader, the activation ledger): no
+# parallelism, no per-stage layer counts, the local spec, no graphs.
+SINGLE_RANK_LAYOUT: dict[str, Any] = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": 1,
+    "num_layers_in_first_pipeline_stage": None,
+    "num_layers_in_last_pipeline_stage": None,
+    "sequence_parallel": False,
+    "transformer_impl": "local",
+    "cuda_graph_impl": "none",
+}
+
 # activation_offload_fraction_placement when the recipe does not set it.
 DEFAULT_FRACTION_PLACEMENT = "spread"
 

@@ -253,23 +253,7 @@ def layer_kinds(effective: EffectiveSettings) -> list[tuple[str, int, dict[str, 
 
 
 # Settings a ledger layer is built without: it measures what a plan starts from.
-_NOT_MEASURED = (
-    *apply.RECOMPUTE_KEYS,
-    *apply.FGO_KEYS,
-    "num_layers_in_first_pipeline_stage",
-    "num_layers_in_last_pipeline_stage",
-)
-_SINGLE_RANK = {
-    "tensor_model_parallel_size": 1,
-    "pipeline_model_parallel_size": 1,
-    "context_parallel_size": 1,
-    "expert_model_parallel_size": 1,
-    "expert_tensor_parallel_size": 1,
-    "sequence_parallel": False,
-    "cuda_graph_impl": "none",
-    "transformer_impl": "local",
-    "num_layers": 1,
-}
+_NOT_MEASURED = (*apply.RECOMPUTE_KEYS, *apply.FGO_KEYS)
 
 
 def one_layer_settings(
@@ -278,7 +262,7 @@ def one_layer_settings(
     """``effective`` for a one-layer model of one layer kind, on one rank, without offloading
     or recompute."""
     settings = {k: s for k, s in effective.settings.items() if k not in _NOT_MEASURED}
-    for name, value in {**_SINGLE_RANK, **overrides}.items():
+    for name, value in {**apply.SINGLE_RANK_LAYOUT, "num_layers": 1, **overrides}.items():
         settings[name] = Setting(value, "ledger")
     return EffectiveSettings(settings, [], [])
 

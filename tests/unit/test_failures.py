@@ -10,6 +10,7 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
+from support.fake_planner import graphed_records
 
 from nemo_rl_offload import failures, planner
 from nemo_rl_offload.distributed.worker_group import WorkerError
@@ -134,27 +135,6 @@ def test_the_benchmark_child_reports_why_it_failed(child):
 GRAPHS_RECIPE = str(REPO / "examples" / "configs" / "grpo_math_1B_megatron_fgo_graphs.yaml")
 
 
-def _records(overrides: list[str], steps: int) -> list[dict]:
-    """Telemetry records of a graphed job (warm-up, capture, replays): offloading saves 2 GiB
-    and moves 0.5 GiB per module and micro-batch."""
-    offloading = any("fine_grained_activation_offloading=true" in o for o in overrides)
-    records = []
-    for step in range(1, steps + 1):
-        record = {
-            "length": 1024,
-            "peak_fwd_bwd_gpu_memory_gib": 18.0 if offloading else 20.0,
-            "peak_activation_gpu_memory_gib": 5.0,
-            "fwd_bwd_time_s": 0.3,
-            "offload_step_microbatches": 4.0,
-            "cuda_graph_replayed": float(step >= 4),
-            "cuda_graph_captured": float(step == 4),
-        }
-        if offloading:
-            record.update({f"offloaded_gib_{m}": 2.0 for m in planner.DENSE_MODULES})
-        records.append(record)
-    return records
-
-
 def test_a_planner_trial_that_fails_is_reported_and_the_plan_goes_on(monkeypatch):
     def measure(config, overrides, steps, err):
         modules = next((line for line in overrides if "offload_modules=[" in line), "")
@@ -162,7 +142,7 @@ def test_a_planner_trial_that_fails_is_reported_and_the_plan_goes_on(monkeypatch
             raise WorkerError("policy", 0, f"OutOfMemoryError: {OOM} (at a.py:1 in f)")
         if any("activation_checkpointing=true" in line for line in overrides):
             raise WorkerError("policy", 0, "ValueError: recompute said no (at b.py:2 in g)")
-        return _records(overrides, steps)
+        return graphed_records(overrides, steps)
 
     monkeypatch.setattr(planner, "_measure", measure)
     result = planner.plan(GRAPHS_RECIPE, [], budgets_gib=[19.0], steps=3, err=StringIO())

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.fake_planner import graphed_records
 
 from nemo_rl_offload import planner
 from nemo_rl_offload.errors import UserInputError
@@ -279,27 +280,12 @@ GRAPHS_RECIPE = str(
 
 
 def _fake_measure(calls: list):
-    """Telemetry records as a graphed job reports them: warm-up steps eager, one captured,
-    the rest replayed; offloading moves 0.5 GiB per module and micro-batch and saves it."""
+    """``planner._measure`` recording its calls, answering as a graphed job
+    (``support.fake_planner.graphed_records``)."""
 
     def measure(config, overrides, steps, err):
         calls.append((list(overrides), steps))
-        offloading = any("fine_grained_activation_offloading=true" in o for o in overrides)
-        records = []
-        for step in range(1, steps + 1):
-            record = {
-                "length": 1024,
-                "peak_fwd_bwd_gpu_memory_gib": 18.0 if offloading else 20.0,
-                "peak_activation_gpu_memory_gib": 5.0,
-                "fwd_bwd_time_s": 0.3,
-                "offload_step_microbatches": 4.0,
-                "cuda_graph_replayed": float(step >= 4),
-                "cuda_graph_captured": float(step == 4),
-            }
-            if offloading:
-                record.update({f"offloaded_gib_{m}": 2.0 for m in planner.DENSE_MODULES})
-            records.append(record)
-        return records
+        return graphed_records(overrides, steps)
 
     return measure
 

@@ -34,8 +34,11 @@ def make_run(root: Path, section: dict, *, max_steps: int) -> Run:
     return Run("grpo", recipe, None, None, logger, None, max_steps=max_steps)
 
 
-def body(run: Run, group: StandInGroup, *, stop_at: float | None = None, **kwargs) -> loop.Steps:
-    """Two examples a step out of four; validation reports the step it ran after."""
+def body(
+    run: Run, group: StandInGroup, section: dict, *, stop_at: float | None = None
+) -> loop.Steps:
+    """Two examples a step out of four; validation reports the step it ran after; ``section``
+    schedules the loop."""
     run.groups.append(group)
     sampler = EpochSampler(4, seed=0, shuffle=False)
 
@@ -49,17 +52,17 @@ def body(run: Run, group: StandInGroup, *, stop_at: float | None = None, **kwarg
         sampler,
         train_step,
         validate=lambda step: {"val_reward": float(step)},
+        section=section,
         stop_when=None
         if stop_at is None
         else (lambda m: "stop" if m["val_reward"] >= stop_at else None),
-        **kwargs,
     )
 
 
 def test_the_data_epochs_end_the_run_with_a_validated_saved_last_step(tmp_path):
     run = make_run(tmp_path, {"val_at_end": True}, max_steps=10)
     group = StandInGroup()
-    assert loop.drive(run, lambda r: body(r, group, val_period=0, max_epochs=1)) == 0
+    assert loop.drive(run, lambda r: body(r, group, {"val_period": 0, "max_num_epochs": 1})) == 0
     train = read_metrics(tmp_path / "logs", "train")
     assert [r["step"] for r in train] == [1, 2]  # 4 examples, 2 a step, one epoch
     assert train[1]["loss"] == 2.0 and train[1]["tokens_per_s"] == 20.0
@@ -75,7 +78,9 @@ def test_the_data_epochs_end_the_run_with_a_validated_saved_last_step(tmp_path):
 def test_validation_at_start_can_stop_the_run_before_any_step(tmp_path):
     run = make_run(tmp_path, {}, max_steps=10)
     group = StandInGroup()
-    steps = loop.drive(run, lambda r: body(r, group, val_period=1, val_at_start=True, stop_at=0))
+    steps = loop.drive(
+        run, lambda r: body(r, group, {"val_period": 1, "val_at_start": True}, stop_at=0)
+    )
     assert steps == 0 and read_metrics(tmp_path / "logs", "train") == []
     assert [r["step"] for r in read_metrics(tmp_path / "logs", "val")] == [0]
     assert group.saved == [] and group.shut_down
@@ -84,7 +89,7 @@ def test_validation_at_start_can_stop_the_run_before_any_step(tmp_path):
 def test_without_an_epoch_limit_the_steps_run_out_and_a_validation_can_stop_them(tmp_path):
     run = make_run(tmp_path, {}, max_steps=10)
     group = StandInGroup()
-    assert loop.drive(run, lambda r: body(r, group, val_period=2, stop_at=4)) == 0
+    assert loop.drive(run, lambda r: body(r, group, {"val_period": 2}, stop_at=4)) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "logs", "train")] == [1, 2, 3, 4]
     # the stop saves
     assert [p.name for p in checkpoint_dirs(tmp_path / "ckpt")] == ["step_000004"]

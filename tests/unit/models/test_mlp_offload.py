@@ -229,9 +229,8 @@ def test_every_bulk_reload_is_waited_for_before_its_use(
         result = pop(handler, tag)
         if not isinstance(tag, torch.Tensor):
             group = handler.offload_groups[tag[0] - 1]
-            reloaded = group in handler._reloading_group or id(group) in waited
-            if reloaded and id(group) not in waited:
-                unwaited.append(group._name)
+            if group in handler._reloading_group and id(group) not in waited:
+                unwaited.append(group._name)  # reloaded, still pending, never waited for
         return result
 
     monkeypatch.setattr(fgo.OffloadTensorGroup, "record_reload_event", recording_record)

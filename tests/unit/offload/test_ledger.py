@@ -17,6 +17,7 @@ from support.policies import make_policy  # noqa: E402
 from nemo_rl_offload import cli, planner  # noqa: E402
 from nemo_rl_offload.config.model_presets import architecture_for  # noqa: E402
 from nemo_rl_offload.models import ledger_run  # noqa: E402
+from nemo_rl_offload.models.parallel import single_rank_megatron
 from nemo_rl_offload.offload import apply, ledger  # noqa: E402
 from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES
 
@@ -40,7 +41,7 @@ def test_a_layer_ledger_adds_up_to_a_whole_model_forward(dense):
     architecture = architecture_for("tiny-dense")
     effective = apply.effective_settings(section, architecture, te_installed=False)
     whole = ledger.one_layer_settings(effective, {"num_layers": 4})
-    with ledger_run.single_rank_megatron():
+    with single_rank_megatron():
         model = ledger_run.build_model(whole, architecture, section)
         measured = ledger_run.measure(model, 96, architecture.vocab_size).total_bytes
     assert [(k.kind, k.layers) for k in dense.kinds] == [(ledger.DENSE, 4), (ledger.MODEL, 1)]
