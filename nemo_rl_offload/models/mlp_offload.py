@@ -23,8 +23,8 @@ each tensor's memory goes when the MLP's forward drops it, once its copy has bee
 
 The groups rely on how Megatron's ``MLP.forward`` runs (fc1 once, then the activation, then fc2
 once, each linear returning its output and bias) and on ``MLP.as_mlp_submodule`` building the
-class it is called on: :data:`FINGERPRINTS` holds their source hashes as checked, and the spec
-refuses the modules (one line) when the installed megatron-core's differ.
+class it is called on: ``owned.MLP_FINGERPRINTS`` holds their source hashes as checked, and
+validate and the spec refuse the modules (one line) when the installed megatron-core's differ.
 """
 
 from __future__ import annotations
@@ -40,33 +40,18 @@ from megatron.core.transformer.mlp import MLP
 
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES
-from nemo_rl_offload.offload.owned import CHECKED_MEGATRON_VERSION, fingerprint
+from nemo_rl_offload.offload.owned import mlp_drift
 
 MLP_FC1, MLP_ACT, MLP_FC2 = "mlp_fc1", "mlp_act", "mlp_fc2"
-# Megatron's MLP methods the offload points rely on, and their source hashes
-# (owned.fingerprint) in megatron-core CHECKED_MEGATRON_VERSION.
-FINGERPRINTS = {"forward": "ffe0ebc9e20000af", "as_mlp_submodule": "be18d82adbf5db84"}
-
-
-def changed_mlp_code() -> list[str]:
-    """Names of the :data:`FINGERPRINTS` methods of the installed ``MLP`` whose source differs
-    from the checked one."""
-    return [
-        name for name, digest in FINGERPRINTS.items() if fingerprint(getattr(MLP, name)) != digest
-    ]
 
 
 def require_checked_mlp() -> None:
     """Refuse the MLP's offload modules (UserInputError, one line) when Megatron's MLP code they
-    rely on is not the code they were checked against."""
-    changed = changed_mlp_code()
-    if changed:
-        names = ", ".join(f"MLP.{name}" for name in changed)
-        raise UserInputError(
-            f"policy.megatron_cfg.offload_modules: the MLP offload modules rely on megatron-core's "
-            f"{names}, which changed since megatron-core {CHECKED_MEGATRON_VERSION}; remove "
-            f"{sorted(MLP_OFFLOAD_MODULES)} or pin megatron-core=={CHECKED_MEGATRON_VERSION}"
-        )
+    rely on is not the code they were checked against (``owned.mlp_drift``; validate refuses
+    them the same way first)."""
+    drift = mlp_drift()
+    if drift:
+        raise UserInputError(f"policy.megatron_cfg.offload_modules: {drift}")
 
 
 class OffloadingMLP(MLP):

@@ -103,6 +103,8 @@ class Capabilities:
     # The line refusing offloading when the installed megatron-core's offload code is not the
     # code the runtime's subclasses were checked against (owned.megatron_drift); None: it is.
     offload_code_drift: str | None = None
+    # The same for the MLP offload modules' reliance on Megatron's MLP (owned.mlp_drift).
+    mlp_code_drift: str | None = None
 
     @property
     def has_transformer_engine(self) -> bool:
@@ -159,26 +161,28 @@ def detect() -> Capabilities:
     source = "megatron-core"
     if names is None:
         names, source = _names_from_table(megatron_version), "version table"
-    drift = _offload_code_drift(megatron_version)
-    return Capabilities(megatron_version, te_version, names, source, drift)
+    drift, mlp_drift = _offload_code_drift(megatron_version)
+    return Capabilities(megatron_version, te_version, names, source, drift, mlp_drift)
 
 
-def _offload_code_drift(megatron_version: str | None) -> str | None:
+def _offload_code_drift(megatron_version: str | None) -> tuple[str | None, str | None]:
     """Whether the installed megatron-core's offload code is the one the offload runtime's
-    subclasses were checked against (:func:`nemo_rl_offload.offload.owned.megatron_drift`):
-    None when it is or megatron-core is missing (reported elsewhere), else the line to show."""
+    subclasses (:func:`nemo_rl_offload.offload.owned.megatron_drift`) and the MLP offload points
+    (``owned.mlp_drift``) were checked against: None each when it is or megatron-core is
+    missing (reported elsewhere), else the line to show."""
     if megatron_version is None:
-        return None
+        return None, None
     try:
         with _quiet_import():
             owned = importlib.import_module("nemo_rl_offload.offload.owned")
     except (ImportError, AttributeError) as exc:  # a module or class the runtime uses is gone
-        return (
+        line = (
             f"megatron-core {megatron_version}'s fine-grained offloading module is not the one "
             f"this backend was checked against ({exc}); pin the megatron-core version named in "
             "nemo_rl_offload/offload/owned.py (CHECKED_MEGATRON_VERSION) or update that module"
         )
-    return owned.megatron_drift()
+        return line, line
+    return owned.megatron_drift(), owned.mlp_drift()
 
 
 @functools.cache

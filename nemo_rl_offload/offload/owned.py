@@ -1222,3 +1222,28 @@ def require_checked_megatron() -> None:
     drift = _checked()
     if drift is not None:
         raise UserInputError(drift)
+
+
+# Megatron's dense MLP methods the project's MLP offload points (models/mlp_offload.py) rely on
+# (its forward calls fc1, the activation and fc2 once each; as_mlp_submodule builds the class it
+# is called on), with their source hashes (:func:`fingerprint`) in CHECKED_MEGATRON_VERSION.
+MLP_FINGERPRINTS = {"forward": "ffe0ebc9e20000af", "as_mlp_submodule": "be18d82adbf5db84"}
+
+
+def mlp_drift() -> str | None:
+    """One line refusing the MLP offload modules when the installed megatron-core's ``MLP``
+    code they rely on differs from the checked one (:data:`MLP_FINGERPRINTS`), else None."""
+    from megatron.core.transformer.mlp import MLP
+
+    changed = [
+        f"MLP.{name}"
+        for name, digest in MLP_FINGERPRINTS.items()
+        if fingerprint(getattr(MLP, name)) != digest
+    ]
+    if not changed:
+        return None
+    return (
+        f"the MLP offload modules rely on megatron-core's {', '.join(changed)}, which changed "
+        f"since megatron-core {CHECKED_MEGATRON_VERSION} ({_installed_version()} is installed); "
+        f"remove mlp_fc1/mlp_act/mlp_fc2 or pin megatron-core=={CHECKED_MEGATRON_VERSION}"
+    )

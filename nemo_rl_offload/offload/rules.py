@@ -274,6 +274,8 @@ def _mlp_offload(ctx: _Context) -> None:
     if not mlp:
         return
     path = ctx.path("offload_modules")
+    if ctx.caps.mlp_code_drift:
+        ctx.error(f"{path}: {ctx.caps.mlp_code_drift}")
     if ctx.is_moe:
         ctx.error(
             f"{path}: {_fmt(mlp)} offload the dense MLP, and this model's MLPs are experts; "

@@ -19,11 +19,13 @@ import pytest
 import torch
 from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 from support.fake_streams import FakeCuda
+from support.policies import make_policy
 
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.models import builder
 from nemo_rl_offload.models.mlp_offload import OffloadingMLP, offloading_mlp_builder
-from nemo_rl_offload.offload import apply, owned, runtime
+from nemo_rl_offload.offload import apply, capabilities, owned, runtime
+from nemo_rl_offload.offload.rules import check_policy
 
 MODEL = "tiny-dense"
 MLP = ["mlp_fc1", "mlp_act", "mlp_fc2"]
@@ -163,14 +165,26 @@ def test_groups_follow_the_mlp_and_stay_closed(megatron_cpu, effective_for, cpu_
 
 def test_megatrons_mlp_code_is_the_checked_one_or_refused(monkeypatch):
     """The installed MLP is the checked one (CI fails on a change); a changed one is refused in
-    one line naming the method."""
+    one line naming the method, by validate's rule and by the spec."""
     from nemo_rl_offload.errors import UserInputError
     from nemo_rl_offload.models import mlp_offload
 
-    assert mlp_offload.changed_mlp_code() == []
-    monkeypatch.setitem(mlp_offload.FINGERPRINTS, "forward", "0" * 16)
+    assert owned.mlp_drift() is None
+    monkeypatch.setitem(owned.MLP_FINGERPRINTS, "forward", "0" * 16)
     with pytest.raises(UserInputError, match=r"rely on megatron-core's MLP.forward, which changed"):
         mlp_offload.require_checked_mlp()
+    capabilities.detect.cache_clear()
+    try:
+        caps = capabilities.detect()
+        assert caps.mlp_code_drift and "MLP.forward" in caps.mlp_code_drift
+        assert caps.offload_code_drift is None  # Megatron's offload code itself is unchanged
+        policy = make_policy(fine_grained_activation_offloading=True, offload_modules=["mlp_fc1"])
+        found = check_policy(
+            policy, where="policy", architecture=architecture_for("tiny-dense"), caps=caps
+        )
+        assert any("MLP.forward, which changed" in e for e in found.errors), found.errors
+    finally:
+        capabilities.detect.cache_clear()
 
 
 def test_only_the_local_dense_mlp_is_replaced():

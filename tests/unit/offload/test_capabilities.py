@@ -75,13 +75,15 @@ def test_transformer_config_defaults_include_offload_knobs():
 def test_the_installed_megatron_cores_offload_code_is_the_checked_one():
     capabilities.detect.cache_clear()
     assert capabilities.detect().offload_code_drift is None
+    assert capabilities.detect().mlp_code_drift is None
 
 
 def test_an_offload_module_that_cannot_be_imported_is_reported(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "nemo_rl_offload.offload.owned", None)  # import fails
-    line = capabilities._offload_code_drift("0.20.0")
+    line, mlp_line = capabilities._offload_code_drift("0.20.0")
+    assert mlp_line == line
     assert line.startswith("megatron-core 0.20.0's fine-grained offloading module is not")
     assert "CHECKED_MEGATRON_VERSION" in line
-    assert capabilities._offload_code_drift(None) is None  # missing: reported elsewhere
+    assert capabilities._offload_code_drift(None) == (None, None)  # missing: reported elsewhere
