@@ -215,11 +215,7 @@ def _reduce_cp(
         loss, num_tokens, metrics = loss_fn(batch, full)
     if context_parallel.cp_world()[1] != 0:
         num_tokens = 0
-    num_tokens = torch.as_tensor(num_tokens, device=loss.device).to(torch.int)
-    report = {name: value.detach() for name, value in metrics.items()}
-    report["loss"] = loss.detach()
-    report["num_tokens"] = num_tokens.detach().clone()
-    return loss, num_tokens, report
+    return _reported(loss, num_tokens, metrics)
 
 
 def _reduce(
@@ -229,8 +225,14 @@ def _reduce(
     the last pipeline stage, whose output is [rows, positions, ...]: positions the model saw
     beyond the micro-batch's length (padding for sequence parallelism) are cropped first."""
     output = output[:, : batch["input_ids"].shape[1]]
-    loss, num_tokens, metrics = loss_fn(batch, output)
-    # Megatron adds this into an int32 counter on the loss's device.
+    return _reported(*loss_fn(batch, output))
+
+
+def _reported(
+    loss: Tensor, num_tokens: Tensor | int, metrics: dict[str, Tensor]
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """What Megatron's loss_func returns: the loss, its token count as an int32 tensor on the
+    loss's device (Megatron adds it into such a counter), and what the caller gets back."""
     num_tokens = torch.as_tensor(num_tokens, device=loss.device).to(torch.int)
     report = {name: value.detach() for name, value in metrics.items()}
     report["loss"] = loss.detach()

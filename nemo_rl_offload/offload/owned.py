@@ -335,13 +335,10 @@ class OwnedHostPool(fgo.OffloadTensorPool):
     (:func:`pack_slabs`; a buffer made during a step is a slab of its own, until the next
     rebuild packs it), :meth:`pinned_bytes` counts the slabs, and a rebuild that drops slabs
     empties torch's host cache, so that ``torch.cuda.host_memory_stats`` counts only what is
-    held.
+    held."""
 
-    ``lean``: the plans' ``lean_hooks`` (kept for them; allocate and free are one path)."""
-
-    def __init__(self, *, lean: bool = False, device: str = "cpu", pin_memory: bool = True):
+    def __init__(self, *, device: str = "cpu", pin_memory: bool = True):
         super().__init__(device=device, pin_memory=pin_memory)
-        self.lean = lean
         self.plan: Hashable = None  # the plan whose step draws buffers now
         self._buffers: dict[int, _Buffer] = {}  # by address
         self._free: list[tuple[int, int]] = []  # (size, address), sorted
@@ -841,7 +838,7 @@ class OwnedOffloadManager(fgo.PipelineOffloadManager):
         self.choices = choices
         super().__init__()
         # Megatron's __init__ made a pool of its own (no buffers yet): the plans share ours.
-        self._cpu_tensor_pool = pool if pool is not None else OwnedHostPool(lean=choices.lean_hooks)
+        self._cpu_tensor_pool = pool if pool is not None else OwnedHostPool()
 
     def init_model_chunk_offload_handler(
         self,

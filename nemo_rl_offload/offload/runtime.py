@@ -264,7 +264,7 @@ class OffloadRuntime:
         """The pinned pool every plan shares."""
         from nemo_rl_offload.offload.owned import OwnedHostPool
 
-        return OwnedHostPool(lean=self.choices.lean_hooks)
+        return OwnedHostPool()
 
     def _new_manager(self) -> Any:
         """A manager for a new plan, with the runtime's choices and pool."""

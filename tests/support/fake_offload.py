@@ -43,6 +43,6 @@ def fake_plans(monkeypatch) -> None:
     monkeypatch.setattr(
         runtime.OffloadRuntime,
         "_new_pool",
-        lambda rt: owned.OwnedHostPool(lean=rt.choices.lean_hooks, device="cpu", pin_memory=False),
+        lambda rt: owned.OwnedHostPool(device="cpu", pin_memory=False),
     )
     FakeManager.OFFLOAD_MGR, FakeManager.made = None, 0

@@ -54,7 +54,7 @@ def cpu_offload(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(
         runtime.OffloadRuntime,
         "_new_pool",
-        lambda rt: owned.OwnedHostPool(lean=False, device="cpu", pin_memory=False),
+        lambda rt: owned.OwnedHostPool(device="cpu", pin_memory=False),
     )
     return cuda
 

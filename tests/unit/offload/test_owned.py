@@ -35,8 +35,8 @@ def _bare(cls, **fields):
     return obj
 
 
-def _pool(lean: bool = True) -> owned.OwnedHostPool:
-    return owned.OwnedHostPool(lean=lean, device="cpu", pin_memory=False)
+def _pool() -> owned.OwnedHostPool:
+    return owned.OwnedHostPool(device="cpu", pin_memory=False)
 
 
 def test_copy_timer_sums_intervals_per_direction_and_resets():
@@ -391,7 +391,6 @@ def test_the_manager_creates_owned_handlers_as_megatrons_creates_its_own(monkeyp
 def test_a_manager_without_a_pool_makes_its_own(cpu_streams):
     manager = owned.OwnedOffloadManager(DENSE)
     assert isinstance(manager.cpu_tensor_pool, owned.OwnedHostPool)
-    assert manager.cpu_tensor_pool.lean is True
 
 
 @pytest.mark.parametrize(("lean_hooks", "capturing"), [(True, False), (True, True), (False, False)])

@@ -375,7 +375,6 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
         assert choices.lean_hooks is False and choices.pool_expert_groups is True
         assert choices.reload_waits_for_offload is True  # Megatron-LM 7398, always
         assert isinstance(choices.copy_timer, owned.CopyTimer)
-    assert _FakeManager.OFFLOAD_MGR.cpu_tensor_pool.lean is False
     unset = runtime.OffloadRuntime(config)  # the defaults
     unset.before_step(1, 1024)
     choices = _FakeManager.OFFLOAD_MGR.choices

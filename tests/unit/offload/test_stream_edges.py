@@ -177,7 +177,7 @@ def run_steps(
     cuda = FakeCuda(drop=drop)
     cuda.install(monkeypatch)
     monkeypatch.setattr(fgo, "print_offload_summary_table", lambda table: None)
-    pool = owned.OwnedHostPool(lean=choices.lean_hooks, device="cpu", pin_memory=False)
+    pool = owned.OwnedHostPool(device="cpu", pin_memory=False)
     manager = owned.OwnedOffloadManager(choices, pool=pool)
     monkeypatch.setattr(fgo.PipelineOffloadManager, "OFFLOAD_MGR", manager)
     with cuda.active():
