@@ -76,19 +76,18 @@ def parse_oom_sizes(message: str) -> dict[str, float]:
     return sizes
 
 
+# How oom_sizes_text words each size, in its order.
+_OOM_WORDS = (
+    ("tried_gib", "tried to allocate {:.2f} GiB"),
+    ("total_gib", "{:.2f} GiB total"),
+    ("free_gib", "{:.2f} GiB free"),
+    ("allocated_gib", "{:.2f} GiB allocated by PyTorch"),
+    ("reserved_unallocated_gib", "{:.2f} GiB reserved but unallocated"),
+)
+
+
 def oom_sizes_text(sizes: dict[str, float]) -> str:
-    parts = []
-    if "tried_gib" in sizes:
-        parts.append(f"tried to allocate {sizes['tried_gib']:.2f} GiB")
-    if "total_gib" in sizes:
-        parts.append(f"{sizes['total_gib']:.2f} GiB total")
-    if "free_gib" in sizes:
-        parts.append(f"{sizes['free_gib']:.2f} GiB free")
-    if "allocated_gib" in sizes:
-        parts.append(f"{sizes['allocated_gib']:.2f} GiB allocated by PyTorch")
-    if "reserved_unallocated_gib" in sizes:
-        parts.append(f"{sizes['reserved_unallocated_gib']:.2f} GiB reserved but unallocated")
-    return "; ".join(parts)
+    return "; ".join(words.format(sizes[key]) for key, words in _OOM_WORDS if key in sizes)
 
 
 def _is_oom(type_name: str, message: str) -> bool:

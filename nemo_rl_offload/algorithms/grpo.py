@@ -268,7 +268,7 @@ def collect_groups(
     metrics = {"reward": float(torch.cat(generated).mean())}
     # NeMo-RL's generation throughput counts the sequences' tokens (prompt and response); the
     # new tokens alone are what the sampler's speed is measured in (docs/generation.md).
-    gpus = max(policy.workers, 1)
+    gpus = policy.workers
     metrics["timing/train/generation"] = seconds  # NeMo-RL's phase timer names
     if seconds > 0:
         metrics.update(
