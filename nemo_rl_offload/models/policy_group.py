@@ -34,6 +34,28 @@ _PER_RANK_KEYS = (
 )
 
 
+# Of the per-rank metrics, those also logged for every rank under ``rank<r>/`` when a group
+# has several workers: each rank's memory and offloading, which a maximum over ranks hides.
+_EVERY_RANK_KEYS = ("peak_", "offload", "pinned", "d2h", "h2d")
+
+
+def combine_step_metrics(results: list[dict[str, float]], reporters: set[int]) -> dict[str, float]:
+    """One step's metrics from every worker's: sums once per data-parallel group (the
+    reporting ranks), the largest value over ranks for what describes one rank (memory, time,
+    offloading); with several workers, each rank's memory and offloading as ``rank<r>/<key>``
+    too."""
+    totals: dict[str, float] = {}
+    for rank, result in enumerate(results):
+        for key, value in result.items():
+            if key.startswith(_PER_RANK_KEYS):  # every rank's memory and time count
+                totals[key] = max(totals.get(key, 0.0), value)
+                if len(results) > 1 and key.startswith(_EVERY_RANK_KEYS):
+                    totals[f"rank{rank}/{key}"] = value
+            elif rank in reporters:  # sums: once per data-parallel group
+                totals[key] = totals.get(key, 0.0) + value
+    return totals
+
+
 def holds_reference(recipe: dict[str, Any], algorithm: str) -> bool:
     """Whether the policy workers of ``algorithm`` also hold a frozen reference copy of the
     model (DPO always; GRPO with a KL penalty in its loss): memory the policy's own steps live
@@ -114,17 +136,10 @@ class PolicyGroup:
 
     def train(self, shards: list[list[dict[str, np.ndarray]]], loss: dict[str, Any]) -> dict:
         """One step: ``shards[d]`` are the micro-batches of data-parallel rank d. Returns the
-        summed metrics over data-parallel ranks, plus per-rank maxima of memory and time."""
+        summed metrics over data-parallel ranks, plus per-rank maxima of memory and time (and,
+        with several workers, each rank's own values: ``combine_step_metrics``)."""
         results = self.group.run("train", per_worker=self._per_worker(shards, loss))
-        reporters = set(self.reporters.values())
-        totals: dict[str, float] = {}
-        for rank, result in enumerate(results):
-            for key, value in result.items():
-                if key.startswith(_PER_RANK_KEYS):  # every rank's memory and time count
-                    totals[key] = max(totals.get(key, 0.0), value)
-                elif rank in reporters:  # sums: once per data-parallel group
-                    totals[key] = totals.get(key, 0.0) + value
-        return totals
+        return combine_step_metrics(results, set(self.reporters.values()))
 
     def _map(self, method: str, microbatches: list[Any], *args: Any, **kwargs: Any) -> list:
         """Spread independent items over the data-parallel ranks; results in input order."""
