@@ -598,6 +598,52 @@ def _recompute(ctx: _Context) -> None:
             )
 
 
+def _optimizer_offload(ctx: _Context) -> None:
+    """``optimizer.optimizer_cpu_offload`` (NeMo-RL's key): megatron-core's hybrid optimizer
+    keeps ``optimizer_offload_fraction`` of the Adam state on the host and steps it there. It
+    reuses the precision-aware optimizer's code path (Megatron-LM's arguments require that
+    flag, which megatron-core allows only with Adam and the distributed optimizer) and moves
+    the state with CUDA streams (GPU workers only)."""
+    optimizer = ctx.megatron_cfg.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return
+    path = f"{ctx.prefix}.optimizer"
+    fraction = optimizer.get("optimizer_offload_fraction")
+    if optimizer.get("optimizer_cpu_offload") is not True:
+        if _is_number(fraction) and fraction > 0:
+            ctx.warn(
+                f"warning: {path}.optimizer_offload_fraction: ignored because "
+                f"optimizer_cpu_offload is off; set {path}.optimizer_cpu_offload=true to use it"
+            )
+        return
+    needs = [
+        f"{path}.{name}=true"
+        for name in ("use_distributed_optimizer", "use_precision_aware_optimizer")
+        if optimizer.get(name) is not True
+    ]
+    if needs:
+        ctx.error(
+            f"{path}.optimizer_cpu_offload: megatron-core's hybrid CPU optimizer runs through "
+            f"the precision-aware distributed optimizer; set {' and '.join(needs)}, or turn "
+            "optimizer_cpu_offload off"
+        )
+    if optimizer.get("optimizer", "adam") != "adam":
+        ctx.error(
+            f"{path}.optimizer: optimizer_cpu_offload needs adam (megatron-core's "
+            f"precision-aware optimizer is Adam only), not {optimizer.get('optimizer')!r}"
+        )
+    if not (_is_number(fraction) and 0 < fraction <= 1):
+        ctx.error(
+            f"{path}.optimizer_offload_fraction: must be in (0, 1] with optimizer_cpu_offload "
+            f"(got: {fraction}); it is the share of the optimizer state kept on the host, e.g. 1.0"
+        )
+    if ctx.gpus_per_node == 0:
+        ctx.error(
+            f"{path}.optimizer_cpu_offload: megatron-core's hybrid CPU optimizer needs CUDA "
+            "(cluster.gpus_per_node is 0); turn it off for CPU runs"
+        )
+
+
 def _gradient_reduction(ctx: _Context) -> None:
     ddp = ctx.megatron_cfg.get("distributed_data_parallel_config")
     if isinstance(ddp, dict) and ddp.get("average_in_collective") is True:
@@ -909,6 +955,7 @@ _RULES = (
     _pipeline,
     _parallel_layout,
     _gradient_reduction,
+    _optimizer_offload,
     _environment,
     _tensor_sizes,
     _token_batching,
