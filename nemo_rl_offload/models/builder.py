@@ -180,6 +180,16 @@ def build_gpt_model(
     mlp_modules = apply.project_offload_modules(effective) if kwargs.get(FGO_FIELD) else frozenset()
     config = apply.make_transformer_config(kwargs, mlp_modules)
     model = gpt_model_for(config, architecture, mlp_modules)
+    if apply.offloads_layer_input(effective):
+        if on_gpu:
+            from nemo_rl_offload.models.layer_input_block import offload_layer_inputs
+
+            offload_layer_inputs(model)
+        else:
+            warnings.append(
+                f"{_megatron_cfg_path(effective, 'offload_modules')}: layer_input offloading is "
+                "GPU-only; not applied on CPU workers"
+            )
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model, warnings

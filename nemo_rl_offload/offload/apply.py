@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_rl_offload.config.model_presets import Architecture, has_experts
-from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES
+from nemo_rl_offload.offload.capabilities import LAYER_INPUT, MLP_OFFLOAD_MODULES
 
 # megatron_cfg keys that are TransformerConfig fields of the same name.
 FGO_KEYS = (
@@ -269,9 +269,20 @@ def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:
         kwargs["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation]
     modules = kwargs.get("offload_modules")
     if isinstance(modules, list):
-        # This package's own module names reach the layer spec (project_offload_modules), not
-        # TransformerConfig, which refuses names it does not know.
-        kwargs["offload_modules"] = [name for name in modules if name not in MLP_OFFLOAD_MODULES]
+        # This package's own module names reach the layer spec (project_offload_modules) or the
+        # decoder (offloads_layer_input), not TransformerConfig, which refuses names it does
+        # not know.
+        kwargs["offload_modules"] = [
+            name for name in modules if name not in MLP_OFFLOAD_MODULES and name != LAYER_INPUT
+        ]
+        if (
+            LAYER_INPUT in modules
+            and not kwargs["offload_modules"]
+            and not (set(modules) & MLP_OFFLOAD_MODULES)
+        ):
+            # layer_input alone runs outside Megatron's offload manager (offload.layer_input):
+            # Megatron's flag would open offload chunks that nothing uses.
+            kwargs["fine_grained_activation_offloading"] = False
     if kwargs.get("sequence_parallel") and (kwargs.get("tensor_model_parallel_size") or 1) == 1:
         # Megatron's config refuses sequence parallelism without tensor parallelism; with one
         # tensor-parallel rank it would split nothing, so it is off (validate warns).
@@ -288,6 +299,15 @@ def project_offload_modules(effective: EffectiveSettings) -> frozenset[str]:
     if not isinstance(modules, list):
         return frozenset()
     return frozenset(name for name in modules if name in MLP_OFFLOAD_MODULES)
+
+
+def offloads_layer_input(effective: EffectiveSettings) -> bool:
+    """The settings offload each full-recompute segment's input (``layer_input``, placed on
+    the decoder by ``models.builder``; :mod:`.layer_input`)."""
+    if effective.value("fine_grained_activation_offloading") is not True:
+        return False
+    modules = effective.value("offload_modules")
+    return isinstance(modules, list) and LAYER_INPUT in modules
 
 
 def make_transformer_config(

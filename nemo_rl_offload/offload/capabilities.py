@@ -53,6 +53,9 @@ MOE_OFFLOAD_MODULES = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
 # names its points (the block, then the op whose saved tensors the group holds) and kept out of
 # TransformerConfig, which refuses names it does not know (offload.apply).
 MLP_OFFLOAD_MODULES = frozenset({"mlp_fc1", "mlp_act", "mlp_fc2"})
+# The offload module name of each full-recompute segment's input (offload.layer_input), as
+# Megatron-LM PR 5218 names it; kept out of TransformerConfig too.
+LAYER_INPUT = "layer_input"
 
 
 @contextlib.contextmanager
@@ -105,6 +108,9 @@ class Capabilities:
     offload_code_drift: str | None = None
     # The same for the MLP offload modules' reliance on Megatron's MLP (owned.mlp_drift).
     mlp_code_drift: str | None = None
+    # The same for the layer_input offload's reliance on Megatron's checkpoint code
+    # (layer_input.drift).
+    layer_input_code_drift: str | None = None
 
     @property
     def has_transformer_engine(self) -> bool:
@@ -162,7 +168,31 @@ def detect() -> Capabilities:
     if names is None:
         names, source = _names_from_table(megatron_version), "version table"
     drift, mlp_drift = _offload_code_drift(megatron_version)
-    return Capabilities(megatron_version, te_version, names, source, drift, mlp_drift)
+    return Capabilities(
+        megatron_version,
+        te_version,
+        names,
+        source,
+        drift,
+        mlp_drift,
+        _layer_input_code_drift(megatron_version),
+    )
+
+
+def _layer_input_code_drift(megatron_version: str | None) -> str | None:
+    """The line refusing ``layer_input`` when the Megatron checkpoint code it relies on is not
+    the checked one (:func:`nemo_rl_offload.offload.layer_input.drift`), else None."""
+    if megatron_version is None:
+        return None
+    try:
+        with _quiet_import():
+            module = importlib.import_module("nemo_rl_offload.offload.layer_input")
+    except (ImportError, AttributeError) as exc:
+        return (
+            f"megatron-core {megatron_version}'s checkpoint code is not the one the layer_input "
+            f"offload was checked against ({exc}); remove layer_input from offload_modules"
+        )
+    return module.drift()
 
 
 def _offload_code_drift(megatron_version: str | None) -> tuple[str | None, str | None]:

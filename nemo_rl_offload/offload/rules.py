@@ -21,6 +21,7 @@ from typing import Any
 from nemo_rl_offload.config.model_presets import Architecture
 from nemo_rl_offload.offload import apply
 from nemo_rl_offload.offload.capabilities import (
+    LAYER_INPUT,
     MLP_OFFLOAD_MODULES,
     MOE_OFFLOAD_MODULES,
     Capabilities,
@@ -201,7 +202,7 @@ def _module_list(ctx: _Context) -> None:
                 f"set {ctx.prefix}.fine_grained_activation_offloading=true to use it"
             )
         return
-    known = ctx.caps.offload_module_names | MLP_OFFLOAD_MODULES
+    known = ctx.caps.offload_module_names | MLP_OFFLOAD_MODULES | {LAYER_INPUT}
     if raw is None or raw == []:
         ctx.error(
             f"{path}: fine-grained activation offloading is on but no modules are listed; "
@@ -303,6 +304,49 @@ def _mlp_offload(ctx: _Context) -> None:
         ctx.error(
             f"{ctx.path('recompute_modules')}: recomputing 'mlp' leaves nothing for "
             f"{_fmt(mlp)} to offload; remove one of the two"
+        )
+
+
+def _layer_input(ctx: _Context) -> None:
+    """``layer_input`` (offload.layer_input) offloads what full recompute keeps: each
+    recomputed segment's input. It runs on Megatron's own block forward, eagerly, on one
+    pipeline stage, with the segment input whole."""
+    if not ctx.fgo_on or LAYER_INPUT not in ctx.modules:
+        return
+    path = ctx.path("offload_modules")
+    if ctx.caps.layer_input_code_drift:
+        ctx.error(f"{path}: {ctx.caps.layer_input_code_drift}")
+    if ctx.value("recompute_granularity") != "full":
+        ctx.error(
+            f"{path}: 'layer_input' offloads the input of each full-recompute segment and needs "
+            f"full recompute; set {ctx.prefix}.activation_checkpointing=true with "
+            "recompute_granularity: full, or remove 'layer_input'"
+        )
+        return
+    others = sorted(set(ctx.modules) - {LAYER_INPUT})
+    if others:
+        ctx.error(
+            f"{path}: under full recompute the layers keep no activations for {_fmt(others)} "
+            "to offload (only each segment's input, which 'layer_input' offloads); list "
+            "'layer_input' alone"
+        )
+    impl = ctx.value("cuda_graph_impl", "none")
+    if impl not in (None, "none"):
+        ctx.error(
+            f"{path}: 'layer_input' runs eager hooks and copies that a CUDA graph cannot hold "
+            f"(cuda_graph_impl is {impl!r}); set cuda_graph_impl: none, or remove 'layer_input'"
+        )
+    pp = ctx.value("pipeline_model_parallel_size", 1)
+    if _is_int(pp) and pp > 1:
+        ctx.error(
+            f"{path}: 'layer_input' is not checked with pipeline stages "
+            f"(pipeline_model_parallel_size is {pp}); set it to 1, or remove 'layer_input'"
+        )
+    if ctx.value("distribute_saved_activations") is True:
+        ctx.error(
+            f"{ctx.path('distribute_saved_activations')}: already splits each segment's input "
+            "over the tensor-parallel ranks, and 'layer_input' offloads it whole; use one of "
+            "the two"
         )
 
 
@@ -552,6 +596,52 @@ def _recompute(ctx: _Context) -> None:
                 "(NameError FP8GlobalStateManager); recompute core_attn or moe_act, use "
                 "full recompute, or offload those inputs instead"
             )
+
+
+def _optimizer_offload(ctx: _Context) -> None:
+    """``optimizer.optimizer_cpu_offload`` (NeMo-RL's key): megatron-core's hybrid optimizer
+    keeps ``optimizer_offload_fraction`` of the Adam state on the host and steps it there. It
+    reuses the precision-aware optimizer's code path (Megatron-LM's arguments require that
+    flag, which megatron-core allows only with Adam and the distributed optimizer) and moves
+    the state with CUDA streams (GPU workers only)."""
+    optimizer = ctx.megatron_cfg.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return
+    path = f"{ctx.prefix}.optimizer"
+    fraction = optimizer.get("optimizer_offload_fraction")
+    if optimizer.get("optimizer_cpu_offload") is not True:
+        if _is_number(fraction) and fraction > 0:
+            ctx.warn(
+                f"warning: {path}.optimizer_offload_fraction: ignored because "
+                f"optimizer_cpu_offload is off; set {path}.optimizer_cpu_offload=true to use it"
+            )
+        return
+    needs = [
+        f"{path}.{name}=true"
+        for name in ("use_distributed_optimizer", "use_precision_aware_optimizer")
+        if optimizer.get(name) is not True
+    ]
+    if needs:
+        ctx.error(
+            f"{path}.optimizer_cpu_offload: megatron-core's hybrid CPU optimizer runs through "
+            f"the precision-aware distributed optimizer; set {' and '.join(needs)}, or turn "
+            "optimizer_cpu_offload off"
+        )
+    if optimizer.get("optimizer", "adam") != "adam":
+        ctx.error(
+            f"{path}.optimizer: optimizer_cpu_offload needs adam (megatron-core's "
+            f"precision-aware optimizer is Adam only), not {optimizer.get('optimizer')!r}"
+        )
+    if not (_is_number(fraction) and 0 < fraction <= 1):
+        ctx.error(
+            f"{path}.optimizer_offload_fraction: must be in (0, 1] with optimizer_cpu_offload "
+            f"(got: {fraction}); it is the share of the optimizer state kept on the host, e.g. 1.0"
+        )
+    if ctx.gpus_per_node == 0:
+        ctx.error(
+            f"{path}.optimizer_cpu_offload: megatron-core's hybrid CPU optimizer needs CUDA "
+            "(cluster.gpus_per_node is 0); turn it off for CPU runs"
+        )
 
 
 def _gradient_reduction(ctx: _Context) -> None:
@@ -855,6 +945,7 @@ _RULES = (
     _module_list,
     _module_dependencies,
     _mlp_offload,
+    _layer_input,
     _exclusions,
     _ranges,
     _plan_budget,
@@ -864,6 +955,7 @@ _RULES = (
     _pipeline,
     _parallel_layout,
     _gradient_reduction,
+    _optimizer_offload,
     _environment,
     _tensor_sizes,
     _token_batching,
