@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_rl_offload.config.model_presets import Architecture, has_experts
-from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES
+from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES, PROJECT_RECOMPUTE_MODULES
 
 # megatron_cfg keys that are TransformerConfig fields of the same name.
 FGO_KEYS = (
@@ -272,6 +272,12 @@ def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:
         # This package's own module names reach the layer spec (project_offload_modules), not
         # TransformerConfig, which refuses names it does not know.
         kwargs["offload_modules"] = [name for name in modules if name not in MLP_OFFLOAD_MODULES]
+    recompute = kwargs.get("recompute_modules")
+    if isinstance(recompute, list):
+        # Likewise for this package's recompute names (project_recompute_modules).
+        kwargs["recompute_modules"] = [
+            name for name in recompute if name not in PROJECT_RECOMPUTE_MODULES
+        ]
     if kwargs.get("sequence_parallel") and (kwargs.get("tensor_model_parallel_size") or 1) == 1:
         # Megatron's config refuses sequence parallelism without tensor parallelism; with one
         # tensor-parallel rank it would split nothing, so it is off (validate warns).
@@ -288,6 +294,18 @@ def project_offload_modules(effective: EffectiveSettings) -> frozenset[str]:
     if not isinstance(modules, list):
         return frozenset()
     return frozenset(name for name in modules if name in MLP_OFFLOAD_MODULES)
+
+
+def project_recompute_modules(effective: EffectiveSettings) -> frozenset[str]:
+    """The recompute modules of this package (:data:`.capabilities.PROJECT_RECOMPUTE_MODULES`)
+    that selective recompute turns on: the layer spec places them
+    (``models.builder.layer_spec``)."""
+    if effective.value("recompute_granularity") != "selective":
+        return frozenset()
+    modules = effective.value("recompute_modules")
+    if not isinstance(modules, list):
+        return frozenset()
+    return frozenset(name for name in modules if name in PROJECT_RECOMPUTE_MODULES)
 
 
 def make_transformer_config(

@@ -1,0 +1,179 @@
+"""Selective recompute of the norms (``layernorm``) and of the dense MLP's activation alone
+(``mlp_act``) on the local layer spec without Transformer Engine (models.local_recompute): a tiny
+float32 model trains as it does without recompute, and what it holds between forward and
+backward drops by exactly the recomputed tensors; drifted Megatron code is refused in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from support.policies import NO_TE, P, check
+
+from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.models import builder
+from nemo_rl_offload.models.discard_checkpoint import DiscardingCheckpoint
+from nemo_rl_offload.models.local_recompute import RecomputeActMLP, RecomputeNormsLayer
+from nemo_rl_offload.offload import owned
+from nemo_rl_offload.offload.saved_tensors import saved_bytes
+
+MODEL = "tiny-dense"
+LENGTH = 32
+
+
+def _selective(modules: list[str]) -> dict[str, Any]:
+    return {
+        "activation_checkpointing": True,
+        "recompute_granularity": "selective",
+        "recompute_modules": modules,
+    }
+
+
+def _model(effective_for: Any, modules: list[str] | None, fusion: bool) -> Any:
+    settings = {"bias_activation_fusion": fusion, **(_selective(modules) if modules else {})}
+    torch.manual_seed(0)
+    model, _ = builder.build_gpt_model(
+        effective_for(MODEL, **settings), architecture_for(MODEL), on_gpu=False
+    )
+    return model
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, architecture_for(MODEL).vocab_size, (1, LENGTH), generator=generator)
+    return ids, torch.arange(LENGTH).unsqueeze(0)
+
+
+def _train(model: Any, steps: int = 2) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Per step: a pass without gradients (GRPO's logprobs), then forward, backward and an SGD
+    update; returns each step's loss and gradients."""
+    out = []
+    for step in range(steps):
+        ids, positions = _batch(step)
+        with torch.no_grad():
+            model(ids, positions, None)
+        loss = model(ids, positions, None, labels=ids).sum()
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        with torch.no_grad():
+            for param in model.parameters():
+                param -= 1e-3 * param.grad
+                param.grad = None
+    return out
+
+
+@pytest.mark.parametrize(
+    ("modules", "fusion", "bitwise"),
+    [
+        (["mlp_act"], False, True),
+        (["mlp_act"], True, True),
+        (["layernorm"], False, False),
+        (["layernorm", "mlp_act"], True, False),
+        (["layernorm", "mlp"], False, False),
+    ],
+)
+def test_recompute_trains_like_no_recompute(megatron_cpu, effective_for, modules, fusion, bitwise):
+    """mlp_act is bitwise. layernorm's losses are bitwise (the forward runs the same kernels),
+    its gradients within float32 rounding: torch's RMSNorm on CPU (a composite of ops) reads its
+    input twice, and under recompute those two gradients are summed inside the recomputed graph
+    before they meet the residual's, in another order than in one graph (the fused norm kernel
+    torch runs on CUDA gives one gradient for its input)."""
+    plain = _model(effective_for, None, fusion)
+    recomputed = _model(effective_for, modules, fusion)
+    layer = recomputed.decoder.layers[0]
+    assert isinstance(layer, RecomputeNormsLayer) == ("layernorm" in modules)
+    assert isinstance(layer.mlp, RecomputeActMLP) == ("mlp_act" in modules)
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in recomputed.named_parameters()]
+    for (want_loss, want), (loss, got) in zip(_train(plain), _train(recomputed), strict=True):
+        assert torch.equal(want_loss, loss)
+        for a, b in zip(want, got, strict=True):
+            if bitwise:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def _held(model: Any) -> dict[str, int]:
+    """Bytes held between forward and backward by the first layer, per owner inside it."""
+    ids, positions = _batch(0)
+    recorder = saved_bytes(model, lambda: model(ids, positions, None, labels=ids).sum())
+    held: dict[str, int] = {}
+    for item in recorder.saved:
+        if item.owner.startswith("decoder.layers.0"):
+            owner = item.owner.removeprefix("decoder.layers.0").removeprefix(".") or "(layer)"
+            held[owner] = held.get(owner, 0) + item.nbytes
+    return held
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_saved_bytes_drop_by_the_recomputed_tensors(megatron_cpu, effective_for, fusion):
+    arch = architecture_for(MODEL).transformer
+    hidden, ffn = arch["hidden_size"], arch["ffn_hidden_size"]
+    row = 4 * LENGTH  # float32 bytes per feature over the sequence
+    plain = _held(_model(effective_for, None, fusion))
+
+    act = _held(_model(effective_for, ["mlp_act"], fusion))
+    # fc2's input (the activation's output); unfused, also the gated unit's two intermediates.
+    assert "mlp.linear_fc2" not in act
+    assert sum(plain.values()) - sum(act.values()) == (1 if fusion else 3) * ffn * row
+    assert act["mlp"] == 2 * ffn * row  # fc1's output, the recompute's input, stays
+
+    norms = _held(_model(effective_for, ["layernorm"], fusion))
+    # Both norms' outputs (saved by qkv and fc1) and what the norms keep besides their input;
+    # their inputs stay (the layer's own checkpoint now holds them).
+    assert not {"self_attention.linear_qkv", "mlp.linear_fc1"} & set(norms)
+    kept_by_norms = plain["input_layernorm"] + plain["pre_mlp_layernorm"] - 2 * hidden * row
+    drop = sum(plain.values()) - sum(norms.values())
+    assert drop == 2 * hidden * row + kept_by_norms
+    assert norms["(layer)"] == plain.get("(layer)", 0) + 2 * hidden * row
+
+
+def test_discarded_output_is_rebuilt_with_its_gradients():
+    """The output's memory goes at the discard and comes back before its first use in backward;
+    a rebuilt output that its own graph saved (sigmoid's) is kept, and gradients are exact."""
+    weight = torch.nn.Parameter(torch.randn(6, 6))
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def run(use: DiscardingCheckpoint | None) -> list[torch.Tensor]:
+        x.grad, weight.grad = None, None
+        act = use.checkpoint(torch.sigmoid, x) if use else torch.sigmoid(x)
+        out = act @ weight  # saves act
+        if use:
+            use.discard_output_and_register_recompute(out)
+            assert act.untyped_storage().nbytes() == 0
+        out.square().sum().backward()
+        return [x.grad.clone(), weight.grad.clone()]
+
+    for want, got in zip(run(None), run(DiscardingCheckpoint()), strict=True):
+        assert torch.equal(want, got)
+    with torch.no_grad():  # without a graph nothing is kept or freed
+        use = DiscardingCheckpoint()
+        act = use.checkpoint(torch.sigmoid, x)
+        use.discard_output_and_register_recompute(act @ weight)
+        assert act.untyped_storage().nbytes() == act.numel() * act.element_size()
+
+
+def test_megatron_code_is_the_checked_one_or_refused(megatron_cpu, effective_for, monkeypatch):
+    """The installed code is the checked one (CI fails on a change); a changed one is refused in
+    one line naming the method, by the spec and by validate's rule, for the module using it."""
+    assert owned.recompute_drift({"layernorm", "mlp_act"}) is None
+    monkeypatch.setitem(
+        owned.RECOMPUTE_FINGERPRINTS,
+        "layernorm",
+        {**owned.RECOMPUTE_FINGERPRINTS["layernorm"], "TransformerLayer._forward_attention": "0"},
+    )
+    line = owned.recompute_drift({"layernorm", "mlp_act"})
+    assert line and "TransformerLayer._forward_attention, which changed" in line
+    assert "[layernorm]" in line and "mlp_act" not in line
+    with pytest.raises(UserInputError, match="recompute_modules: recomputing \\[layernorm\\]"):
+        _model(effective_for, ["layernorm"], False)
+    _model(effective_for, ["mlp_act"], False)  # its code is unchanged
+
+    drifted = dataclasses.replace(NO_TE, recompute_code_drift=(("layernorm", line),))
+    errors = check(MODEL, drifted, **_selective(["layernorm"])).errors
+    assert errors == [f"{P}.recompute_modules: {line}"]
+    assert check(MODEL, drifted, **_selective(["mlp_act"])).errors == []
