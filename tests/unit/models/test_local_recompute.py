@@ -19,6 +19,7 @@ from nemo_rl_offload.models import builder
 from nemo_rl_offload.models.discard_checkpoint import DiscardingCheckpoint
 from nemo_rl_offload.models.local_recompute import RecomputeActMLP, RecomputeNormsLayer
 from nemo_rl_offload.offload import owned
+from nemo_rl_offload.offload.cuda_norms import with_cuda_rms_norms
 from nemo_rl_offload.offload.saved_tensors import saved_bytes
 
 MODEL = "tiny-dense"
@@ -67,27 +68,33 @@ def _train(model: Any, steps: int = 2) -> list[tuple[torch.Tensor, list[torch.Te
 
 
 @pytest.mark.parametrize(
-    ("modules", "fusion", "bitwise"),
+    ("modules", "fusion", "cuda_norms"),
     [
-        (["mlp_act"], False, True),
-        (["mlp_act"], True, True),
+        (["mlp_act"], False, False),
+        (["mlp_act"], True, False),
+        (["layernorm"], False, True),
+        (["layernorm", "mlp_act"], True, True),
+        (["layernorm", "mlp"], False, True),
         (["layernorm"], False, False),
-        (["layernorm", "mlp_act"], True, False),
-        (["layernorm", "mlp"], False, False),
     ],
 )
-def test_recompute_trains_like_no_recompute(megatron_cpu, effective_for, modules, fusion, bitwise):
-    """mlp_act is bitwise. layernorm's losses are bitwise (the forward runs the same kernels),
-    its gradients within float32 rounding: torch's RMSNorm on CPU (a composite of ops) reads its
-    input twice, and under recompute those two gradients are summed inside the recomputed graph
-    before they meet the residual's, in another order than in one graph (the fused norm kernel
-    torch runs on CUDA gives one gradient for its input)."""
+def test_recompute_trains_like_no_recompute(
+    megatron_cpu, effective_for, modules, fusion, cuda_norms
+):
+    """Bitwise, with the norms keeping and differentiating what CUDA's fused RMSNorm kernel does
+    (offload.cuda_norms, in both models). torch's RMSNorm on the CPU is a composite that reads
+    its input twice: under layernorm recompute those two gradients are summed inside the
+    recomputed graph before they meet the residual's, in another order than in one graph, so
+    there the losses are bitwise and the gradients within float32 rounding."""
     plain = _model(effective_for, None, fusion)
     recomputed = _model(effective_for, modules, fusion)
+    if cuda_norms:
+        assert with_cuda_rms_norms(plain) == with_cuda_rms_norms(recomputed) > 0
     layer = recomputed.decoder.layers[0]
     assert isinstance(layer, RecomputeNormsLayer) == ("layernorm" in modules)
     assert isinstance(layer.mlp, RecomputeActMLP) == ("mlp_act" in modules)
     assert [n for n, _ in plain.named_parameters()] == [n for n, _ in recomputed.named_parameters()]
+    bitwise = cuda_norms or "layernorm" not in modules
     for (want_loss, want), (loss, got) in zip(_train(plain), _train(recomputed), strict=True):
         assert torch.equal(want_loss, loss)
         for a, b in zip(want, got, strict=True):
