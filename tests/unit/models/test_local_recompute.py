@@ -184,3 +184,14 @@ def test_megatron_code_is_the_checked_one_or_refused(megatron_cpu, effective_for
     errors = check(MODEL, drifted, **_selective(["layernorm"])).errors
     assert errors == [f"{P}.recompute_modules: {line}"]
     assert check(MODEL, drifted, **_selective(["mlp_act"])).errors == []
+
+
+def test_only_the_local_dense_spec_gets_mlp_act():
+    """mlp_act replaces the local spec's dense MLP; a Transformer Engine spec or experts are
+    refused in one line (the rules say why first)."""
+    import types
+
+    for impl, experts in (("transformer_engine", None), ("local", 4)):
+        config = types.SimpleNamespace(transformer_impl=impl, num_moe_experts=experts)
+        with pytest.raises(UserInputError, match=r"recompute_modules: \['mlp_act'\] recompute"):
+            builder.layer_spec(config, frozenset(), frozenset({"mlp_act"}))
