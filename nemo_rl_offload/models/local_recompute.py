@@ -114,6 +114,8 @@ class RecomputeActMLP(OffloadingMLP):
             if self.activation_func == F.gelu:
                 if gated:
                     return bias_geglu_impl(x, bias)
+                if bias is None:
+                    raise ValueError("bias_activation_fusion with gelu needs add_bias_linear")
                 return bias_gelu_impl(x, bias)
             if self.activation_func == F.silu and gated:
                 return bias_swiglu_impl(x, bias, config.activation_func_fp8_input_store, False)

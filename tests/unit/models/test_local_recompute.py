@@ -195,3 +195,71 @@ def test_only_the_local_dense_spec_gets_mlp_act():
         config = types.SimpleNamespace(transformer_impl=impl, num_moe_experts=experts)
         with pytest.raises(UserInputError, match=r"recompute_modules: \['mlp_act'\] recompute"):
             builder.layer_spec(config, frozenset(), frozenset({"mlp_act"}))
+
+
+@pytest.mark.parametrize(
+    ("activation", "gated", "fusion", "bias", "extra"),
+    [
+        ("silu", True, True, False, {}),
+        ("silu", True, True, True, {}),
+        ("silu", True, False, True, {}),
+        (
+            "silu",
+            True,
+            False,
+            False,
+            {"activation_func_clamp_value": 0.5, "glu_linear_offset": 1.0},
+        ),
+        ("gelu", True, True, True, {}),
+        ("gelu", False, True, True, {}),
+        ("gelu", False, False, False, {}),
+    ],
+)
+def test_the_activation_is_megatrons_for_every_dense_mlp(
+    megatron_cpu, activation, gated, fusion, bias, extra
+):
+    """RecomputeActMLP repeats MLP.forward's activation step: the same output and gradients,
+    bitwise, for each kernel choice of a dense MLP (fused SwiGLU/GeGLU/GeLU, the unfused gated
+    unit with its clamp and offset, a plain activation), with and without fc1's bias."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from nemo_rl_offload.models.mlp_offload import offloading_mlp_builder
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        ffn_hidden_size=24,
+        num_attention_heads=2,
+        activation_func=getattr(torch.nn.functional, activation),
+        gated_linear_unit=gated,
+        bias_activation_fusion=fusion,
+        add_bias_linear=bias,
+        use_cpu_initialization=True,
+        **extra,
+    )
+    spec = gpt_layer_specs.get_gpt_layer_local_spec().submodules.mlp
+    args = {
+        "config": config,
+        "pg_collection": ProcessGroupCollection.use_mpu_process_groups(),
+        "is_mtp_layer": False,
+    }
+    torch.manual_seed(0)
+    plain = spec(**args)
+    torch.manual_seed(0)
+    recomputed = offloading_mlp_builder(spec, frozenset(), mlp_class=RecomputeActMLP)(**args)
+    assert isinstance(recomputed, RecomputeActMLP)
+    x = torch.randn(8, 2, 16, requires_grad=True)
+    results = []
+    # Megatron's fused activations are torch.compile'd; eager here, in both, to keep the test
+    # to the kernel choice (compiling each variant on the CPU takes seconds).
+    with torch.compiler.set_stance("force_eager"):
+        for mlp in (plain, recomputed):
+            x.grad = None
+            out, out_bias = mlp(x)
+            (out.square().sum() + (0 if out_bias is None else out_bias.sum())).backward()
+            grads = [p.grad.clone() for p in mlp.parameters()]
+            results.append([out.detach(), x.grad.clone(), *grads])
+    for want, got in zip(*results, strict=True):
+        assert torch.equal(want, got)
