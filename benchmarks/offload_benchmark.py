@@ -52,6 +52,21 @@ SELECTIVE_CORE_ATTN = {
     "recompute_modules": ["core_attn"],
 }
 FULL_RECOMPUTE = {"activation_checkpointing": True}
+# Selective recompute sets of a dense layer (name -> recompute_modules); "cheap" re-runs only
+# elementwise work (the norms, the MLP's activation).
+RECOMPUTE_SETS = {
+    "layernorm": ["layernorm"],
+    "mlp_act": ["mlp_act"],
+    "cheap": ["layernorm", "mlp_act"],
+    "mlp": ["mlp"],
+    "mlp_layernorm": ["layernorm", "mlp"],
+}
+
+
+def _selective(modules: list[str]) -> dict[str, Any]:
+    return {**SELECTIVE_CORE_ATTN, "recompute_modules": list(modules)}
+
+
 SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_on_cpu
 # Not recipe settings either: the case runs with Megatron's own copies of non-contiguous
 # tensors (contiguous() first), or with Megatron's own hook code instead of the runtime's lean
@@ -118,6 +133,16 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
         cases["fgo_mlp"] = {**FGO, "offload_modules": DENSE_MLP}
         cases["fgo_mlp_act"] = {**FGO, "offload_modules": ["mlp_act"]}
         cases["fgo_all5_mlp"] = {**FGO, "offload_modules": DENSE_FIVE + DENSE_MLP}
+        # Selective recompute of the dense layer without Transformer Engine
+        # (nemo_rl_offload/models/local_recompute.py): the cheap elementwise ones, the whole
+        # MLP, and the cheap ones beside the offload modules they combine with.
+        for name, modules in RECOMPUTE_SETS.items():
+            cases[f"recompute_{name}"] = _selective(modules)
+        cases["fgo_norm_inputs_attn+recompute_cheap"] = {
+            **FGO,
+            **_selective(RECOMPUTE_SETS["cheap"]),
+            "offload_modules": ["attn_norm", "core_attn", "attn_proj", "mlp_norm"],
+        }
     if "moe" in model:
         experts = list(EXPERT_MODULES)
         cases["fgo_experts"] = {**FGO, "offload_modules": experts}

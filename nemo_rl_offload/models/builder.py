@@ -88,16 +88,28 @@ def transformer_config_for(
     return kwargs, warnings
 
 
-def layer_spec(config: Any, mlp_offload_modules: frozenset[str] = frozenset()) -> Any:
+def layer_spec(
+    config: Any,
+    mlp_offload_modules: frozenset[str] = frozenset(),
+    recompute_modules: frozenset[str] = frozenset(),
+) -> Any:
     """The transformer layer spec for ``config.transformer_impl`` (for the local spec, this
     pipeline stage's block spec where its final norm had to be replaced: see
     :func:`_with_local_norms`), with the dense MLP's offload points ``mlp_offload_modules``
-    (:mod:`models.mlp_offload`; the rules allow them on the local spec's dense MLP only)."""
+    (:mod:`models.mlp_offload`; the rules allow them on the local spec's dense MLP only), and
+    on the local spec the selective recompute that runs there through this package
+    (:mod:`models.local_recompute`: ``layernorm`` from ``config``, and this package's
+    ``recompute_modules``, which TransformerConfig does not hold)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if mlp_offload_modules and (config.transformer_impl != "local" or config.num_moe_experts):
         raise UserInputError(
             f"policy.megatron_cfg.offload_modules: {sorted(mlp_offload_modules)} offload the "
+            "dense MLP of the local layer spec; remove them (the offload rules say why)"
+        )
+    if recompute_modules and (config.transformer_impl != "local" or config.num_moe_experts):
+        raise UserInputError(
+            f"policy.megatron_cfg.recompute_modules: {sorted(recompute_modules)} recompute the "
             "dense MLP of the local layer spec; remove them (the offload rules say why)"
         )
     if config.transformer_impl == "transformer_engine":
@@ -120,7 +132,11 @@ def layer_spec(config: Any, mlp_offload_modules: frozenset[str] = frozenset()) -
         normalization=config.normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    if mlp_offload_modules:
+    from nemo_rl_offload.models.local_recompute import recomputes_norms, with_local_recompute
+
+    if recompute_modules or recomputes_norms(config):
+        spec = with_local_recompute(spec, config, recompute_modules, mlp_offload_modules)
+    elif mlp_offload_modules:
         from nemo_rl_offload.models.mlp_offload import offloading_mlp_builder
 
         spec.submodules.mlp = offloading_mlp_builder(spec.submodules.mlp, mlp_offload_modules)
@@ -179,7 +195,9 @@ def build_gpt_model(
     # This package's offload points go with the flag (off on CPU workers).
     mlp_modules = apply.project_offload_modules(effective) if kwargs.get(FGO_FIELD) else frozenset()
     config = apply.make_transformer_config(kwargs, mlp_modules)
-    model = gpt_model_for(config, architecture, mlp_modules)
+    model = gpt_model_for(
+        config, architecture, mlp_modules, apply.project_recompute_modules(effective)
+    )
     if apply.offloads_layer_input(effective):
         if on_gpu:
             from nemo_rl_offload.models.layer_input_block import offload_layer_inputs
@@ -196,15 +214,18 @@ def build_gpt_model(
 
 
 def gpt_model_for(
-    config: Any, architecture: Architecture, mlp_offload_modules: frozenset[str] = frozenset()
+    config: Any,
+    architecture: Architecture,
+    mlp_offload_modules: frozenset[str] = frozenset(),
+    recompute_modules: frozenset[str] = frozenset(),
 ) -> GPTModel:
     """The GPTModel of ``config`` for this pipeline stage, on the CPU, with the dense MLP's
-    offload points ``mlp_offload_modules``."""
+    offload points ``mlp_offload_modules`` and this package's ``recompute_modules``."""
     from megatron.core import parallel_state
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, mlp_offload_modules),
+        transformer_layer_spec=layer_spec(config, mlp_offload_modules, recompute_modules),
         vocab_size=architecture.vocab_size,
         max_sequence_length=architecture.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

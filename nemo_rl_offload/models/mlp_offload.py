@@ -122,28 +122,41 @@ class OffloadingMLP(MLP):
         return self._commit(MLP_FC2, out), bias
 
 
-def _build(offload_modules: frozenset[str], **kwargs: Any) -> OffloadingMLP:
-    mlp = OffloadingMLP.as_mlp_submodule(**kwargs)
-    mlp.place_offload_points(offload_modules)
+def _build(
+    offload_modules: frozenset[str], mlp_class: type[OffloadingMLP], **kwargs: Any
+) -> OffloadingMLP:
+    mlp = mlp_class.as_mlp_submodule(**kwargs)
+    if offload_modules:
+        mlp.place_offload_points(offload_modules)
     return mlp
 
 
-def offloading_mlp_builder(mlp_builder: Any, offload_modules: frozenset[str]) -> Callable:
-    """The layer spec's ``mlp`` builder with :class:`OffloadingMLP` (``offload_modules`` on) in
-    place of Megatron's dense ``MLP``. ``mlp_builder`` must be the local spec's dense MLP
+def offloading_mlp_builder(
+    mlp_builder: Any,
+    offload_modules: frozenset[str],
+    mlp_class: type[OffloadingMLP] = OffloadingMLP,
+) -> Callable:
+    """The layer spec's ``mlp`` builder with ``mlp_class`` (:class:`OffloadingMLP` or a subclass:
+    ``models.local_recompute``'s MLP) in place of Megatron's dense ``MLP``, ``offload_modules``
+    on. ``mlp_builder`` must be the local spec's dense MLP
     (``functools.partial(MLP.as_mlp_submodule, submodules=...)``): any other MLP (experts,
     Transformer Engine's fused MLP) is refused, since its saved tensors lie elsewhere, and so
-    is a megatron-core whose MLP code differs from the checked one (:func:`require_checked_mlp`)."""
-    require_checked_mlp()
+    is a megatron-core whose MLP code differs from the checked one when offload modules are on
+    (:func:`require_checked_mlp`)."""
+    if offload_modules:
+        require_checked_mlp()
     if not (
         isinstance(mlp_builder, functools.partial)
         and getattr(mlp_builder.func, "__func__", None) is MLP.as_mlp_submodule.__func__
         and set(mlp_builder.keywords) == {"submodules"}
     ):
         raise ValueError(
-            f"{sorted(offload_modules)} offload Megatron's dense MLP of the local layer spec; "
-            f"this layer's MLP is built by {mlp_builder!r}"
+            f"{mlp_class.__name__} (offloading {sorted(offload_modules)}) replaces Megatron's "
+            f"dense MLP of the local layer spec; this layer's MLP is built by {mlp_builder!r}"
         )
     return functools.partial(
-        _build, offload_modules=frozenset(offload_modules), **mlp_builder.keywords
+        _build,
+        offload_modules=frozenset(offload_modules),
+        mlp_class=mlp_class,
+        **mlp_builder.keywords,
     )

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_rl_offload.config.model_presets import Architecture, has_experts
-from nemo_rl_offload.offload.capabilities import LAYER_INPUT, MLP_OFFLOAD_MODULES
+from nemo_rl_offload.offload.capabilities import (
+    LAYER_INPUT,
+    MLP_OFFLOAD_MODULES,
+    PROJECT_RECOMPUTE_MODULES,
+)
 
 # megatron_cfg keys that are TransformerConfig fields of the same name.
 FGO_KEYS = (
@@ -283,6 +287,12 @@ def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:
             # layer_input alone runs outside Megatron's offload manager (offload.layer_input):
             # Megatron's flag would open offload chunks that nothing uses.
             kwargs["fine_grained_activation_offloading"] = False
+    recompute = kwargs.get("recompute_modules")
+    if isinstance(recompute, list):
+        # Likewise for this package's recompute names (project_recompute_modules).
+        kwargs["recompute_modules"] = [
+            name for name in recompute if name not in PROJECT_RECOMPUTE_MODULES
+        ]
     if kwargs.get("sequence_parallel") and (kwargs.get("tensor_model_parallel_size") or 1) == 1:
         # Megatron's config refuses sequence parallelism without tensor parallelism; with one
         # tensor-parallel rank it would split nothing, so it is off (validate warns).
@@ -308,6 +318,18 @@ def offloads_layer_input(effective: EffectiveSettings) -> bool:
         return False
     modules = effective.value("offload_modules")
     return isinstance(modules, list) and LAYER_INPUT in modules
+
+
+def project_recompute_modules(effective: EffectiveSettings) -> frozenset[str]:
+    """The recompute modules of this package (:data:`.capabilities.PROJECT_RECOMPUTE_MODULES`)
+    that selective recompute turns on: the layer spec places them
+    (``models.builder.layer_spec``)."""
+    if effective.value("recompute_granularity") != "selective":
+        return frozenset()
+    modules = effective.value("recompute_modules")
+    if not isinstance(modules, list):
+        return frozenset()
+    return frozenset(name for name in modules if name in PROJECT_RECOMPUTE_MODULES)
 
 
 def make_transformer_config(

@@ -56,6 +56,13 @@ MLP_OFFLOAD_MODULES = frozenset({"mlp_fc1", "mlp_act", "mlp_fc2"})
 # The offload module name of each full-recompute segment's input (offload.layer_input), as
 # Megatron-LM PR 5218 names it; kept out of TransformerConfig too.
 LAYER_INPUT = "layer_input"
+# recompute_modules this package adds to Megatron's (models.local_recompute): the dense MLP's
+# activation alone, named as Megatron names the experts' one (moe_act) and kept out of
+# TransformerConfig, which refuses names it does not know (offload.apply).
+PROJECT_RECOMPUTE_MODULES = frozenset({"mlp_act"})
+# Selective recompute that runs on the local spec through this package's seams
+# (models.local_recompute), with the Megatron code they rely on fingerprinted.
+LOCAL_RECOMPUTE_MODULES = frozenset({"layernorm", "mlp_act"})
 
 
 @contextlib.contextmanager
@@ -111,6 +118,9 @@ class Capabilities:
     # The same for the layer_input offload's reliance on Megatron's checkpoint code
     # (layer_input.drift).
     layer_input_code_drift: str | None = None
+    # (recompute module, the line refusing it) for each of LOCAL_RECOMPUTE_MODULES whose
+    # Megatron code differs from the checked one (owned.recompute_drift).
+    recompute_code_drift: tuple[tuple[str, str], ...] = ()
 
     @property
     def has_transformer_engine(self) -> bool:
@@ -168,6 +178,7 @@ def detect() -> Capabilities:
     if names is None:
         names, source = _names_from_table(megatron_version), "version table"
     drift, mlp_drift = _offload_code_drift(megatron_version)
+    recompute_drift = _recompute_code_drift(megatron_version)
     return Capabilities(
         megatron_version,
         te_version,
@@ -176,6 +187,7 @@ def detect() -> Capabilities:
         drift,
         mlp_drift,
         _layer_input_code_drift(megatron_version),
+        recompute_drift,
     )
 
 
@@ -213,6 +225,28 @@ def _offload_code_drift(megatron_version: str | None) -> tuple[str | None, str |
         )
         return line, line
     return owned.megatron_drift(), owned.mlp_drift()
+
+
+def _recompute_code_drift(megatron_version: str | None) -> tuple[tuple[str, str], ...]:
+    """(module, line) for each of :data:`LOCAL_RECOMPUTE_MODULES` whose Megatron code is not the
+    checked one (``owned.recompute_drift``); () when it all is or megatron-core is missing."""
+    if megatron_version is None:
+        return ()
+    try:
+        with _quiet_import():
+            owned = importlib.import_module("nemo_rl_offload.offload.owned")
+    except (ImportError, AttributeError) as exc:  # a module or class the seams use is gone
+        return tuple(
+            (
+                name,
+                f"recomputing {name} on the local layer spec needs the megatron-core code "
+                f"this backend was checked against ({exc}); remove {name} or pin the version "
+                "named in nemo_rl_offload/offload/owned.py (CHECKED_MEGATRON_VERSION)",
+            )
+            for name in sorted(LOCAL_RECOMPUTE_MODULES)
+        )
+    lines = ((name, owned.recompute_drift({name})) for name in sorted(LOCAL_RECOMPUTE_MODULES))
+    return tuple((name, line) for name, line in lines if line)
 
 
 @functools.cache

@@ -58,11 +58,21 @@ DENSE_MLP_OFFLOAD_BY_OWNER = (
     (re.compile(r"^mlp$"), "mlp_act"),
     (re.compile(r"^mlp\.linear_fc2$"), "mlp_fc2"),
 )
-# Owner -> megatron-core's selective recompute module that re-runs it (recompute_modules).
+# Owner -> the cheapest selective recompute module that frees what it saves (recompute_modules;
+# ``layernorm`` and ``mlp_act`` through models/local_recompute.py on the local spec). A norm's
+# output is saved by the linear after it (qkv, fc1), and the activation's by fc2; the norms'
+# own saved tensors (their input, the layer's residual) stay under every selective option.
 RECOMPUTE_BY_OWNER = (
-    (re.compile(r"^(input_layernorm|pre_mlp_layernorm)$"), "layernorm"),
+    (re.compile(r"^self_attention\.linear_qkv$"), "layernorm"),
     (re.compile(r"^self_attention\.core_attention$"), "core_attn"),
     (re.compile(r"^mlp\.experts$"), "moe_act"),
+)
+# The same for a dense layer's MLP: fc1's input is the pre-MLP norm's output; what the
+# activation saves (fc1's output) goes only with the whole MLP.
+DENSE_MLP_RECOMPUTE_BY_OWNER = (
+    (re.compile(r"^mlp\.linear_fc1$"), "layernorm"),
+    (re.compile(r"^mlp\.linear_fc2$"), "mlp_act"),
+    (re.compile(r"^mlp$"), "mlp"),
 )
 
 
@@ -156,23 +166,19 @@ def _first(table: tuple[tuple[re.Pattern[str], str], ...], owner: str) -> str | 
 
 def removal(owner: str, kind: str, chunked: bool) -> tuple[str | None, str | None, str]:
     """(offload module, recompute option, note) for what ``owner`` saves in a ``kind``."""
-    from nemo_rl_offload.offload.rules import RECOMPUTE_NEEDS_TE
-
     if kind == MODEL:
         note = ""
         if owner == "<model>" and not chunked:
             note = "policy.logprob_chunk_size keeps only a log-sum-exp per token"
         return None, None, note
     offload = _first(OFFLOAD_BY_OWNER, owner)
-    if offload is None and kind != MOE:
-        offload = _first(DENSE_MLP_OFFLOAD_BY_OWNER, owner)
     recompute = _first(RECOMPUTE_BY_OWNER, owner)
-    if recompute is None and owner.startswith("mlp"):
-        recompute = "moe" if kind == MOE else "mlp"
-    note = ""
-    if recompute in RECOMPUTE_NEEDS_TE:
-        note = f"recompute {recompute} needs Transformer Engine in megatron-core 0.19"
-    return offload, recompute or "full", note
+    if kind != MOE:
+        offload = offload or _first(DENSE_MLP_OFFLOAD_BY_OWNER, owner)
+        recompute = recompute or _first(DENSE_MLP_RECOMPUTE_BY_OWNER, owner)
+    if recompute is None and owner.startswith("mlp") and kind == MOE:
+        recompute = "moe"
+    return offload, recompute or "full", ""
 
 
 def recompute_flops_per_token(option: str | None, effective: EffectiveSettings, seq: int) -> float:
@@ -207,6 +213,7 @@ def recompute_flops_per_token(option: str | None, effective: EffectiveSettings, 
             "mlp": mlp,
             "moe": moe,
             "moe_act": moe_act,
+            "mlp_act": 4 * ffn * gated,
             "full": full,
         }[option]
     )

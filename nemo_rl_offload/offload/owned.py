@@ -1244,3 +1244,51 @@ def mlp_drift() -> str | None:
         f"since megatron-core {CHECKED_MEGATRON_VERSION} ({_installed_version()} is installed); "
         f"remove mlp_fc1/mlp_act/mlp_fc2 or pin megatron-core=={CHECKED_MEGATRON_VERSION}"
     )
+
+
+# Megatron code the local spec's selective recompute (models/local_recompute.py) relies on, per
+# recompute module, with source hashes (:func:`fingerprint`) in CHECKED_MEGATRON_VERSION:
+# ``layernorm``: the layer's forward steps that assign, call and discard its two norm
+# checkpoints; ``mlp_act``: the MLP's forward, whose activation step RecomputeActMLP repeats,
+# and as_mlp_submodule, which builds the class it is called on.
+RECOMPUTE_FINGERPRINTS: dict[str, dict[str, str]] = {
+    "layernorm": {
+        "TransformerLayer._forward_attention": "8046dd4d85c140ba",
+        "TransformerLayer._forward_pre_mlp_layernorm": "6666ed6815845b8a",
+        "TransformerLayer._forward_mlp": "7f397f821d6e348e",
+        "TransformerLayer._forward_post_mlp": "06e11931c17c3b7b",
+    },
+    "mlp_act": {"MLP.forward": "ffe0ebc9e20000af", "MLP.as_mlp_submodule": "be18d82adbf5db84"},
+}
+
+
+def recompute_drift(modules: frozenset[str] | set[str]) -> str | None:
+    """One line refusing the recompute ``modules`` of :data:`RECOMPUTE_FINGERPRINTS` whose
+    Megatron code differs from the checked one, else None."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    classes = {"MLP": MLP, "TransformerLayer": TransformerLayer}
+    changed: dict[str, list[str]] = {}
+    for module in sorted(set(modules) & set(RECOMPUTE_FINGERPRINTS)):
+        for name, digest in RECOMPUTE_FINGERPRINTS[module].items():
+            cls, method = name.split(".")
+            try:
+                installed: str | None = fingerprint(getattr(classes[cls], method))
+            except (AttributeError, OSError, TypeError, SyntaxError):
+                installed = None
+            if installed != digest:
+                changed.setdefault(module, []).append(name)
+    if not changed:
+        return None
+    names = sorted({name for names in changed.values() for name in names})
+    return (
+        f"recomputing {_list(changed)} on the local layer spec relies on megatron-core's "
+        f"{', '.join(names)}, which changed since megatron-core {CHECKED_MEGATRON_VERSION} "
+        f"({_installed_version()} is installed); remove {_list(changed)} from "
+        f"recompute_modules or pin megatron-core=={CHECKED_MEGATRON_VERSION}"
+    )
+
+
+def _list(names: Any) -> str:
+    return "[" + ", ".join(sorted(names)) + "]"

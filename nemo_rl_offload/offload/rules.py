@@ -22,6 +22,7 @@ from nemo_rl_offload.config.model_presets import Architecture
 from nemo_rl_offload.offload import apply
 from nemo_rl_offload.offload.capabilities import (
     LAYER_INPUT,
+    LOCAL_RECOMPUTE_MODULES,
     MLP_OFFLOAD_MODULES,
     MOE_OFFLOAD_MODULES,
     Capabilities,
@@ -32,9 +33,13 @@ from nemo_rl_offload.offload.runtime import pads_steps
 LOCAL_GRAPH_OFFLOAD_MODULES = MOE_OFFLOAD_MODULES
 DEFAULT_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024
 DEFAULT_CUDA_GRAPH_WARMUP_STEPS = 3
-# megatron-core 0.19 without Transformer Engine: selective recompute of these modules fails with
-# NameError FP8GlobalStateManager (megatron-core's recompute path reaches for TE's FP8 state).
-RECOMPUTE_NEEDS_TE = frozenset({"layernorm", "mlp"})
+# Offload modules that move what a local-spec recompute module frees (models.local_recompute):
+# the norms' outputs (what qkv_linear and mlp_fc1 save), and the activation's input and output
+# (what mlp_act and mlp_fc2 save; the recompute would read its input before that is reloaded).
+OFFLOADS_FREED_BY_RECOMPUTE = {
+    "layernorm": frozenset({"qkv_linear", "mlp_fc1"}),
+    "mlp_act": frozenset({"mlp_act", "mlp_fc2"}),
+}
 
 
 @dataclass
@@ -583,18 +588,57 @@ def _recompute(ctx: _Context) -> None:
                 f"warning: {ctx.prefix}.{name}: ignored because activation_checkpointing is "
                 f"false; set {ctx.prefix}.activation_checkpointing=true to recompute"
             )
-    if (
-        ctx.value("recompute_granularity") == "selective"
-        and ctx.value("transformer_impl") == "local"
-        and (ctx.caps.megatron_version or "").startswith("0.19")
-    ):
-        broken = set(_names(ctx.value("recompute_modules"))) & RECOMPUTE_NEEDS_TE
-        if broken:
+
+
+def _local_recompute(ctx: _Context) -> None:
+    """Selective recompute of ``layernorm`` and ``mlp_act`` on the local layer spec runs
+    through this package's layer and MLP (models.local_recompute): on Megatron code as checked,
+    on a dense MLP, eagerly, and not together with what already removes the same tensors."""
+    if ctx.value("recompute_granularity") != "selective":
+        return
+    modules = set(_names(ctx.value("recompute_modules")))
+    path = ctx.path("recompute_modules")
+    local = ctx.value("transformer_impl") == "local"
+    if "mlp_act" in modules:
+        if ctx.is_moe:
             ctx.error(
-                f"{ctx.path('recompute_modules')}: selective recompute of {_fmt(broken)} fails "
-                f"without Transformer Engine in megatron-core {ctx.caps.megatron_version} "
-                "(NameError FP8GlobalStateManager); recompute core_attn or moe_act, use "
-                "full recompute, or offload those inputs instead"
+                f"{path}: 'mlp_act' recomputes the dense MLP's activation, and this model's MLPs "
+                "are experts; recompute moe_act (with moe_grouped_gemm) instead, or remove it"
+            )
+        elif not local:
+            ctx.error(
+                f"{path}: 'mlp_act' is placed in Megatron's local layer spec, and "
+                f"transformer_impl is {ctx.value('transformer_impl')!r}; set "
+                f"{ctx.prefix}.transformer_impl: local, or remove it"
+            )
+        if "mlp" in modules:
+            ctx.error(
+                f"{path}: 'mlp' recomputes the whole MLP, its activation included; remove "
+                "'mlp_act' (or 'mlp', to recompute only the activation)"
+            )
+    if "mlp" in modules and ctx.is_moe:
+        ctx.error(
+            f"{path}: 'mlp' recomputes the dense MLP, and this model's MLPs are experts (Megatron "
+            "skips it there); recompute moe or moe_act instead, or remove it"
+        )
+    seams = modules & LOCAL_RECOMPUTE_MODULES if local else set()
+    for line in sorted({line for name, line in ctx.caps.recompute_code_drift if name in seams}):
+        ctx.error(f"{path}: {line}")
+    impl = ctx.value("cuda_graph_impl", "none")
+    if seams and impl not in (None, "none"):
+        ctx.error(
+            f"{path}: {_fmt(seams)} recompute on the local layer spec is not checked under CUDA "
+            f"graphs (cuda_graph_impl is {impl!r}); set cuda_graph_impl: none, or remove "
+            f"{_fmt(seams)}"
+        )
+    if not ctx.fgo_on:
+        return
+    for name in sorted(seams):
+        both = OFFLOADS_FREED_BY_RECOMPUTE[name] & set(ctx.modules)
+        if both:
+            ctx.error(
+                f"{path}: '{name}' recompute frees what {_fmt(both)} offload (the same tensors); "
+                f"remove '{name}' or remove {_fmt(both)} from offload_modules"
             )
 
 
@@ -952,6 +996,7 @@ _RULES = (
     _sequence_buckets,
     _cuda_graphs,
     _recompute,
+    _local_recompute,
     _pipeline,
     _parallel_layout,
     _gradient_reduction,

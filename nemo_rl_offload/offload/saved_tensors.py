@@ -89,6 +89,10 @@ def record(model: torch.nn.Module) -> Iterator[Recorder]:
         if key is None or key in excluded:
             return tensor
         owner = stack[-1] if stack else ROOT
+        if key in recorder._seen and not recorder._seen[key][0].untyped_storage().nbytes():
+            # The storage seen at this address was released since (an output-discarding
+            # recompute frees it while it is still referenced): this is a new one.
+            recorder._seen.pop(key)[1].nbytes = 0
         if key in recorder._seen:
             first = recorder._seen[key][1]
             if owner != first.owner and owner not in first.also:
@@ -123,10 +127,16 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def saved_bytes(model: torch.nn.Module, forward: Callable[[], Any]) -> Recorder:
-    """Run ``forward()`` under :func:`record` and return what it saved (the autograd graph is
-    dropped before returning)."""
+    """Run ``forward()`` under :func:`record` and return what it saved and still holds when
+    the forward ends (the autograd graph is dropped before returning)."""
     with record(model) as recorder:
         output = forward()
+    # What is held until backward: a storage the forward released after it was saved (an
+    # output-discarding recompute frees a norm's output once the next linear saved it) holds
+    # nothing, and is left out.
+    for tensor, item in recorder._seen.values():
+        item.nbytes = tensor.untyped_storage().nbytes()
+    recorder.saved = [item for item in recorder.saved if item.nbytes]
     del output
     recorder._seen.clear()
     return recorder

@@ -8,6 +8,7 @@ from support.policies import NO_TE, TE_2_10, P
 FGO = {"fine_grained_activation_offloading": True}
 MLP_MODULES = ["mlp_fc1", "mlp_act", "mlp_fc2"]
 FIVE = ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]
+SELECTIVE = {"activation_checkpointing": True, "recompute_granularity": "selective"}
 MOE_TE = {"transformer_impl": "transformer_engine", "model_overrides": {"moe_grouped_gemm": True}}
 
 # (id, model, caps, settings, error path, fragments of the message that must appear)
@@ -507,22 +508,107 @@ REJECTED = [
         f"{P}.model_overrides.num_moe_expert",
         ["not a TransformerConfig field", "num_moe_experts"],
     ),
+    # Selective recompute on the local spec (models/local_recompute.py).
     (
-        "recompute_layernorm_without_te",
+        "mlp_act_recompute_on_moe",
+        "tiny-moe",
+        NO_TE,
+        {**SELECTIVE, "recompute_modules": ["mlp_act"]},
+        f"{P}.recompute_modules",
+        ["experts", "recompute moe_act"],
+    ),
+    (
+        "mlp_recompute_on_moe",
+        "tiny-moe",
+        NO_TE,
+        {**SELECTIVE, "recompute_modules": ["mlp"]},
+        f"{P}.recompute_modules",
+        ["experts", "recompute moe or moe_act"],
+    ),
+    (
+        "mlp_act_with_mlp_recompute",
         "tiny-dense",
         NO_TE,
-        {
-            "activation_checkpointing": True,
-            "recompute_granularity": "selective",
-            "recompute_modules": ["layernorm"],
-        },
+        {**SELECTIVE, "recompute_modules": ["mlp", "mlp_act"]},
         f"{P}.recompute_modules",
-        ["FP8GlobalStateManager", "full recompute"],
+        ["activation included", "remove 'mlp_act'"],
+    ),
+    (
+        "mlp_act_recompute_with_te_spec",
+        "tiny-dense",
+        TE_2_10,
+        {**SELECTIVE, "recompute_modules": ["mlp_act"], "transformer_impl": "transformer_engine"},
+        f"{P}.recompute_modules",
+        ["local layer spec", "transformer_impl: local"],
+    ),
+    (
+        "local_recompute_with_graphs",
+        "tiny-dense",
+        NO_TE,
+        {**SELECTIVE, "recompute_modules": ["layernorm"], "cuda_graph_impl": "full_iteration"},
+        f"{P}.recompute_modules",
+        ["not checked under CUDA graphs", "cuda_graph_impl: none"],
+    ),
+    (
+        "layernorm_recompute_with_qkv_offload",
+        "tiny-dense",
+        NO_TE,
+        {**FGO, **SELECTIVE, "offload_modules": ["qkv_linear"], "recompute_modules": ["layernorm"]},
+        f"{P}.recompute_modules",
+        ["'layernorm' recompute frees what [qkv_linear] offload", "remove 'layernorm'"],
+    ),
+    (
+        "mlp_act_recompute_with_mlp_fc2_offload",
+        "tiny-dense",
+        NO_TE,
+        {**FGO, **SELECTIVE, "offload_modules": ["mlp_fc2"], "recompute_modules": ["mlp_act"]},
+        f"{P}.recompute_modules",
+        ["'mlp_act' recompute frees what [mlp_fc2] offload"],
     ),
 ]
 
 # (id, model, caps, settings) that must pass with no error at all: the nearest fixes.
 ACCEPTED = [
+    (
+        "layernorm_recompute_local",
+        "tiny-dense",
+        NO_TE,
+        {**SELECTIVE, "recompute_modules": ["layernorm"]},
+    ),
+    ("mlp_act_recompute", "tiny-dense", NO_TE, {**SELECTIVE, "recompute_modules": ["mlp_act"]}),
+    (
+        "mlp_recompute",
+        "tiny-dense",
+        NO_TE,
+        {**SELECTIVE, "recompute_modules": ["mlp", "layernorm"]},
+    ),
+    (
+        "cheap_recompute_with_the_norm_inputs_offloaded",
+        "tiny-dense",
+        NO_TE,
+        {
+            **FGO,
+            **SELECTIVE,
+            "offload_modules": ["attn_norm", "core_attn", "attn_proj", "mlp_norm"],
+            "recompute_modules": ["layernorm", "mlp_act"],
+        },
+    ),
+    (
+        "mlp_act_recompute_with_mlp_fc1_offload",
+        "tiny-dense",
+        NO_TE,
+        {**FGO, **SELECTIVE, "offload_modules": ["mlp_fc1"], "recompute_modules": ["mlp_act"]},
+    ),
+    (
+        "layernorm_recompute_with_te_spec",
+        "tiny-dense",
+        TE_2_10,
+        {
+            **SELECTIVE,
+            "recompute_modules": ["layernorm"],
+            "transformer_impl": "transformer_engine",
+        },
+    ),
     ("mlp_only", "tiny-dense", NO_TE, {**FGO, "offload_modules": MLP_MODULES}),
     ("mlp_with_the_five", "tiny-dense", NO_TE, {**FGO, "offload_modules": FIVE + MLP_MODULES}),
     (

@@ -90,6 +90,17 @@ def test_dense_matrix_offloads_the_mlp_and_the_rules_accept_it():
     assert not any(name.startswith("fgo_mlp") for name in bench.cases_for("moe-1b"))
 
 
+def test_dense_matrix_recomputes_the_layer_selectively_and_the_rules_accept_it():
+    """Selective recompute of the norms, the activation and the MLP (no Transformer Engine):
+    dense cases only (mlp and mlp_act are refused on experts)."""
+    dense = bench.cases_for("llama-1b")
+    names = [n for n in dense if "recompute_" in n and n != "recompute_full"]
+    assert dense["recompute_cheap"]["recompute_modules"] == ["layernorm", "mlp_act"]
+    for name in names:
+        assert bench.check_section(bench.section_for("llama-1b", 4096, dense[name])) == [], name
+    assert not any("recompute_mlp" in n for n in bench.cases_for("moe-1b"))
+
+
 DROP_AND_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
 
 

@@ -59,12 +59,21 @@ def cpu_offload(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     return cuda
 
 
-def _model(effective_for: Any, modules: list[str] | None) -> tuple[Any, Any]:
+def _model(
+    effective_for: Any, modules: list[str] | None, recompute: list[str] | None = None
+) -> tuple[Any, Any]:
     """The tiny model (seeded: the same weights every time) and its config, offloading
-    ``modules`` (None: off), every tensor however small."""
+    ``modules`` (None: off), every tensor however small, and recomputing ``recompute``
+    selectively."""
     settings: dict[str, Any] = {"fine_grained_activation_offloading": bool(modules)}
     if modules:
         settings.update(offload_modules=modules, min_offloaded_tensor_size=0)
+    if recompute:
+        settings.update(
+            activation_checkpointing=True,
+            recompute_granularity="selective",
+            recompute_modules=recompute,
+        )
     effective = effective_for(MODEL, **settings)
     kwargs, _ = builder.transformer_config_for(effective, on_gpu=False)
     # transformer_config_for turns offloading off on CPU workers; here it runs on fakes.
@@ -73,7 +82,10 @@ def _model(effective_for: Any, modules: list[str] | None) -> tuple[Any, Any]:
     mlp_modules = apply.project_offload_modules(effective)
     config = apply.make_transformer_config(kwargs, mlp_modules)
     torch.manual_seed(0)
-    return builder.gpt_model_for(config, architecture_for(MODEL), mlp_modules), config
+    model = builder.gpt_model_for(
+        config, architecture_for(MODEL), mlp_modules, apply.project_recompute_modules(effective)
+    )
+    return model, config
 
 
 def _train(model: Any, offload: runtime.OffloadRuntime | None) -> list[dict[str, Any]]:
@@ -147,6 +159,38 @@ def test_offloaded_mlp_trains_bitwise_like_no_offload(
     assert cpu_offload.ops, "the offload copies ran on the fake streams"
 
 
+@pytest.mark.parametrize(
+    ("modules", "recompute"),
+    [
+        (["mlp_fc1"], ["mlp_act"]),
+        (["attn_norm", "core_attn", "attn_proj", "mlp_norm"], ["layernorm", "mlp_act"]),
+    ],
+    ids=["mlp_fc1_with_mlp_act_recompute", "norm_inputs_with_layernorm_recompute"],
+)
+def test_offload_with_cheap_recompute_trains_bitwise_like_neither(
+    megatron_cpu, effective_for, cpu_offload, modules, recompute
+):
+    """The offload modules that combine with layernorm / mlp_act recompute (the rules refuse
+    the others): a recompute reads its input (the norm's, fc1's output) after that input's
+    reload. The norms differentiate as CUDA's fused kernel does in both models
+    (offload.cuda_norms; torch's CPU RMSNorm moves gradients by float32 rounding under
+    recompute and under mlp_norm offload by itself)."""
+    from nemo_rl_offload.offload.cuda_norms import with_cuda_rms_norms
+
+    plain, _ = _model(effective_for, None)
+    both, config = _model(effective_for, modules, recompute)
+    assert with_cuda_rms_norms(plain) == with_cuda_rms_norms(both) > 0
+    offload = runtime.OffloadRuntime(config, choices=apply.RuntimeChoices(lean_hooks=False))
+    for step, (want, have) in enumerate(
+        zip(_train(plain, None), _train(both, offload), strict=True), start=1
+    ):
+        assert torch.equal(want["loss"], have["loss"]), step
+        for a, b in zip(want["grads"], have["grads"], strict=True):
+            assert torch.equal(a, b), step
+        for name in modules:
+            assert have["metrics"][f"offloaded_gib_{name}"] > 0, (step, name)
+
+
 def test_groups_follow_the_mlp_and_stay_closed(megatron_cpu, effective_for, cpu_offload):
     """Each micro-batch records the three groups per layer in forward order, and no group's
     saved-tensor hooks stay on after the MLP (a tensor saved later is not offloaded)."""
@@ -206,23 +250,33 @@ def test_only_the_local_dense_mlp_is_replaced():
 
 
 @pytest.mark.parametrize(
-    "modules",
+    ("modules", "recompute"),
     [
-        MLP,
-        ["qkv_linear", "core_attn", "attn_proj"],
-        ["mlp_norm", *MLP],
-        ATTENTION_BLOCK,
+        (MLP, None),
+        (["qkv_linear", "core_attn", "attn_proj"], None),
+        (["mlp_norm", *MLP], None),
+        (ATTENTION_BLOCK, None),
+        (["attn_norm", "core_attn", "mlp_norm", "mlp_fc1"], ["mlp_act"]),
+        (["attn_norm", "core_attn", "mlp_norm"], ["layernorm", "mlp_act"]),
     ],
-    ids=["mlp", "attention_groups", "mlp_norm_around_mlp", "attn_norm_around_attention"],
+    ids=[
+        "mlp",
+        "attention_groups",
+        "mlp_norm_around_mlp",
+        "attn_norm_around_attention",
+        "with_mlp_act_recompute",
+        "norm_inputs_with_layernorm_recompute",
+    ],
 )
 def test_every_bulk_reload_is_waited_for_before_its_use(
-    megatron_cpu, effective_for, cpu_offload, monkeypatch, modules
+    megatron_cpu, effective_for, cpu_offload, monkeypatch, modules, recompute
 ):
     """A tensor a bulk reload brought back is used only after the compute stream waited for
     that reload, in the step that records the plan and in replayed steps: also a group that
     encloses others (attn_norm around the attention groups, mlp_norm around the MLP's), which
     Megatron's warm-up step reloads after its backward commit looked for it
-    (``OwnedChunkHandler.tensor_pop`` waits for such a pending reload)."""
+    (``OwnedChunkHandler.tensor_pop`` waits for such a pending reload); also with a norm's or
+    the activation's recompute, which reads its offloaded input in backward."""
     unwaited: list[str] = []
     pop = owned.OwnedChunkHandler.tensor_pop
     waited: set[int] = set()  # groups whose latest reload the compute stream waited for
@@ -250,7 +304,7 @@ def test_every_bulk_reload_is_waited_for_before_its_use(
     monkeypatch.setattr(fgo.OffloadTensorGroup, "record_reload_event", recording_record)
     monkeypatch.setattr(fgo.OffloadTensorGroup, "wait_reload_event", recording_wait)
     monkeypatch.setattr(owned.OwnedChunkHandler, "tensor_pop", checked_pop)
-    model, config = _model(effective_for, modules)
+    model, config = _model(effective_for, modules, recompute)
     offload = runtime.OffloadRuntime(config, choices=apply.RuntimeChoices(lean_hooks=False))
     for _ in range(2):  # the step recording the plan, then one replaying it
         offload.before_step(2, 32)

@@ -234,3 +234,53 @@ def test_chunked_label_loss_equals_megatrons_on_gpu_in_bf16(megatron_gpu):
     labels = torch.randint(0, 1000, (2, 300), device="cuda", generator=g)
     expected = vocab_parallel_cross_entropy(logits.clone(), labels.t().contiguous()).t()
     torch.testing.assert_close(chunked_label_loss(labels, logits, 64), expected.float())
+
+
+def _held_and_grads(model, batch):
+    """Bytes allocated between forward and backward (after a warm-up step, so that lazily
+    allocated workspaces are there already) and the gradients of one step."""
+    ids = batch["input_ids"]
+    pos = torch.arange(ids.shape[1], device="cuda").expand_as(ids)
+    for _ in range(2):  # a warm-up step, then the measured one
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = model(ids, pos, None, labels=batch["labels"]).sum()
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+    return held, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("modules", [["layernorm"], ["mlp_act"], ["layernorm", "mlp_act"], ["mlp"]])
+def test_selective_recompute_without_te_on_gpu(megatron_gpu, modules):
+    """layernorm and mlp_act (models.local_recompute) and Megatron's mlp on a GPU: gradients
+    within the spread of two plain runs (bitwise where the kernels are deterministic), and the
+    bytes held between forward and backward drop by the freed tensors: both norms' outputs for
+    layernorm (CUDA's fused RMSNorm keeps only its input and a reciprocal RMS), fc2's input and
+    the unfused gated unit's two intermediates for mlp_act."""
+    from nemo_rl_offload.config.model_presets import architecture_for
+
+    arch = architecture_for("tiny-dense").transformer
+    batch = _batches(architecture_for("tiny-dense").vocab_size, 1)[0]
+    plain_held, plain = _held_and_grads(_build()[0], batch)
+    _, again = _held_and_grads(_build()[0], batch)
+    model, warnings = _build(
+        activation_checkpointing=True, recompute_granularity="selective", recompute_modules=modules
+    )
+    assert warnings == []
+    held, grads = _held_and_grads(model, batch)
+    for name, want in plain.items():
+        spread = (again[name] - want).abs().max()
+        assert (grads[name] - want).abs().max() <= spread, name
+    tokens = batch["input_ids"].numel()
+    per_layer = 0
+    if "layernorm" in modules:
+        per_layer += 2 * arch["hidden_size"]
+    if "mlp_act" in modules:
+        per_layer += 3 * arch["ffn_hidden_size"]
+    expected = arch["num_layers"] * tokens * per_layer * 4  # float32
+    if expected:
+        assert abs(plain_held - held - expected) <= 0.02 * expected, (plain_held, held, expected)
+    else:
+        assert held < plain_held

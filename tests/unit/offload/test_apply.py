@@ -57,6 +57,21 @@ def test_the_mlp_offload_modules_reach_the_spec_not_transformer_config():
     assert config.fine_grained_activation_offloading is False
 
 
+def test_the_mlp_act_recompute_reaches_the_spec_not_transformer_config():
+    """Megatron's TransformerConfig refuses recompute names it does not know: this package's
+    mlp_act goes to the layer spec (project_recompute_modules), Megatron's names to the config,
+    and none is placed without selective recompute."""
+    selective = {"activation_checkpointing": True, "recompute_granularity": "selective"}
+    effective, config = _build(**selective, recompute_modules=["layernorm", "mlp_act"])
+    assert config.recompute_modules == ["layernorm"]
+    assert apply.project_recompute_modules(effective) == frozenset({"mlp_act"})
+    effective, config = _build(**selective, recompute_modules=["mlp_act"])
+    assert config.recompute_modules == []  # not Megatron's default, core_attn
+    effective, config = _build(activation_checkpointing=True, recompute_modules=["mlp_act"])
+    assert config.recompute_granularity == "full"
+    assert apply.project_recompute_modules(effective) == frozenset()
+
+
 def test_unset_knobs_keep_megatron_defaults():
     from megatron.core.transformer.transformer_config import TransformerConfig
 

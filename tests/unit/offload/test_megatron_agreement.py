@@ -40,7 +40,6 @@ STRICTER_BY_DESIGN = {
     "override_named_recompute",
     "override_transformer_impl",
     "override_unknown_field",  # Megatron raises TypeError: also a rejection, checked below
-    "recompute_layernorm_without_te",  # fails at run time (NameError), not in the config
     "inflight_negative",  # Megatron checks it only under full_iteration graphs
     "full_iteration_moe",  # capture fails at run time (host sync in the token dispatch)
     "full_iteration_moe_capacity_without_padding",  # dropping alone still syncs
@@ -51,6 +50,15 @@ STRICTER_BY_DESIGN = {
     "mlp_with_full_iteration_graphs",
     "mlp_with_full_recompute",
     "mlp_with_mlp_recompute",
+    # Selective recompute on the local spec (models.local_recompute): mlp_act never reaches
+    # TransformerConfig; Megatron skips mlp on MoE layers and accepts the rest as given.
+    "mlp_act_recompute_on_moe",
+    "mlp_recompute_on_moe",
+    "mlp_act_with_mlp_recompute",
+    "mlp_act_recompute_with_te_spec",
+    "local_recompute_with_graphs",
+    "layernorm_recompute_with_qkv_offload",
+    "mlp_act_recompute_with_mlp_fc2_offload",
 }
 
 

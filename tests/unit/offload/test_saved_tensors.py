@@ -84,3 +84,27 @@ def test_only_rms_norms_are_swapped_under_their_names():
     assert with_cuda_rms_norms(model) == 1
     assert isinstance(model[0], CudaLikeRMSNorm) and isinstance(model[1], torch.nn.LayerNorm)
     assert [name for name, _ in model.named_parameters()] == ["0.weight", "1.weight", "1.bias"]
+
+
+class _Releasing(torch.nn.Module):
+    """sin keeps ``doubled``, then (when asked) the forward releases that storage, as
+    output-discarding recompute does with a norm's output after the next linear saved it."""
+
+    def __init__(self, release: bool) -> None:
+        super().__init__()
+        self.release = release
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        doubled = x * 2
+        out = doubled.sin()
+        if self.release:
+            doubled.untyped_storage().resize_(0)
+        return out * 3  # keeps nothing: a scalar factor
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_what_the_forward_released_is_not_held(release):
+    x = torch.randn(4, 8, requires_grad=True)
+    model = _Releasing(release)
+    saved = saved_bytes(model, lambda: model(x).sum()).saved
+    assert [item.nbytes for item in saved] == ([] if release else [4 * 8 * 4])

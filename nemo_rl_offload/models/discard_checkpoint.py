@@ -1,0 +1,141 @@
+"""Output-discarding recompute on public torch APIs, for the local layer spec's cheap selective
+recompute (the norms, the dense MLP's activation).
+
+A norm's or an activation's output is saved for backward by the linear that reads it, although
+it can be rebuilt from a tensor that is kept anyway (the norm's input, fc1's output) by an
+elementwise pass. :class:`DiscardingCheckpoint` runs such a function without recording its
+graph, keeps only its inputs, frees the output's memory once the forward no longer reads it,
+and rebuilds it in backward when the gradient of a later tensor arrives (before the linear's
+backward reads it); the function's own backward then runs on the rebuilt graph.
+
+megatron-core 0.19 has the same mechanism (``tensor_parallel.CheckpointWithoutOutput``, behind
+its ``layernorm`` and ``moe_act`` recompute), but without Transformer Engine it cannot run: its
+constructor's ``self.fp8 = fp8 is not None`` is true for the default ``fp8=False``, so its
+forward always reaches for TE's ``FP8GlobalStateManager`` (NameError), and it puts the rebuilt
+values back by sharing storage through a C++ extension that torch compiles on the first
+backward of every process (a compiler and ninja on every worker, and the compile's time). This
+class has the two methods Megatron's layer calls (``checkpoint`` and
+``discard_output_and_register_recompute``) and puts the values back by copying them into the
+output's own storage, resized back to its size: every tensor that shares that storage (what
+the linear saved, views included) sees them, and no version counter moves (autograd would
+otherwise refuse the saved tensor). The copy is one more elementwise pass over the output, and
+the rebuilt tensor's own memory is freed at once unless its graph saved it.
+
+The functions recomputed here draw no random numbers (norms, activations), so no RNG state is
+saved or restored; nor does it run under CUDA graph capture (the rules refuse graphs with these
+recompute options).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class _Forward(torch.autograd.Function):
+    """The function's forward without its graph, its tensor inputs saved; the backward runs
+    the graph that :meth:`DiscardingCheckpoint._rebuild` recorded."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, run: Callable[..., torch.Tensor], owner: DiscardingCheckpoint, *args: Any
+    ):
+        with torch.no_grad():
+            output = run(*args)
+        ctx.save_for_backward(*args)
+        ctx.rebuilt = None
+        owner._ctx = ctx
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.rebuilt is None:
+            raise RuntimeError(
+                "a discarded output was not rebuilt before its backward: the hook tensor of "
+                "discard_output_and_register_recompute must get its gradient first"
+            )
+        output, inputs = ctx.rebuilt
+        ctx.rebuilt = None
+        torch.autograd.backward(output, grad)
+        return (None, None, *(t.grad if isinstance(t, torch.Tensor) else None for t in inputs))
+
+
+class DiscardingCheckpoint:
+    """One use of output-discarding recompute: :meth:`checkpoint` runs ``run(*args)`` and
+    returns its output (one tensor; ``args`` are tensors or None), then
+    :meth:`discard_output_and_register_recompute` frees the output's memory and rebuilds it when
+    ``hook_tensor``'s gradient is computed. Without gradients (forward-only passes, or inputs
+    that need none) the function just runs and nothing is discarded, so parameters inside
+    ``run`` never lose their gradient."""
+
+    def __init__(self) -> None:
+        self._run: Callable[..., torch.Tensor] | None = None
+        self._ctx: Any = None
+        self._output: torch.Tensor | None = None
+        self._nbytes = 0
+
+    def checkpoint(self, run: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+            return run(*args)
+        self._run = run
+        output = _Forward.apply(run, self, *args)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"output-discarding recompute needs one output tensor, got {output!r}")
+        self._output = output
+        return output
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Free the output's memory now; rebuild it when ``hook_tensor``'s gradient arrives
+        (a tensor computed after every use of the output in the forward, whose gradient is
+        computed before the output's first use in backward)."""
+        output = self._output
+        if self._ctx is None or output is None:
+            return  # ran without a graph: nothing is kept for backward
+        if not hook_tensor.requires_grad:
+            raise ValueError("the hook tensor of an output-discarding recompute needs a gradient")
+        storage = output.untyped_storage()
+        if output.storage_offset() or storage.nbytes() != output.numel() * output.element_size():
+            raise ValueError("output-discarding recompute needs an output that owns its storage")
+        self._nbytes = storage.nbytes()
+        storage.resize_(0)
+        hook_tensor.register_hook(self._rebuild)
+
+    def _rebuild(self, _grad: torch.Tensor) -> None:
+        ctx, output, run = self._ctx, self._output, self._run
+        self._ctx = self._output = self._run = None
+        if ctx is None or output is None or run is None:
+            return  # rebuilt already (a hook tensor used twice)
+        inputs = tuple(
+            t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+            for t in ctx.saved_tensors
+        )
+        kept: set[int] = set()
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            kept.add(tensor.untyped_storage().data_ptr())
+            return tensor
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _same):
+            rebuilt = run(*inputs)
+        if rebuilt.shape != output.shape or rebuilt.dtype != output.dtype:
+            raise RuntimeError(
+                f"the recomputed output ({rebuilt.dtype}, {tuple(rebuilt.shape)}) differs from the "
+                f"forward's ({output.dtype}, {tuple(output.shape)})"
+            )
+        storage = output.untyped_storage()
+        storage.resize_(self._nbytes)
+        with torch.no_grad():
+            # A new tensor over the same storage: the copy moves no saved tensor's version.
+            alias = output.new_empty(0).set_(storage, 0, output.shape, output.stride())
+            alias.copy_(rebuilt)
+        kept.update(t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor))
+        if rebuilt.untyped_storage().data_ptr() not in kept:
+            rebuilt.untyped_storage().resize_(0)  # its graph does not read it: free the copy
+        ctx.rebuilt = (rebuilt, inputs)
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
