@@ -117,6 +117,9 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
         },
         "recompute_core_attn": SELECTIVE_CORE_ATTN,
         "recompute_full": FULL_RECOMPUTE,
+        # Full recompute with each recomputed layer's input offloaded (Megatron-LM PR 5218's
+        # layer_input; nemo_rl_offload/offload/layer_input.py).
+        "recompute_full+layer_input": {**FULL_RECOMPUTE, **FGO, "offload_modules": ["layer_input"]},
         "fgo_norms_qkv+recompute_core_attn": {
             **FGO,
             **SELECTIVE_CORE_ATTN,
@@ -143,6 +146,19 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
             **_selective(RECOMPUTE_SETS["cheap"]),
             "offload_modules": ["attn_norm", "core_attn", "attn_proj", "mlp_norm"],
         }
+        # The same with fc1's input offloaded too and the activation recomputed: what stays
+        # on the GPU is qkv's input and fc1's output.
+        cases["fgo_norm_inputs_attn_fc1+recompute_mlp_act"] = {
+            **FGO,
+            **_selective(RECOMPUTE_SETS["mlp_act"]),
+            "offload_modules": ["attn_norm", "core_attn", "attn_proj", "mlp_norm", "mlp_fc1"],
+        }
+        # The cheap recompute beside the whole MLP's recompute and the attention offload.
+        cases["fgo_attn_pair+recompute_mlp_layernorm"] = {
+            **FGO,
+            **_selective(RECOMPUTE_SETS["mlp_layernorm"]),
+            "offload_modules": ["core_attn", "attn_proj"],
+        }
     if "moe" in model:
         experts = list(EXPERT_MODULES)
         cases["fgo_experts"] = {**FGO, "offload_modules": experts}
@@ -159,7 +175,8 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
 def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, Any]]:
     """The named cases (all when ``names`` is None), no_offload first. Besides the matrix's
     names, ``fgo:MOD+MOD`` is an offload case of those modules (e.g. a planner's choice), and
-    ``CASE_graph_inflight_N`` is an offload case of the matrix under full-iteration graphs with
+    ``recompute_block_N`` full recompute of the first N layers only, ``CASE_graph_inflight_N``
+    is an offload case of the matrix under full-iteration graphs with
     max inflight N, ``CASE_megatron_copies`` an offload case with Megatron's own copies of
     non-contiguous tensors and ``CASE_megatron_hooks`` one with Megatron's own hook code (to
     measure the runtime's strided copies or lean hooks in the same run)."""
@@ -171,8 +188,15 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
 
     def resolve(name: str) -> dict[str, Any]:
         graphed = re.fullmatch(r"(.+)_graph_inflight_(\d+)", name)
+        partial = re.fullmatch(r"recompute_block_(\d+)", name)
         if name in matrix:
             return matrix[name]
+        if partial:  # full recompute of the first N layers only (Megatron's block method)
+            return {
+                **FULL_RECOMPUTE,
+                "recompute_method": "block",
+                "recompute_num_layers": int(partial[1]),
+            }
         if graphed:
             return _graphed(resolve(graphed[1]), inflight=int(graphed[2]))
         left_out = next((k for k in RUNTIME_CHOICES if name.endswith(f"_{k}")), None)

@@ -101,6 +101,18 @@ def test_dense_matrix_recomputes_the_layer_selectively_and_the_rules_accept_it()
     assert not any("recompute_mlp" in n for n in bench.cases_for("moe-1b"))
 
 
+def test_partial_full_recompute_cases_recompute_the_first_n_layers_and_the_rules_accept_them():
+    cases = bench.resolve_cases("llama-1b", ["recompute_block_6"])
+    assert cases["recompute_block_6"] == {
+        "activation_checkpointing": True,
+        "recompute_method": "block",
+        "recompute_num_layers": 6,
+    }
+    assert (
+        bench.check_section(bench.section_for("llama-1b", 4096, cases["recompute_block_6"])) == []
+    )
+
+
 DROP_AND_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
 
 

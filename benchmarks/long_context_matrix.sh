@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The long-context matrix of issue 20 (docs/offloading.md, "Choosing a plan at long context"):
+# the 3B shape (the llama-1b preset with 28 layers, hidden 3072, ffn 8192, 24 heads, 8 query
+# groups) on the 1B Megatron recipe's policy (bf16, distributed optimizer), 2 micro-batches of
+# one sequence, at each of SEQS tokens per micro-batch: no offload, full and partial recompute,
+# full recompute with offloaded layer inputs, offload sets with the dense MLP's modules, the
+# cheap selective recompute (norms, activation) alone and beside offloading. A case that does
+# not fit is a row with its out-of-memory sizes. With GPUS=2 the lengths run side by side, one
+# GPU each (round robin).
+# Run on the GPU machine from the repository root:
+#     OUT=DIR [SEQS="8192 16384 32768"] [CASES=a,b,...] [STEPS=5] [GPUS=1] bash benchmarks/long_context_matrix.sh
+# Writes DIR/seq<N>/ (the benchmark's JSON and markdown table per length).
+set -u
+OUT=${OUT:-/tmp/long_context_matrix}
+SEQS=${SEQS:-8192 16384 32768}
+STEPS=${STEPS:-5}
+GPUS=${GPUS:-1}
+CASES=${CASES:-recompute_full,recompute_full+layer_input,recompute_block_14,recompute_block_7,fgo_all5,fgo_all5_mlp,recompute_cheap,fgo_norm_inputs_attn+recompute_cheap,fgo_norm_inputs_attn_fc1+recompute_mlp_act,recompute_mlp_layernorm,fgo_attn_pair+recompute_mlp_layernorm}
+source benchmarks/device_setup.sh
+SHAPE=(num_layers=28 hidden_size=3072 ffn_hidden_size=8192 num_attention_heads=24 num_query_groups=8)
+OVERRIDES=()
+for field in "${SHAPE[@]}"; do
+    OVERRIDES+=("--recipe-override=++policy.megatron_cfg.model_overrides.$field")
+done
+lane=0
+for seq in $SEQS; do
+    (
+        export CUDA_VISIBLE_DEVICES=$lane
+        python3 benchmarks/offload_benchmark.py --model llama-1b \
+            --recipe examples/configs/grpo_math_1B_megatron.yaml "${OVERRIDES[@]}" \
+            --seq "$seq" --microbatches 2 --steps "$STEPS" --cases "$CASES" \
+            --out "$OUT/seq$seq" > "$OUT/seq$seq.log" 2>&1
+        echo "seq $seq rc=$? (GPU $lane)"
+    ) &
+    lane=$(( (lane + 1) % GPUS ))
+    if [ "$lane" -eq 0 ]; then wait; fi
+done
+wait
+for seq in $SEQS; do cat "$OUT/seq$seq"/*.md 2>/dev/null; done
