@@ -173,16 +173,18 @@ def table(payload: dict[str, Any]) -> str:
     lines = [
         f"Generation throughput on {env['device']} (torch {env['torch']}, megatron-core "
         f"{env['megatron_core']}, {payload['date']}); HBM copy bandwidth "
-        f"{payload['hbm_gbps']:.0f} GB/s; CUDA graphs: {payload['cuda_graphs']}.",
+        f"{payload['hbm_gbps']:.0f} GB/s; CUDA graphs asked for: {payload['cuda_graphs']} "
+        "(the graphs column: whether a model's decode steps ran as graphs).",
         "",
-        "| model | batch | new tokens | tokens/s | floor tokens/s | of floor "
+        "| model | graphs | batch | new tokens | tokens/s | floor tokens/s | of floor "
         "| full-prefix tokens/s | speed-up | peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in payload["cases"]:
         ref = r.get("full_prefix_tokens_per_s")
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['new_tokens']} | {r['tokens_per_s']:.0f} | "
+            f"| {r['model']} | {'yes' if r.get('decode_graphs') else 'no'} | {r['batch']} | "
+            f"{r['new_tokens']} | {r['tokens_per_s']:.0f} | "
             f"{r['floor_tokens_per_s']:.0f} | {r['of_floor']:.0%} | "
             f"{f'{ref:.0f}' if ref else '-'} | "
             f"{f'{r["tokens_per_s"] / ref:.1f}x' if ref else '-'} | "
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core
     import torch
 
-    from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.config.model_presets import architecture_for, has_experts
 
     on_gpu = torch.cuda.is_available()
     bandwidth = hbm_bandwidth()
@@ -223,7 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         longest = args.prompt_len + max(_ints(args.new_tokens))
         worker = build_worker(section_for(model, longest, args.precision, args), on_gpu)
-        vocab = architecture_for(model).vocab_size
+        architecture = architecture_for(model)
+        vocab = architecture.vocab_size
+        # Decode steps of a model with experts run eagerly (docs/generation.md).
+        graphed = bool(
+            args.cuda_graphs and on_gpu and not has_experts(architecture.num_moe_experts)
+        )
         weights, per_token = model_bytes(worker, element)
         for batch in _ints(args.batches):
             for new in _ints(args.new_tokens):
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                 floor = floor_seconds(weights, per_token, batch, args.prompt_len, new, bandwidth)
                 record.update(
                     model=model,
+                    decode_graphs=graphed,
                     weight_bytes=weights,
                     kv_bytes_per_token=per_token,
                     floor_s=floor,

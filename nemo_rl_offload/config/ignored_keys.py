@@ -49,24 +49,53 @@ def _clip_grad_matches(value: Any, recipe: Mapping[str, Any]) -> bool:
     return value is None or value == optimizer.get("clip_grad")
 
 
+def _model_has_experts(recipe: Mapping[str, Any], where: str) -> bool | None:
+    """Whether the model of section ``where`` has experts (``model_presets.has_experts`` on
+    the model's or ``model_overrides``' ``num_moe_experts``); None when the model cannot be
+    read here (its own check reports that)."""
+    from nemo_rl_offload.config.model_presets import architecture_for, has_experts
+    from nemo_rl_offload.errors import UserInputError
+
+    section = recipe.get(where) or {}
+    overrides = (section.get("megatron_cfg") or {}).get("model_overrides") or {}
+    experts = overrides.get("num_moe_experts")
+    if experts is None:
+        try:
+            experts = architecture_for(str(section.get("model_name")), where="").num_moe_experts
+        except (UserInputError, OSError, ValueError):
+            return None
+    return has_experts(experts)
+
+
 def _dense_model(where: str) -> Callable[[Any, Mapping[str, Any]], bool]:
     """freeze_moe_router is inert when false, or for a model without experts (no router)."""
 
     def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
         if value is None or value is False:
             return True
-        from nemo_rl_offload.config.model_presets import architecture_for, has_experts
-        from nemo_rl_offload.errors import UserInputError
+        return not _model_has_experts(recipe, where)
 
-        section = recipe.get(where) or {}
-        overrides = (section.get("megatron_cfg") or {}).get("model_overrides") or {}
-        experts = overrides.get("num_moe_experts")
-        if experts is None:
-            try:
-                experts = architecture_for(str(section.get("model_name")), where="").num_moe_experts
-            except (UserInputError, OSError, ValueError):
-                return True  # the model's own check reports it
-        return not has_experts(experts)
+    return inert
+
+
+def _decode_graphs_apply(generation: str) -> Callable[[Any, Mapping[str, Any]], bool]:
+    """mcore_generation_config.cuda_graph_impl is acted on (decode-step CUDA graphs,
+    models/generation.py) when it is off or when the policy's decode steps can be captured:
+    no experts, one pipeline stage, no sequence parallelism (models/decode_graphs.py)."""
+    where = generation.split(".")[0]
+
+    def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
+        if value is None or value == "none":
+            return True
+        if _at(recipe, f"{generation}.mcore_generation_config.num_cuda_graphs") == 0:
+            return True
+        megatron = _at(recipe, f"{where}.megatron_cfg") or {}
+        tp = megatron.get("tensor_model_parallel_size") or 1
+        return not (
+            _model_has_experts(recipe, where)
+            or (megatron.get("pipeline_model_parallel_size") or 1) > 1
+            or (megatron.get("sequence_parallel") is True and tp > 1)
+        )
 
     return inert
 
@@ -647,6 +676,11 @@ def _mcore_generation_entries(g: str) -> dict[str, Unused]:
             )
             for key in _INFERENCE_MODEL_KEYS
         }
+    )
+    entries[f"{section}.cuda_graph_impl"] = Unused(
+        "decode-step CUDA graphs capture dense models on one pipeline stage without sequence "
+        "parallelism; this policy's decode steps run eagerly (set it to none to say so)",
+        _decode_graphs_apply(g),
     )
     entries[f"{section}.num_speculative_tokens"] = _not_yet(
         f"{section}.num_speculative_tokens", 0, "speculative decoding"

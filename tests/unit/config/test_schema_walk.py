@@ -206,6 +206,47 @@ def test_freeze_moe_router_is_inert_for_a_dense_model():
     assert ignored_keys.check(recipe) == ([], [])
 
 
+def _decode_graphs(model: str, **megatron_cfg: Any) -> dict[str, Any]:
+    mcore = {"cuda_graph_impl": "local", "num_cuda_graphs": 4}
+    return {
+        "policy": {
+            "model_name": model,
+            "megatron_cfg": megatron_cfg,
+            "generation": {"backend": "megatron", "mcore_generation_config": mcore},
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        _decode_graphs("tiny-moe"),
+        _decode_graphs("tiny-dense", pipeline_model_parallel_size=2),
+        _decode_graphs("tiny-dense", tensor_model_parallel_size=2, sequence_parallel=True),
+    ],
+    ids=["experts", "pipeline", "sequence_parallel"],
+)
+def test_decode_graphs_the_sampler_cannot_capture_are_warned(recipe):
+    errors, warnings = ignored_keys.check(recipe)
+    assert errors == []
+    assert len(warnings) == 1, warnings
+    assert "mcore_generation_config.cuda_graph_impl" in warnings[0]
+    assert "decode steps run eagerly" in warnings[0]
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        _decode_graphs("tiny-dense"),
+        _decode_graphs("tiny-dense", tensor_model_parallel_size=2),
+        _decode_graphs("tiny-moe") | {"policy": {"model_name": "tiny-moe"}},
+    ],
+    ids=["dense", "tensor_parallel", "graphs_not_asked"],
+)
+def test_decode_graphs_that_run_or_are_not_asked_for_are_not_warned(recipe):
+    assert ignored_keys.check(recipe) == ([], [])
+
+
 def test_validate_reports_a_listed_key_of_a_whole_recipe():
     pytest.importorskip("megatron.core")
     recipe = load_recipe("examples/configs/tiny/sft.yaml", ["++policy.generation_batch_size=8"])
