@@ -68,6 +68,15 @@ def offload_layer_inputs(model: Any, offloader: LayerInputOffloader | None = Non
     return decoder.layer_input_offloader
 
 
+def layer_input_offloader(model: Any) -> LayerInputOffloader | None:
+    """The offloader of ``model``'s decoder (a GPTModel, wrapped or not) when its segment
+    inputs are offloaded, else None: what the worker reads its per-step bytes from."""
+    from megatron.core.utils import unwrap_model
+
+    decoder = getattr(unwrap_model(model), "decoder", None)
+    return decoder.layer_input_offloader if isinstance(decoder, LayerInputOffloadBlock) else None
+
+
 def _mark_input(offloader: LayerInputOffloader) -> Any:
     def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         offloader.mark(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])

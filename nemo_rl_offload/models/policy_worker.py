@@ -171,6 +171,7 @@ class PolicyWorker:
         self.optimizer: Any = None
         self.scheduler: Any = None
         self.graphs: Any = None  # StepGraphs with cuda_graph_impl full_iteration
+        self.layer_inputs: Any = None  # offload.layer_input.LayerInputOffloader, when on
         self.step = 0
 
     # ------------------------------------------------------------------------------ setup
@@ -184,6 +185,7 @@ class PolicyWorker:
         from nemo_rl_offload.config.model_presets import section_architecture
         from nemo_rl_offload.models.builder import build_gpt_model
         from nemo_rl_offload.models.chunked_logprobs import install as install_chunked_logprobs
+        from nemo_rl_offload.models.layer_input_block import layer_input_offloader
         from nemo_rl_offload.models.parallel import initialize_megatron_parallel
         from nemo_rl_offload.models.step_graphs import (
             StepGraphs,
@@ -228,6 +230,9 @@ class PolicyWorker:
         )
         _forget_other_models_moe_metrics()
         model, warnings = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
+        # Full recompute's segment inputs offloaded (offload_modules: [layer_input]): its bytes
+        # are reported per step beside the offload runtime's.
+        self.layer_inputs = layer_input_offloader(model)
         if graphed:
             allow_reuse_of_offloaded_memory_in_capture()
             self.graphs = StepGraphs(warmup_steps=model.config.cuda_graph_warmup_steps)
@@ -389,6 +394,8 @@ class PolicyWorker:
         # buffers): measured from here, the peak is this step's own.
         self.optimizer.zero_grad()
         fwd_bwd = _PassTimer(self.on_gpu)
+        if self.layer_inputs is not None:
+            self.layer_inputs.counters.reset()
         if self.on_gpu:
             torch.cuda.reset_peak_memory_stats()
             at_start = torch.cuda.memory_allocated() / 2**30
@@ -431,6 +438,10 @@ class PolicyWorker:
             **graph_metrics,
             **self.memory_stats(),
         )
+        if self.layer_inputs is not None:
+            moved = self.layer_inputs.counters.offloaded_bytes / 2**30
+            metrics["offloaded_gib_layer_input"] = moved
+            metrics["offloaded_gib_per_step"] = metrics.get("offloaded_gib_per_step", 0.0) + moved
         if fwd_bwd_peak is not None:
             # What the device really holds, graph memory pools included (a graph's replays
             # allocate nothing, so allocated-bytes peaks do not see them).
