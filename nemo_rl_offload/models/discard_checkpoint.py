@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel import CheckpointWithoutOutput
 
 
 class _Forward(torch.autograd.Function):
@@ -139,3 +140,25 @@ class DiscardingCheckpoint:
 
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+class OwnCheckpoint:
+    """A module attribute that Megatron assigns a ``CheckpointWithoutOutput`` to and that holds
+    a :class:`DiscardingCheckpoint` in its place (any other value is kept as given): the seam a
+    subclass of Megatron's module declares so that Megatron's forward runs unchanged."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._key = f"_own_{name}"
+
+    def __get__(self, layer: Any, owner: type | None = None) -> Any:
+        if layer is None:
+            return self
+        try:
+            return layer.__dict__[self._key]
+        except KeyError:
+            raise AttributeError(self._key.removeprefix("_own_")) from None
+
+    def __set__(self, layer: Any, value: Any) -> None:
+        if isinstance(value, CheckpointWithoutOutput):
+            value = DiscardingCheckpoint()
+        layer.__dict__[self._key] = value

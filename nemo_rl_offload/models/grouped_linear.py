@@ -42,6 +42,8 @@ from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupe
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
+from nemo_rl_offload.models.discard_checkpoint import OwnCheckpoint
+
 # torch._grouped_mm's kernels need every matrix's leading stride to be a multiple of 16 bytes
 # (8 bfloat16 elements); see the checks in torch/_meta_registrations.py.
 _GROUPED_MM_ALIGNMENT = 8
@@ -344,10 +346,21 @@ class LocalRowParallelGroupedLinear(_LocalGroupedLinear):
     partition_dim = 1
 
 
+class LocalGroupedMLP(TEGroupedMLP):
+    """Megatron's TEGroupedMLP whose ``moe_act`` recompute runs without Transformer Engine:
+    its forward assigns a ``CheckpointWithoutOutput`` to ``activation_checkpoint``, which
+    cannot run without TE in megatron-core 0.19 (models/discard_checkpoint.py says why); this
+    attribute holds the package's output-discarding checkpoint in its place. Megatron's forward
+    runs unchanged (fingerprinted: owned.RECOMPUTE_FINGERPRINTS["moe_act"])."""
+
+    activation_checkpoint = OwnCheckpoint()
+
+
 def local_grouped_experts() -> functools.partial:
-    """The experts builder for the local spec: TEGroupedMLP with the local grouped linears."""
+    """The experts builder for the local spec: :class:`LocalGroupedMLP` with the local grouped
+    linears."""
     return functools.partial(
-        TEGroupedMLP,
+        LocalGroupedMLP,
         submodules=GroupedMLPSubmodules(
             linear_fc1=LocalColumnParallelGroupedLinear,
             linear_fc2=LocalRowParallelGroupedLinear,

@@ -37,11 +37,10 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_geglu import bias_geglu_impl
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
-from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.models.discard_checkpoint import DiscardingCheckpoint
+from nemo_rl_offload.models.discard_checkpoint import DiscardingCheckpoint, OwnCheckpoint
 from nemo_rl_offload.models.mlp_offload import OffloadingMLP, offloading_mlp_builder
 from nemo_rl_offload.offload.owned import recompute_drift
 
@@ -56,33 +55,12 @@ def require_checked_recompute(modules: frozenset[str]) -> None:
         raise UserInputError(f"policy.megatron_cfg.recompute_modules: {drift}")
 
 
-class _OwnCheckpoint:
-    """A layer attribute that Megatron assigns a ``CheckpointWithoutOutput`` to and that holds
-    a :class:`DiscardingCheckpoint` in its place (any other value is kept as given)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._key = f"_own_{name}"
-
-    def __get__(self, layer: Any, owner: type | None = None) -> Any:
-        if layer is None:
-            return self
-        try:
-            return layer.__dict__[self._key]
-        except KeyError:
-            raise AttributeError(self._key.removeprefix("_own_")) from None
-
-    def __set__(self, layer: Any, value: Any) -> None:
-        if isinstance(value, CheckpointWithoutOutput):
-            value = DiscardingCheckpoint()
-        layer.__dict__[self._key] = value
-
-
 class RecomputeNormsLayer(TransformerLayer):
     """Megatron's TransformerLayer whose ``layernorm`` recompute runs without Transformer
     Engine (any other behaviour, and every other recompute option, is Megatron's)."""
 
-    input_layernorm_checkpoint = _OwnCheckpoint()
-    pre_mlp_norm_checkpoint = _OwnCheckpoint()
+    input_layernorm_checkpoint = OwnCheckpoint()
+    pre_mlp_norm_checkpoint = OwnCheckpoint()
 
 
 class RecomputeActMLP(OffloadingMLP):

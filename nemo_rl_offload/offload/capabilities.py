@@ -61,8 +61,9 @@ LAYER_INPUT = "layer_input"
 # TransformerConfig, which refuses names it does not know (offload.apply).
 PROJECT_RECOMPUTE_MODULES = frozenset({"mlp_act"})
 # Selective recompute that runs on the local spec through this package's seams
-# (models.local_recompute), with the Megatron code they rely on fingerprinted.
-LOCAL_RECOMPUTE_MODULES = frozenset({"layernorm", "mlp_act"})
+# (models.local_recompute; the grouped experts' models.grouped_linear.LocalGroupedMLP), with the
+# Megatron code they rely on fingerprinted.
+LOCAL_RECOMPUTE_MODULES = frozenset({"layernorm", "mlp_act", "moe_act"})
 
 
 @contextlib.contextmanager

@@ -1259,6 +1259,9 @@ RECOMPUTE_FINGERPRINTS: dict[str, dict[str, str]] = {
         "TransformerLayer._forward_post_mlp": "06e11931c17c3b7b",
     },
     "mlp_act": {"MLP.forward": "ffe0ebc9e20000af", "MLP.as_mlp_submodule": "be18d82adbf5db84"},
+    # models.grouped_linear.LocalGroupedMLP: its forward assigns activation_checkpoint, then
+    # calls its checkpoint and discard_output_and_register_recompute.
+    "moe_act": {"TEGroupedMLP.forward": "87a91a6fc99082a9"},
 }
 
 
@@ -1266,9 +1269,10 @@ def recompute_drift(modules: frozenset[str] | set[str]) -> str | None:
     """One line refusing the recompute ``modules`` of :data:`RECOMPUTE_FINGERPRINTS` whose
     Megatron code differs from the checked one, else None."""
     from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    classes = {"MLP": MLP, "TransformerLayer": TransformerLayer}
+    classes = {"MLP": MLP, "TEGroupedMLP": TEGroupedMLP, "TransformerLayer": TransformerLayer}
     changed: dict[str, list[str]] = {}
     for module in sorted(set(modules) & set(RECOMPUTE_FINGERPRINTS)):
         for name, digest in RECOMPUTE_FINGERPRINTS[module].items():

@@ -39,6 +39,9 @@ DEFAULT_CUDA_GRAPH_WARMUP_STEPS = 3
 OFFLOADS_FREED_BY_RECOMPUTE = {
     "layernorm": frozenset({"qkv_linear", "mlp_fc1"}),
     "mlp_act": frozenset({"mlp_act", "mlp_fc2"}),
+    # The experts' activation output (fc2's input); the moe_act offload module moves fc1's
+    # output, which the recompute reads back (Megatron reloads it first).
+    "moe_act": frozenset(),
 }
 
 
@@ -591,9 +594,10 @@ def _recompute(ctx: _Context) -> None:
 
 
 def _local_recompute(ctx: _Context) -> None:
-    """Selective recompute of ``layernorm`` and ``mlp_act`` on the local layer spec runs
-    through this package's layer and MLP (models.local_recompute): on Megatron code as checked,
-    on a dense MLP, eagerly, and not together with what already removes the same tensors."""
+    """Selective recompute of ``layernorm``, ``mlp_act`` and ``moe_act`` on the local layer spec
+    runs through this package's layer, MLP and grouped experts (models.local_recompute,
+    models.grouped_linear): on Megatron code as checked, ``mlp_act`` on a dense MLP, eagerly,
+    and not together with what already removes the same tensors."""
     if ctx.value("recompute_granularity") != "selective":
         return
     modules = set(_names(ctx.value("recompute_modules")))

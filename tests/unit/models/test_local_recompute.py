@@ -17,6 +17,7 @@ from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models import builder
 from nemo_rl_offload.models.discard_checkpoint import DiscardingCheckpoint
+from nemo_rl_offload.models.grouped_linear import LocalGroupedMLP
 from nemo_rl_offload.models.local_recompute import RecomputeActMLP, RecomputeNormsLayer
 from nemo_rl_offload.offload import owned
 from nemo_rl_offload.offload.cuda_norms import with_cuda_rms_norms
@@ -263,3 +264,34 @@ def test_the_activation_is_megatrons_for_every_dense_mlp(
             results.append([out.detach(), x.grad.clone(), *grads])
     for want, got in zip(*results, strict=True):
         assert torch.equal(want, got)
+
+
+def _moe_model(effective_for: Any, modules: list[str] | None) -> Any:
+    settings = {"model_overrides": {"moe_grouped_gemm": True}}
+    torch.manual_seed(0)
+    model, _ = builder.build_gpt_model(
+        effective_for("tiny-moe", **settings, **(_selective(modules) if modules else {})),
+        architecture_for("tiny-moe"),
+        on_gpu=False,
+    )
+    return model
+
+
+def test_moe_act_recompute_runs_without_te_and_trains_like_no_recompute(
+    megatron_cpu, effective_for, moe_globals_restored
+):
+    """Megatron's grouped experts assign a CheckpointWithoutOutput for moe_act recompute,
+    which fails without Transformer Engine (NameError FP8GlobalStateManager); the local grouped
+    experts hold the package's output-discarding checkpoint there instead."""
+    plain = _moe_model(effective_for, None)
+    recomputed = _moe_model(effective_for, ["moe_act"])
+    experts = recomputed.decoder.layers[0].mlp.experts
+    assert isinstance(experts, LocalGroupedMLP) and experts.activation_recompute
+    for (want_loss, want), (loss, got) in zip(_train(plain), _train(recomputed), strict=True):
+        assert torch.equal(want_loss, loss)
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert isinstance(experts.activation_checkpoint, DiscardingCheckpoint)
+    # What fc2 saved (the activation's output) is freed between forward and backward.
+    held, held_plain = _held(recomputed), _held(plain)
+    assert held.get("mlp.experts.linear_fc2", 0) < held_plain["mlp.experts.linear_fc2"]
+    assert sum(held.values()) < sum(held_plain.values())
