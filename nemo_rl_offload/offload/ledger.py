@@ -65,7 +65,10 @@ DENSE_MLP_OFFLOAD_BY_OWNER = (
 RECOMPUTE_BY_OWNER = (
     (re.compile(r"^self_attention\.linear_qkv$"), "layernorm"),
     (re.compile(r"^self_attention\.core_attention$"), "core_attn"),
+    # The experts' activation: moe_act frees what it saves besides its input (fc1's output,
+    # which the recompute reads) and fc2's input (its output).
     (re.compile(r"^mlp\.experts$"), "moe_act"),
+    (re.compile(r"^mlp\.experts\.linear_fc2$"), "moe_act"),
 )
 # The same for a dense layer's MLP: fc1's input is the pre-MLP norm's output; what the
 # activation saves (fc1's output) goes only with the whole MLP.

@@ -86,6 +86,7 @@ def test_every_dense_offload_module_covers_a_measured_entry(dense):
         ("self_attention", ledger.DENSE, (None, "full")),
         ("mlp.experts.linear_fc1", ledger.MOE, ("expert_fc1", "moe")),
         ("mlp.experts", ledger.MOE, ("moe_act", "moe_act")),
+        ("mlp.experts.linear_fc2", ledger.MOE, (None, "moe_act")),
         ("mlp.router", ledger.MOE, (None, "moe")),
         ("output_layer", ledger.MODEL, (None, None)),
     ],
