@@ -166,7 +166,9 @@ def removal(kinds: list[LayerCost], model_bytes: float, plan: MemoryPlan) -> Rem
     for kind in kinds:
         for saved in kind.saved:
             if saved.recompute in removed_by:
-                if saved.recompute in ELEMENTWISE_RECOMPUTE:
+                # An elementwise option's cost is its traffic, unless a larger recompute
+                # that covers it (whose FLOPs count) runs it.
+                if saved.recompute in ELEMENTWISE_RECOMPUTE & plan.recompute:
                     traffic += kind.layers * 2 * saved.nbytes
                 continue
             kept += kind.layers * saved.nbytes
