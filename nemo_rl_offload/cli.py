@@ -272,10 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan",
         help="pick the activation-memory settings that fit a peak-memory budget fastest",
-        description="Profile the recipe's policy without offloading, with every module "
-        "offloaded and with full recompute; predict each module set's peak memory, measure the "
-        "most promising ones that fit each budget, and print the fastest with the override "
-        "lines to paste. Needs GPU workers. Exit 0 with a plan for every budget, 1 otherwise. "
+        description="Compute the recipe's activation ledger on the CPU, profile its policy "
+        "with full recompute and without offloading or recompute (which may run out of "
+        "memory), predict the peak and time of every offload and recompute setting the rules "
+        "allow, measure the most promising ones that fit each budget, and print the fastest "
+        "with the override lines to paste. Needs GPU workers. Exit 0 with a plan for every "
+        "budget, 1 otherwise. "
         "With --ledger: print what every layer saves for backward and what removes it.",
     )
     plan.add_argument("--config", required=True, help="recipe YAML file")
@@ -289,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget-fraction",
         type=_numbers,
         default=None,
-        help="budgets as fractions of the measured no-offload peak, e.g. 0.9,0.75,0.6",
+        help="budgets as fractions of the no-offload peak (measured, or predicted when it does "
+        "not fit), e.g. 0.9,0.75,0.6",
     )
     plan.add_argument(
         "--ledger",

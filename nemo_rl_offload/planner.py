@@ -2,60 +2,86 @@
 
 How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offload.telemetry`):
 
-1. Profile, once for every budget asked: a few steps without offloading (peak ``P0``, and the
-   resident state ``R``: weights, gradients and optimizer state, which no activation setting
-   changes); a few with every offloadable module offloaded, whose telemetry gives the bytes each
-   module moves per micro-batch (``s_m``); and a few with full recompute (its peak and time).
-2. Predict each offload set's peak: ``P0 - sum(s_m) x fraction``. Without pipeline parallelism
-   one micro-batch's activations are live at a time, so the saving is one micro-batch's
-   offloaded bytes: this predicted every measured offload case of the benchmark tables within
-   ``PREDICTION_TOLERANCE`` (benchmarks/results/README.md, the benchmark section;
-   tests/unit/test_planner.py checks it on those tables).
-3. Time is not predicted from bytes: eagerly, most of an offload set's cost is the CPU work of
-   its hooks, which grows with the number of modules hooked (benchmarks/results/README.md,
-   the step profile). So the offload sets predicted to fit are ranked by module count, then
-   bytes moved (sets predicted up to ``PREDICTION_TOLERANCE`` over a budget are included:
-   predictions were that close), and the first ``max_trials`` of different module counts are
-   measured. Among the measured offload sets, the recipe without offloading and full
-   recompute, the fastest whose measured peak fits wins. The result is a settings patch (a
-   nested dict of recipe keys); the ``plan`` command prints it as override lines to paste, and
-   a job that plans at start applies it to its loaded recipe
-   (:mod:`nemo_rl_offload.plan_at_start`). Measurements are shared between budgets.
-   One measurement is not enough to rank close plans: the same offload set measured in fresh
-   processes spreads by more than close plans differ, and a planner that trusted one
-   measurement chose a slower set than the fastest fitting one
-   (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt against
-   ..._plan_recheck_...). So every fitting plan within ``RECHECK_MARGIN`` of the fastest is
-   measured once more, and keeps its fastest time (noise only adds time) and its highest peak.
-4. A budget under ``R`` cannot be met by any activation setting: the plan says so, with ``R``.
+1. The menu (:mod:`nemo_rl_offload.plan_menu`): every offload subset at each fraction, every
+   selective recompute set, their combinations, full recompute of every layer (with and
+   without its layer inputs offloaded) and of the first N layers; each candidate is checked by
+   the rules every recipe passes, so no plan is one a job would refuse.
+2. The cost model (:mod:`nemo_rl_offload.offload.cost_model`) predicts each candidate's peak
+   and time from the recipe's activation ledger, computed on the CPU here: which bytes each
+   module saves, which offload module or recompute option removes them, and the FLOPs that
+   recompute runs again. Peak: the resident state plus one micro-batch's activations less what
+   the candidate removes; time: the plain step plus recompute at the measured FLOP rate, the
+   copies' floor and each offload hook's host time.
+3. Calibration from runs that fit. Full recompute is profiled first (at long context it is
+   often the only plan that fits); then the recipe as it is, without offloading or
+   recompute, whose failure (out of memory, where the planner is needed most) is a result,
+   not the end: its step time is then estimated from full recompute's. The measured peaks fit
+   the resident state and the ledger's scale; every later measurement refines the fit, the
+   copy bandwidths and the host time per hook (eagerly, hook CPU work is most of a small
+   model's offload cost: benchmarks/results/README.md, the step profile).
+4. For each budget, the candidates on the predicted peak/time frontier that are predicted to
+   fit (up to ``PREDICTION_TOLERANCE`` over it: only a measured peak decides) are measured
+   fastest first, re-predicted after each measurement, up to ``max_trials``; a candidate
+   predicted slower than a measured fitting plan is not measured. Among everything measured,
+   the fastest whose measured peak fits wins. One measurement is not enough to rank close
+   plans: the same settings measured in fresh processes spread by more than close plans
+   differ (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt against
+   ..._plan_recheck_...), so every fitting plan within ``RECHECK_MARGIN`` of the fastest is
+   measured once more and keeps its fastest time and its highest peak. The result is a
+   settings patch (a nested dict of recipe keys); the ``plan`` command prints it as override
+   lines to paste with the faster plans predicted over the budget, and a job that plans at
+   start applies it to its loaded recipe (:mod:`nemo_rl_offload.plan_at_start`).
+   Measurements are shared between budgets.
+5. A budget under the resident state cannot be met by any activation setting: the plan says
+   so, with its size.
 
 A recipe with full-iteration CUDA graphs is measured graphed: each measurement runs the
-shape's warm-up and capture steps first, so that its medians are over replays (graphs take the
-hooks' CPU work away, which changes which set is fastest), and offloading there gets the
-max-inflight cap it needs (the recipe's own, else ``GRAPH_INFLIGHT``, the fastest on the 1B
-step: benchmarks/results/2026-11-22_h100_benchmark_graphs_inflight_llama-1b_seq4096.md).
+shape's warm-up and capture steps first, so that its medians are over replays, and offloading
+there gets the max-inflight cap it needs (the recipe's own, else ``GRAPH_INFLIGHT``, the
+fastest on the 1B step:
+benchmarks/results/2026-11-22_h100_benchmark_graphs_inflight_llama-1b_seq4096.md); the rules
+drop what graphs cannot hold.
+
+Each measurement starts the recipe's workers afresh (one Ray job per measurement): reusing
+them across settings would need the workers to rebuild their model under new settings.
 """
 
 from __future__ import annotations
 
-import itertools
 import shlex
+import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
 from nemo_rl_offload.config.loader import deep_merge
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.offload import cost_model
+from nemo_rl_offload.offload.cost_model import Calibration, LayerCost
+from nemo_rl_offload.plan_menu import (
+    DENSE_MODULES,
+    EXPERT_MODULES,
+    Candidate,
+    Patch,
+    frontier,
+    megatron_patch,
+    menu,
+    offloadable_modules,
+    predictor,
+)
 
-# A settings patch: recipe keys nested as in the recipe, merged onto a loaded recipe.
-Patch = dict[str, Any]
+__all__ = [
+    "DENSE_MODULES",
+    "EXPERT_MODULES",
+    "Candidate",
+    "Patch",
+    "megatron_patch",
+    "offloadable_modules",
+]
 
-DENSE_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
-EXPERT_MODULES = ("expert_fc1", "moe_act")
-FRACTIONS = (1.0, 0.5)
-# How close peak predictions came to the measured peaks, both ways (benchmarks/results/README.md):
-# a set predicted up to this much over the budget may still fit, and is tried; only its measured
-# peak decides.
+# How close peak predictions must come to be trusted for the choice of what to measure: a
+# candidate predicted up to this much over the budget may still fit, and is tried; only its
+# measured peak decides.
 PREDICTION_TOLERANCE = 0.02
 MCFG = "policy.megatron_cfg"
 GRAPH_INFLIGHT = 4  # max inflight offloads for graphed measurements when the recipe sets none
@@ -63,71 +89,29 @@ GRAPH_INFLIGHT = 4  # max inflight offloads for graphed measurements when the re
 # set's time spreads about this much between fresh processes
 # (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt).
 RECHECK_MARGIN = 0.20
+# Until a run measures them: pinned copy bandwidth each way and HBM bandwidth (docs/DESIGN's
+# facts for an H100; the first offload run replaces the copy bandwidths).
+DEFAULT_COPY_BYTES_PER_S = 50e9
+DEFAULT_HBM_BYTES_PER_S = 3.35e12
+# Faster plans predicted over a budget that the printed plan names as the reason it is not
+# faster.
+WHY_NOT_SHOWN = 3
 
 
 @dataclass(frozen=True)
 class Profile:
-    """What the profiling runs measured (GiB, seconds). ``resident_gib``: the part of the peak
-    that is not activations (weights, gradients, optimizer state)."""
+    """The recipe as it is, without offloading or recompute (GiB, seconds): measured when it
+    fit (``measured``), else predicted by the calibrated cost model. ``resident_gib``: the
+    part of the peak that is not activations (weights, gradients, optimizer state), measured;
+    ``bytes_per_microbatch_gib``: what each offload module can move per micro-batch (the
+    ledger's count)."""
 
     peak_gib: float
     fwd_bwd_s: float
     bytes_per_microbatch_gib: dict[str, float]
     resident_gib: float = 0.0
-
-
-@dataclass
-class Candidate:
-    modules: tuple[str, ...]
-    fraction: float
-    predicted_peak_gib: float | None  # None: measured in the profile, not predicted
-    measured_peak_gib: float | None = None
-    measured_fwd_bwd_s: float | None = None
-    full_recompute: bool = False  # recompute whole layers instead of offloading
-    measurements: int = 1  # more than 1: a close contender, measured again (see remeasured)
-    # Why its measurement failed (failures.Failure.as_dict(): type, message, out-of-memory
-    # sizes); a failed candidate has no measured peak or time, so no budget picks it.
-    failure: dict[str, Any] | None = None
-
-    @property
-    def failed(self) -> str | None:
-        """The failure as one line, or None."""
-        from nemo_rl_offload.failures import Failure
-
-        return Failure.from_dict(self.failure).summary() if self.failure else None
-
-    @property
-    def name(self) -> str:
-        if self.full_recompute:
-            return "full recompute"
-        if not self.modules:
-            return "no offload"
-        suffix = "" if self.fraction == 1.0 else f" x{self.fraction:g}"
-        return "+".join(self.modules) + suffix
-
-    def patch(self) -> Patch:
-        """The candidate's settings as a patch of the policy's megatron_cfg."""
-        if self.full_recompute:
-            settings: dict[str, Any] = {
-                "fine_grained_activation_offloading": False,
-                "activation_checkpointing": True,
-                "recompute_granularity": "full",
-            }
-        elif not self.modules:
-            settings = {"fine_grained_activation_offloading": False}
-        else:
-            settings = {
-                "fine_grained_activation_offloading": True,
-                "offload_modules": list(self.modules),
-            }
-            if self.fraction != 1.0:
-                settings["activation_offload_fraction"] = self.fraction
-        return megatron_patch(settings)
-
-
-def megatron_patch(settings: dict[str, Any]) -> Patch:
-    """``settings`` placed under ``policy.megatron_cfg`` (no settings: an empty patch)."""
-    return {"policy": {"megatron_cfg": settings}} if settings else {}
+    measured: bool = True
+    failure: str | None = None  # why the recipe as it is did not run
 
 
 def _leaves(patch: Patch, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
@@ -167,56 +151,6 @@ def render_overrides(patch: Patch, recipe: dict[str, Any]) -> list[str]:
 
 
 _MISSING = object()
-
-
-def offloadable_modules(is_moe: bool) -> tuple[str, ...]:
-    return DENSE_MODULES + (EXPERT_MODULES if is_moe else ())
-
-
-def module_sets(modules: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """Every non-empty subset the offload rules allow (attn_proj only with core_attn)."""
-    sets = []
-    for size in range(1, len(modules) + 1):
-        for subset in itertools.combinations(modules, size):
-            if "attn_proj" in subset and "core_attn" not in subset:
-                continue
-            sets.append(subset)
-    return sets
-
-
-def predict_peak(profile: Profile, modules: tuple[str, ...], fraction: float) -> float:
-    saved = sum(profile.bytes_per_microbatch_gib.get(m, 0.0) for m in modules)
-    return profile.peak_gib - fraction * saved
-
-
-def candidates_within(profile: Profile, budget_gib: float, is_moe: bool) -> list[Candidate]:
-    """The candidates predicted to fit ``budget_gib`` (within the prediction tolerance):
-    first those predicted under the budget, then those within the tolerance over it; in each,
-    cheapest first: fewer modules hooked, then fewer bytes moved."""
-    fitting = []
-    for modules in module_sets(offloadable_modules(is_moe)):
-        for fraction in FRACTIONS:
-            peak = predict_peak(profile, modules, fraction)
-            if peak <= budget_gib * (1 + PREDICTION_TOLERANCE):
-                fitting.append(Candidate(modules, fraction, peak))
-    # Fewer bytes moved: a higher predicted peak.
-    return sorted(
-        fitting,
-        key=lambda c: (c.predicted_peak_gib > budget_gib, len(c.modules), -c.predicted_peak_gib),
-    )
-
-
-def trials(ranked: list[Candidate], max_trials: int) -> list[Candidate]:
-    """The first candidate of each module count, in rank order, up to ``max_trials``."""
-    chosen: list[Candidate] = []
-    seen_counts: set[int] = set()
-    for candidate in ranked:
-        if len(candidate.modules) not in seen_counts:
-            chosen.append(candidate)
-            seen_counts.add(len(candidate.modules))
-        if len(chosen) == max_trials:
-            break
-    return chosen
 
 
 def _fitting(measured: list[Candidate], budget_gib: float) -> list[Candidate]:
@@ -288,21 +222,151 @@ def measure_candidate(
         return None
 
 
-def _profile(what: str, measure: Any) -> list[dict[str, Any]]:
-    """A profiling measurement; its failure ends the plan with :class:`ProfileFailed`."""
-    probe = Candidate((), 1.0, None)
-    records = measure_candidate(probe, measure)
-    if records is None:
-        raise ProfileFailed(f"plan: profiling {what} failed: {probe.failed}")
-    return records
-
-
 def _measured(records: list[dict[str, Any]]) -> tuple[float, float]:
     """(peak GiB, forward-backward s) of a measurement: medians of the replayed steps."""
     return (
         _replayed_median(records, "peak_fwd_bwd_gpu_memory_gib"),
         _replayed_median(records, "fwd_bwd_time_s"),
     )
+
+
+@dataclass
+class RecipeCosts:
+    """The cost model's view of a recipe (:func:`plan_menu.layer_costs`): its layer kinds and
+    the model's own saved bytes per micro-batch, one micro-batch's forward FLOPs, and the
+    micro-batches of a step."""
+
+    kinds: list[LayerCost]
+    model_bytes: float
+    forward_flops: float
+    microbatches: int
+
+    @property
+    def layers(self) -> int:
+        return sum(k.layers for k in self.kinds)
+
+    def removal(self, candidate: Candidate) -> cost_model.Removal:
+        return cost_model.removal(self.kinds, self.model_bytes, candidate.memory_plan(self.layers))
+
+    def offloadable_gib(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for kind in self.kinds:
+            for saved in kind.saved:
+                if saved.offload:
+                    out[saved.offload] = out.get(saved.offload, 0.0) + (
+                        kind.layers * saved.nbytes / 2**30
+                    )
+        return out
+
+
+@dataclass
+class Calibrator:
+    """Calibration from the measured runs that fit: the memory line through (ledger
+    activations, measured peak), the FLOP rate and the plain step from full recompute and the
+    plain run, and the copy bandwidths and host time per hook from offload runs."""
+
+    costs: RecipeCosts
+    recompute_s: float | None = None
+    base_s: float | None = None
+    points: list[tuple[float, float]] = field(default_factory=list)
+    d2h: list[float] = field(default_factory=list)
+    h2d: list[float] = field(default_factory=list)
+    offload_runs: list[tuple[cost_model.Removal, float]] = field(default_factory=list)
+
+    def observe(self, candidate: Candidate, records: list[dict[str, Any]]) -> None:
+        removed = self.costs.removal(candidate)
+        peak = candidate.measured_peak_gib or 0.0
+        self.points.append((removed.activation_bytes, peak * 2**30))
+        if removed.offloaded_bytes > 0:
+            for key, out in (("d2h_gb_per_s", self.d2h), ("h2d_gb_per_s", self.h2d)):
+                value = _replayed_median(records, key)
+                if value > 0:
+                    out.append(value * 1e9)
+        if removed.hooks > 0:
+            self.offload_runs.append((removed, candidate.measured_fwd_bwd_s or 0.0))
+
+    def calibration(self) -> Calibration:
+        costs = self.costs
+        full = costs.removal(Candidate((), 1.0, None, full_recompute=True)).recompute_flops
+        forward, microbatches = costs.forward_flops, costs.microbatches
+        if self.recompute_s is not None:
+            base = (
+                self.base_s
+                if self.base_s is not None
+                else cost_model.base_step_s(self.recompute_s, forward, full)
+            )
+            rate = cost_model.flops_per_s(
+                self.recompute_s, self.base_s, forward, full, microbatches
+            )
+        elif self.base_s is not None:  # only the plain step: the rate of its forward-backward
+            base = self.base_s
+            rate = cost_model.flops_per_s(self.base_s, None, forward, 0.0, microbatches)
+        else:
+            raise ValueError("calibration needs the plain step or full recompute measured")
+        resident, scale = cost_model.fit_memory(self.points)
+        calibration = Calibration(
+            resident_bytes=resident,
+            activation_scale=scale,
+            base_step_s=base,
+            microbatches=costs.microbatches,
+            flops_per_s=rate,
+            hbm_bytes_per_s=DEFAULT_HBM_BYTES_PER_S,
+            d2h_bytes_per_s=statistics.median(self.d2h) if self.d2h else DEFAULT_COPY_BYTES_PER_S,
+            h2d_bytes_per_s=statistics.median(self.h2d) if self.h2d else DEFAULT_COPY_BYTES_PER_S,
+        )
+        per_hook = [
+            h
+            for removed, seconds in self.offload_runs
+            if (h := cost_model.host_s_per_hook(seconds, removed, calibration)) is not None
+        ]
+        if per_hook:
+            calibration = replace(calibration, host_s_per_hook=statistics.median(per_hook))
+        return calibration
+
+
+def _layer_costs(section: dict[str, Any], base_dir: Any, microbatches: int) -> RecipeCosts:
+    """The recipe's :class:`RecipeCosts` from its activation ledger, measured on the CPU (a
+    seam: tests give a small one)."""
+    from nemo_rl_offload.config.model_presets import section_architecture
+    from nemo_rl_offload.models.ledger_run import build_ledger
+    from nemo_rl_offload.offload import apply, ledger
+    from nemo_rl_offload.plan_menu import layer_costs
+
+    architecture = section_architecture(section, base_dir=base_dir)
+    effective = apply.effective_settings(section, architecture, te_installed=False)
+    built = build_ledger(section, base_dir=base_dir)
+    seq = int(section.get("max_total_sequence_length") or built.tokens_per_microbatch)
+    settings = {
+        kind: ledger.one_layer_settings(effective, overrides)
+        for kind, _, overrides in ledger.layer_kinds(effective)
+    }
+
+    def flops(kind: str, option: str) -> float:
+        return ledger.recompute_flops_per_token(option, settings[kind], seq)
+
+    element = 2 if str(section.get("precision")) in ("bfloat16", "float16") else 4
+    hidden = int(effective.value("hidden_size"))
+    kinds, model_bytes = layer_costs(built, flops, element * hidden)
+    forward = sum(k.layers * k.flops["full"] for k in kinds)
+    forward += 2 * hidden * architecture.vocab_size * built.tokens_per_microbatch
+    return RecipeCosts(kinds, model_bytes, forward, microbatches)
+
+
+def step_microbatches(recipe: dict[str, Any]) -> int:
+    """Micro-batches each data-parallel rank runs per training step (as telemetry shapes it)."""
+    policy, cluster = recipe["policy"], recipe["cluster"]
+    mcfg = policy.get("megatron_cfg") or {}
+    workers = int(cluster.get("gpus_per_node") or 1) * int(cluster.get("num_nodes") or 1)
+    model_parallel = 1
+    for key in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "context_parallel_size",
+    ):
+        model_parallel *= int(mcfg.get(key) or 1)
+    dp = max(1, workers // model_parallel)
+    rows = int(policy["train_micro_batch_size"]) * dp
+    return max(1, int(policy["train_global_batch_size"]) // rows)
 
 
 def plan(
@@ -315,12 +379,14 @@ def plan(
     max_trials: int = 3,
     err: TextIO = sys.stderr,
 ) -> dict[str, Any]:
-    """Profile once, then for every budget (GiB, or fractions of the measured no-offload peak)
-    measure the most promising candidates that fit; returns everything found."""
+    """Profile once, then for every budget (GiB, or fractions of the no-offload peak, measured
+    or predicted) measure the most promising candidates predicted to fit; returns everything
+    found."""
     from pathlib import Path
 
     from nemo_rl_offload.config.loader import load_recipe
     from nemo_rl_offload.config.model_presets import section_architecture
+    from nemo_rl_offload.offload import rules
     from nemo_rl_offload.offload.apply import effective_settings
     from nemo_rl_offload.preflight import check_recipe
 
@@ -348,7 +414,6 @@ def plan(
     is_moe = effective_settings(
         recipe["policy"], architecture, te_installed=report.caps.has_transformer_engine
     ).is_moe
-    everything = offloadable_modules(is_moe)
     # Expert offload needs the grouped expert layout; every measurement (and so every plan)
     # runs on it, so that the profile and the candidates are the same model. Graphed
     # offloading needs the max-inflight cap, and more steps to reach the replays.
@@ -363,51 +428,104 @@ def plan(
         """The overrides a measurement runs with: the user's, then the patch's."""
         return [*overrides, *render_overrides(with_layout(measured_with, patch, dtensor), loaded)]
 
-    print("plan: profiling without offloading ...", file=err)
-    no_offload = lines(megatron_patch({"fine_grained_activation_offloading": False}))
-    base = _profile("without offloading", lambda: _measure(config, no_offload, steps, err))
-    print(f"plan: profiling with every module offloaded ({', '.join(everything)}) ...", file=err)
-    every = lines(Candidate(everything, 1.0, None).patch())
-    full = _profile("with every module offloaded", lambda: _measure(config, every, steps, err))
-    microbatches = max(1.0, _replayed_median(full, "offload_step_microbatches"))
-    peak, fwd_bwd = _measured(base)
-    profile = Profile(
-        peak_gib=peak,
-        fwd_bwd_s=fwd_bwd,
-        bytes_per_microbatch_gib={
-            m: _replayed_median(full, f"offloaded_gib_{m}") / microbatches for m in everything
-        },
-        resident_gib=peak - _replayed_median(base, "peak_activation_gpu_memory_gib"),
-    )
-    if profile.peak_gib <= 0:
-        raise UserInputError("the workers report no GPU memory; run the planner on GPU workers")
+    workers = int(recipe["cluster"]["gpus_per_node"]) * int(recipe["cluster"].get("num_nodes") or 1)
+
+    verdicts: dict[str, bool] = {}
+
+    def valid(candidate: Candidate) -> bool:
+        """Whether the rules every recipe passes accept the candidate on this recipe."""
+        if candidate.name in verdicts:
+            return verdicts[candidate.name]
+        patched = deep_merge(recipe, with_layout(measured_with, candidate.patch(), dtensor))
+        findings = rules.check_policy(
+            patched["policy"],
+            where="policy",
+            architecture=architecture,
+            caps=report.caps,
+            gpus_per_node=recipe["cluster"]["gpus_per_node"],
+            workers=workers,
+        )
+        verdicts[candidate.name] = not findings.errors
+        return verdicts[candidate.name]
+
+    print("plan: the activation ledger (on the CPU) ...", file=err)
+    costs = _layer_costs(recipe["policy"], Path.cwd(), step_microbatches(recipe))
+    candidates = menu(costs.kinds, is_moe, dtensor)
+    calibrator = Calibrator(costs)
+
+    def run(candidate: Candidate) -> list[dict[str, Any]] | None:
+        records = measure_candidate(
+            candidate, lambda: _measure(config, lines(candidate.patch()), steps, err)
+        )
+        if records is not None:
+            candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
+            calibrator.observe(candidate, records)
+        return records
+
+    # Full recompute first: at long context it is often the only setting that fits.
     print("plan: profiling full recompute ...", file=err)
     recompute = Candidate((), 1.0, None, full_recompute=True)
-    records = measure_candidate(
-        recompute, lambda: _measure(config, lines(recompute.patch()), steps, err)
+    recompute_records = run(recompute)
+    if recompute_records is not None:
+        calibrator.recompute_s = recompute.measured_fwd_bwd_s
+    print("plan: profiling without offloading or recompute ...", file=err)
+    plain = Candidate((), 1.0, None)
+    plain_records = run(plain)
+    if plain_records is not None:
+        calibrator.base_s = plain.measured_fwd_bwd_s
+    if recompute_records is None and plain_records is None:
+        raise ProfileFailed(
+            f"plan: profiling failed: full recompute: {recompute.failed}; without offloading "
+            f"or recompute: {plain.failed}"
+        )
+    if max(p for _, p in calibrator.points) <= 0:
+        raise UserInputError("the workers report no GPU memory; run the planner on GPU workers")
+    profiled = plain_records if plain_records is not None else recompute_records
+    resident = _replayed_median(profiled, "peak_fwd_bwd_gpu_memory_gib") - _replayed_median(
+        profiled, "peak_activation_gpu_memory_gib"
     )
-    if records is not None:
-        recompute.measured_peak_gib, recompute.measured_fwd_bwd_s = _measured(records)
-    # The recipe without offloading is a plan too: when it fits, nothing needs changing.
-    plain = Candidate((), 1.0, None, profile.peak_gib, profile.fwd_bwd_s)
-    measured: dict[str, Candidate] = {recompute.name: recompute}
+    measured: dict[str, Candidate] = {recompute.name: recompute, plain.name: plain}
+    if plain_records is None:
+        plain.predicted_peak_gib, plain.predicted_fwd_bwd_s = predictor(
+            costs.kinds, costs.model_bytes, calibrator.calibration()
+        )(plain)
+    profile = Profile(
+        peak_gib=plain.measured_peak_gib or plain.predicted_peak_gib or 0.0,
+        fwd_bwd_s=plain.measured_fwd_bwd_s or plain.predicted_fwd_bwd_s or 0.0,
+        bytes_per_microbatch_gib=costs.offloadable_gib(),
+        resident_gib=resident,
+        measured=plain_records is not None,
+        failure=plain.failed,
+    )
     rechecked: set[str] = set()
     budgets = [*budgets_gib, *(f * profile.peak_gib for f in budget_fractions)]
     plans = []
     for budget in budgets:
-        ranked = candidates_within(profile, budget, is_moe)
-        tried = []
-        for candidate in trials(ranked, max_trials):
-            if candidate.name not in measured:
-                print(f"plan: measuring {candidate.name} ...", file=err)
-                records = measure_candidate(
-                    candidate,
-                    lambda c=candidate: _measure(config, lines(c.patch()), steps, err),
-                )
-                if records is not None:
-                    candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
-                measured[candidate.name] = candidate
-            tried.append(measured[candidate.name])
+        # What earlier budgets measured is known: it is an option here too.
+        tried = [c for c in measured.values() if c is not plain and c is not recompute]
+        for _ in range(max_trials):
+            predict = predictor(costs.kinds, costs.model_bytes, calibrator.calibration())
+            fitting = [
+                c
+                for c in frontier(candidates, predict, valid)
+                if predict(c)[0] <= budget * (1 + PREDICTION_TOLERANCE)
+            ]
+            done = [
+                c
+                for c in (plain, recompute, *tried)
+                if c.measured_peak_gib is not None and c.measured_peak_gib <= budget
+            ]
+            fastest = min((c.measured_fwd_bwd_s or 0.0 for c in done), default=float("inf"))
+            chosen = next(
+                (c for c in fitting if c.name not in measured and predict(c)[1] < fastest), None
+            )
+            if chosen is None:
+                break
+            chosen.predicted_peak_gib, chosen.predicted_fwd_bwd_s = predict(chosen)
+            print(f"plan: measuring {chosen.name} ...", file=err)
+            run(chosen)
+            measured[chosen.name] = chosen
+            tried.append(chosen)
         options = [plain, *tried, recompute]
         for candidate in contenders(options, budget):
             # The recipe without offloading is the profile itself: it fits only when no
@@ -415,7 +533,7 @@ def plan(
             if candidate is plain or candidate.name in rechecked:
                 continue
             print(f"plan: measuring {candidate.name} again (a close contender) ...", file=err)
-            again = Candidate(candidate.modules, candidate.fraction, None)
+            again = replace(candidate, failure=None, measurements=1)
             records = measure_candidate(
                 again, lambda c=candidate: _measure(config, lines(c.patch()), steps, err)
             )
@@ -425,12 +543,18 @@ def plan(
             else:
                 remeasured(candidate, records)
             rechecked.add(candidate.name)
+        chosen = best(options, budget)
+        predict = predictor(costs.kinds, costs.model_bytes, calibrator.calibration())
+        ranked = frontier(candidates, predict, valid)
         plans.append(
             {
                 "budget_gib": budget,
-                "fitting": len(ranked),
+                "fitting": sum(
+                    1 for c in ranked if predict(c)[0] <= budget * (1 + PREDICTION_TOLERANCE)
+                ),
                 "tried": options,
-                "chosen": best(options, budget),
+                "chosen": chosen,
+                "over_budget": faster_over_budget(ranked, predict, budget, chosen),
             }
         )
     return {
@@ -439,7 +563,20 @@ def plan(
         "measured_with": measured_with,
         "dtensor": dtensor,
         "recipe": loaded,
+        "calibration": calibrator.calibration(),
     }
+
+
+def faster_over_budget(
+    ranked: list[Candidate], predict: Any, budget: float, chosen: Candidate | None
+) -> list[tuple[str, float, float]]:
+    """(name, predicted peak GiB, predicted s) of the frontier's plans predicted faster than
+    the chosen one (its measured time) and over ``budget``: why no cheaper plan was chosen."""
+    limit = chosen.measured_fwd_bwd_s if chosen and chosen.measured_fwd_bwd_s else float("inf")
+    out = [
+        (c.name, *predict(c)) for c in ranked if predict(c)[1] < limit and predict(c)[0] > budget
+    ]
+    return out[:WHY_NOT_SHOWN]
 
 
 def graph_settings(megatron_cfg: dict[str, Any]) -> tuple[Patch, int]:
@@ -506,15 +643,46 @@ def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:
     )
 
 
+def _profile_line(profile: Profile) -> str:
+    if profile.measured:
+        return (
+            f"no offload: peak {profile.peak_gib:.2f} GiB (resident {profile.resident_gib:.2f} "
+            f"GiB: weights, gradients, optimizer; activations "
+            f"{profile.peak_gib - profile.resident_gib:.2f} GiB), forward-backward "
+            f"{profile.fwd_bwd_s:.3f} s"
+        )
+    return (
+        f"no offload: did not run ({profile.failure}); predicted peak {profile.peak_gib:.2f} GiB "
+        f"(resident {profile.resident_gib:.2f} GiB: weights, gradients, optimizer, measured), "
+        f"forward-backward {profile.fwd_bwd_s:.3f} s (estimated from full recompute)"
+    )
+
+
+def _calibration_line(calibration: Calibration | None) -> str | None:
+    if calibration is None:
+        return None
+    c = calibration
+    return (
+        f"cost model: resident {c.resident_bytes / 2**30:.2f} GiB + {c.activation_scale:.2f} x "
+        f"the ledger's activations; {c.flops_per_s / 1e12:.0f} TFLOP/s; copies "
+        f"{c.d2h_bytes_per_s / 1e9:.0f}/{c.h2d_bytes_per_s / 1e9:.0f} GB/s to/from the host; "
+        f"{1e6 * c.host_s_per_hook:.0f} us of host time per offload hook"
+    )
+
+
+def _predicted(c: Candidate) -> str:
+    peak = "     -" if c.predicted_peak_gib is None else f"{c.predicted_peak_gib:6.2f}"
+    seconds = "" if c.predicted_fwd_bwd_s is None else f" {c.predicted_fwd_bwd_s:.3f} s"
+    return f"predicted {peak} GiB{seconds}"
+
+
 def format_plan(result: dict[str, Any], out: TextIO) -> bool:
     """Print the plans; returns whether every budget has one."""
     profile: Profile = result["profile"]
-    print(
-        f"no offload: peak {profile.peak_gib:.2f} GiB (resident {profile.resident_gib:.2f} GiB: "
-        f"weights, gradients, optimizer; activations {profile.peak_gib - profile.resident_gib:.2f}"
-        f" GiB), forward-backward {profile.fwd_bwd_s:.3f} s",
-        file=out,
-    )
+    print(_profile_line(profile), file=out)
+    calibration = _calibration_line(result.get("calibration"))
+    if calibration:
+        print(calibration, file=out)
     saved = ", ".join(f"{m} {g:.2f}" for m, g in profile.bytes_per_microbatch_gib.items())
     print(f"offloadable per micro-batch (GiB): {saved}", file=out)
     all_met = True
@@ -522,23 +690,29 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
         budget = entry["budget_gib"]
         print(
             f"\nbudget {budget:.2f} GiB ({100 * budget / profile.peak_gib:.0f}% of the peak): "
-            f"{entry['fitting']} offload sets predicted to fit; measured:",
+            f"{entry['fitting']} plans on the frontier predicted to fit; measured:",
             file=out,
         )
         for c in entry["tried"]:
-            predicted = "     -" if c.predicted_peak_gib is None else f"{c.predicted_peak_gib:6.2f}"
             if c.failed:
-                print(f"  {c.name:<48} predicted {predicted} GiB  failed: {c.failed}", file=out)
+                print(f"  {c.name:<48} {_predicted(c)}  failed: {c.failed}", file=out)
                 continue
             change = (c.measured_fwd_bwd_s or 0.0) / profile.fwd_bwd_s - 1
             print(
-                f"  {c.name:<48} predicted {predicted} GiB  measured "
+                f"  {c.name:<48} {_predicted(c)}  measured "
                 f"{c.measured_peak_gib or 0:6.2f} GiB  {c.measured_fwd_bwd_s or 0:.3f} s "
                 f"({100 * change:+.1f}%)"
                 + (f", best of {c.measurements}" if c.measurements > 1 else ""),
                 file=out,
             )
         chosen: Candidate | None = entry["chosen"]
+        over = entry.get("over_budget") or []
+        if over:
+            print(
+                "faster plans predicted over the budget: "
+                + "; ".join(f"{name} ({peak:.2f} GiB, {sec:.3f} s)" for name, peak, sec in over),
+                file=out,
+            )
         if chosen is None:
             print(why_none(profile, budget, entry["tried"]), file=out)
             all_met = False
@@ -553,8 +727,10 @@ def as_json(result: dict[str, Any]) -> dict[str, Any]:
     """The result as plain data (for --json)."""
     from dataclasses import asdict
 
+    calibration = result.get("calibration")
     return {
         "profile": asdict(result["profile"]),
+        "calibration": asdict(calibration) if calibration else None,
         "plans": [
             {
                 "budget_gib": entry["budget_gib"],
@@ -564,6 +740,10 @@ def as_json(result: dict[str, Any]) -> dict[str, Any]:
                 ],
                 "chosen": entry["chosen"].name if entry["chosen"] else None,
                 "overrides": plan_overrides(result, entry["chosen"]) if entry["chosen"] else None,
+                "over_budget": [
+                    {"name": name, "predicted_peak_gib": peak, "predicted_fwd_bwd_s": sec}
+                    for name, peak, sec in entry.get("over_budget") or []
+                ],
             }
             for entry in result["plans"]
         ],

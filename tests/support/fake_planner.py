@@ -1,10 +1,126 @@
-"""Telemetry records as a graphed job reports them to the planner (``planner._measure``), for
-planner tests that run no workers: warm-up steps eager, one captured, the rest replayed;
-offloading saves 2 GiB of peak and moves 0.5 GiB per module and micro-batch."""
+"""Stand-ins for the planner's GPU side (``planner._measure``) and its CPU ledger
+(``planner._layer_costs``), for planner tests that run no workers.
+
+:func:`graphed_records`: telemetry as a graphed job reports it (warm-up steps eager, one
+captured, the rest replayed); offloading saves 2 GiB of peak and moves 0.5 GiB per module and
+micro-batch. :func:`simulated`: a GPU whose peaks and times follow the cost model with
+constants the planner does not know (its "truth"), and that runs out of memory above a
+capacity: what the planner must find its way through by measuring."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from nemo_rl_offload import planner
+from nemo_rl_offload.config.overrides import parse_override
+from nemo_rl_offload.distributed.worker_group import WorkerError
+from nemo_rl_offload.offload import cost_model
+from nemo_rl_offload.offload.cost_model import Calibration, LayerCost, Saved
+
+GIB = 2**30
+# One dense layer per micro-batch, shaped as a Llama layer's ledger is (GiB): what each module
+# saves, the offload module and the recompute option that remove it.
+LAYER = (
+    Saved(0.10 * GIB, "attn_norm", "full"),
+    Saved(0.10 * GIB, "qkv_linear", "layernorm"),
+    Saved(0.30 * GIB, "core_attn", "core_attn"),
+    Saved(0.10 * GIB, "attn_proj", "full"),
+    Saved(0.10 * GIB, "mlp_norm", "full"),
+    Saved(0.10 * GIB, "mlp_fc1", "layernorm"),
+    Saved(0.50 * GIB, "mlp_act", "mlp"),
+    Saved(0.25 * GIB, "mlp_fc2", "mlp_act"),
+    Saved(0.05 * GIB, None, "full"),
+)
+FLOPS = {
+    "layernorm": 1e9,
+    "core_attn": 2e11,
+    "mlp": 5e11,
+    "mlp_act": 1e9,
+    "moe": 0.0,
+    "moe_act": 0.0,
+    "full": 1e12,
+}
+
+
+def small_costs(layers: int = 8, microbatches: int = 2) -> planner.RecipeCosts:
+    kinds = [LayerCost(layers, LAYER, 0.1 * GIB, FLOPS)]
+    return planner.RecipeCosts(kinds, 1.0 * GIB, layers * 1e12 + 0.5e12, microbatches)
+
+
+# What the simulated GPU does: the ledger's activations 5% over its count, 20 GiB resident,
+# 50 TFLOP/s, 50 GB/s copies, 1 ms of host time per hook.
+TRUTH = Calibration(
+    resident_bytes=20 * GIB,
+    activation_scale=1.05,
+    base_step_s=1.02,
+    microbatches=2,
+    flops_per_s=5e13,
+    hbm_bytes_per_s=3e12,
+    d2h_bytes_per_s=50e9,
+    h2d_bytes_per_s=50e9,
+    host_s_per_hook=1e-3,
+)
+
+
+def candidate_of(overrides: list[str]) -> planner.Candidate:
+    """The candidate a measurement's override lines set (the planner's patch, read back)."""
+    settings: dict[str, Any] = {}
+    for line in overrides:
+        override = parse_override(line)
+        if override.path[:2] == ("policy", "megatron_cfg"):
+            settings[override.path[-1]] = override.value
+    fgo = settings.get("fine_grained_activation_offloading") is True
+    modules = tuple(settings.get("offload_modules") or ()) if fgo else ()
+    fraction = float(settings.get("activation_offload_fraction", 1.0))
+    if settings.get("activation_checkpointing") is not True:
+        return planner.Candidate(modules, fraction, None)
+    if settings.get("recompute_granularity") == "selective":
+        recompute = tuple(settings.get("recompute_modules") or ())
+        return planner.Candidate(modules, fraction, None, recompute_modules=recompute)
+    block = settings.get("recompute_num_layers") if settings.get("recompute_method") else None
+    return planner.Candidate(modules, 1.0, None, full_recompute=True, recompute_num_layers=block)
+
+
+@dataclass
+class Simulated:
+    """``planner._measure`` on a simulated GPU of ``capacity_gib``; ``calls``: the candidates
+    measured, by name, in order."""
+
+    costs: planner.RecipeCosts
+    capacity_gib: float
+    truth: Calibration = TRUTH
+
+    def __post_init__(self) -> None:
+        self.calls: list[str] = []
+
+    def truth_of(self, candidate: planner.Candidate) -> cost_model.Prediction:
+        plan = candidate.memory_plan(self.costs.layers)
+        return cost_model.predict(self.costs.kinds, self.costs.model_bytes, plan, self.truth)
+
+    def __call__(self, config: str, overrides: list[str], steps: int, err: Any) -> list[dict]:
+        candidate = candidate_of(overrides)
+        self.calls.append(candidate.name)
+        true = self.truth_of(candidate)
+        peak = true.peak_bytes / GIB
+        if peak > self.capacity_gib:
+            raise WorkerError(
+                "policy",
+                0,
+                f"OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+                f"total capacity of {self.capacity_gib:.2f} GiB of which 0 bytes is free.",
+            )
+        copies = {"d2h_gb_per_s": 50.0, "h2d_gb_per_s": 50.0} if true.removal.hooks else {}
+        return [
+            {
+                "length": 1024,
+                "peak_fwd_bwd_gpu_memory_gib": peak,
+                "peak_activation_gpu_memory_gib": peak - self.truth.resident_bytes / GIB,
+                "fwd_bwd_time_s": true.step_s,
+                **copies,
+            }
+            for _ in range(steps)
+        ]
 
 
 def graphed_records(overrides: list[str], steps: int) -> list[dict]:

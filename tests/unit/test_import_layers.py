@@ -16,7 +16,7 @@ LAYERS = [
     {"distributed", "models", "losses", "gpu_monitor", "metrics_logger"},
     {"preflight"},
     {"algorithms", "telemetry", "export_hf"},
-    {"planner"},
+    {"planner", "plan_menu"},
     {"plan_at_start", "demo", "cli"},
 ]
 # Known upward imports (none today): (importing file, the layer it reaches up to).

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from nemo_rl_offload.offload import cost_model as cm
 from nemo_rl_offload.offload.cost_model import PassTimes, overhead_floor_s, step_floor_s
 
 GB = 1e9
@@ -35,3 +38,93 @@ def test_step_floor_adds_every_microbatch():
     times = PassTimes(0.01, 0.02)
     one = overhead_floor_s(1 * GB, times, 10 * GB, 10 * GB)
     assert step_floor_s(0.5, 4, 4 * GB, times, 10 * GB, 10 * GB) == pytest.approx(0.5 + 4 * one)
+
+
+# ------------------------------------------------------------------ the planner's cost model
+
+GIB = 2**30
+LAYER = (
+    cm.Saved(1.0 * GIB, "attn_norm", "full"),
+    cm.Saved(2.0 * GIB, "qkv_linear", "layernorm"),
+    cm.Saved(3.0 * GIB, "core_attn", "core_attn"),
+    cm.Saved(4.0 * GIB, "mlp_act", "mlp"),
+    cm.Saved(0.5 * GIB, "mlp_fc2", "mlp_act"),
+)
+FLOPS = {"layernorm": 1e9, "core_attn": 2e11, "mlp": 5e11, "mlp_act": 1e9, "full": 1e12}
+KINDS = [cm.LayerCost(4, LAYER, 0.25 * GIB, FLOPS)]
+CAL = cm.Calibration(
+    resident_bytes=10 * GIB,
+    activation_scale=1.0,
+    base_step_s=1.2,
+    microbatches=2,
+    flops_per_s=1e13,
+    hbm_bytes_per_s=1e12,
+    d2h_bytes_per_s=50e9,
+    h2d_bytes_per_s=50e9,
+    host_s_per_hook=1e-3,
+)
+
+
+def test_nothing_removed_keeps_every_layer_and_the_model():
+    removed = cm.removal(KINDS, 1 * GIB, cm.MemoryPlan())
+    assert removed.activation_bytes == (1 + 4 * 10.5) * GIB
+    assert (removed.offloaded_bytes, removed.recompute_flops, removed.hooks) == (0, 0, 0)
+    assert cm.predict(KINDS, 1 * GIB, cm.MemoryPlan(), CAL).step_s == 1.2
+
+
+def test_offloading_a_fraction_removes_that_fraction_and_costs_hooks_and_copies():
+    plain = cm.removal(KINDS, 0.0, cm.MemoryPlan())
+    half = cm.removal(KINDS, 0.0, cm.MemoryPlan(frozenset({"core_attn", "mlp_act"}), 0.5))
+    assert plain.activation_bytes - half.activation_bytes == 0.5 * 4 * 7 * GIB
+    assert half.offloaded_bytes == 14 * GIB and half.hooks == 4
+    # 14 GiB per micro-batch at 50 GB/s: longer than both 0.2 s forward and 0.4 s backward.
+    predicted = cm.step_time_s(half, CAL)
+    floor = cm.overhead_floor_s(14 * GIB, cm.PassTimes(0.2, 0.4), 50e9, 50e9)
+    assert predicted == pytest.approx(1.2 + 2 * (floor + 4 * 1e-3)) and floor > 0
+
+
+def test_recompute_frees_what_its_option_covers_and_costs_its_flops_or_traffic():
+    mlp = cm.removal(KINDS, 0.0, cm.MemoryPlan(recompute=frozenset({"mlp"})))
+    assert mlp.activation_bytes == 4 * 6 * GIB  # the MLP frees its activation's input too
+    assert mlp.recompute_flops == 4 * 5e11 and mlp.recompute_traffic_bytes == 0
+    norm = cm.removal(KINDS, 0.0, cm.MemoryPlan(recompute=frozenset({"layernorm"})))
+    assert norm.recompute_flops == 0 and norm.recompute_traffic_bytes == 4 * 2 * 2 * GIB
+    # Offloading what recompute already freed moves nothing.
+    both = cm.MemoryPlan(frozenset({"qkv_linear"}), recompute=frozenset({"layernorm"}))
+    assert cm.removal(KINDS, 0.0, both).offloaded_bytes == 0
+
+
+def test_full_recompute_keeps_the_inputs_and_one_layer_and_block_keeps_the_rest_whole():
+    full = cm.removal(KINDS, 0.0, cm.MemoryPlan(full_layers=4))
+    assert full.activation_bytes == (4 * 0.25 + 10.5) * GIB
+    assert full.recompute_flops == 4 * 1e12
+    block = cm.removal(KINDS, 0.0, cm.MemoryPlan(full_layers=1))
+    assert block.activation_bytes == (0.25 + 3 * 10.5) * GIB and block.recompute_flops == 1e12
+    offloaded = cm.removal(KINDS, 0.0, cm.MemoryPlan(frozenset({"layer_input"}), full_layers=4))
+    assert offloaded.offloaded_bytes == 1 * GIB and offloaded.hooks == 4
+    assert offloaded.activation_bytes == (2 * 0.25 + 10.5) * GIB
+
+
+def test_the_memory_line_fits_two_runs_and_takes_the_ledger_as_is_from_one():
+    assert cm.fit_memory([(4.0, 14.0)]) == (10.0, 1.0)
+    resident, scale = cm.fit_memory([(4.0, 14.4), (20.0, 32.0)])
+    assert (resident, scale) == (pytest.approx(10.0), pytest.approx(1.1))
+    assert cm.fit_memory([(4.0, 14.0), (20.0, 14.0)])[1] == 0.5  # noise, not a ledger
+    with pytest.raises(ValueError):
+        cm.fit_memory([])
+
+
+def test_the_plain_step_and_the_flop_rate_from_full_recompute_with_and_without_the_plain_run():
+    # Forward 1e12 FLOPs per micro-batch, all of it recomputed: 4 passes against 3.
+    assert cm.base_step_s(2.0, 1e12, 1e12) == pytest.approx(1.5)
+    assert cm.flops_per_s(2.0, None, 1e12, 1e12, 3) == pytest.approx(3 * 4e12 / 2.0)
+    assert cm.flops_per_s(2.0, 1.6, 1e12, 1e12, 3) == pytest.approx(3e12 / 0.4)
+    assert cm.flops_per_s(2.0, 2.1, 1e12, 1e12, 3) == pytest.approx(3 * 4e12 / 2.0)  # noise
+
+
+def test_host_time_per_hook_is_what_the_measured_run_adds_beyond_the_model():
+    removed = cm.removal(KINDS, 0.0, cm.MemoryPlan(frozenset({"attn_norm"})))
+    without = cm.step_time_s(removed, dataclasses.replace(CAL, host_s_per_hook=0.0))
+    assert cm.host_s_per_hook(without + 2 * 4 * 0.002, removed, CAL) == pytest.approx(0.002)
+    assert cm.host_s_per_hook(without - 0.1, removed, CAL) == 0.0
+    assert cm.host_s_per_hook(1.0, cm.removal(KINDS, 0.0, cm.MemoryPlan()), CAL) is None

@@ -1,0 +1,230 @@
+"""The planner's menu: every activation-memory setting the rules allow for a recipe, as
+candidates, and the cost model's view of the recipe's layers.
+
+Why apart from :mod:`nemo_rl_offload.planner`: what can be tried (offload sets, fractions,
+selective recompute sets, full recompute of all or some layers, with or without the layer
+inputs offloaded) is one job; measuring and choosing is another. Each candidate is checked by
+:func:`nemo_rl_offload.offload.rules.check_policy`, the rules every recipe passes, so the
+planner never proposes settings a job would refuse. Checking is lazy (:func:`frontier`):
+only candidates that could be chosen (faster than every valid one with a lower predicted
+peak) are checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_rl_offload.offload import cost_model
+from nemo_rl_offload.offload.capabilities import LAYER_INPUT
+from nemo_rl_offload.offload.cost_model import LayerCost, MemoryPlan, Saved
+
+# A settings patch: recipe keys nested as in the recipe, merged onto a loaded recipe.
+Patch = dict[str, Any]
+
+DENSE_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm")
+# This package's dense MLP offload points, in the layer's order after Megatron's.
+DENSE_MLP_MODULES = ("mlp_fc1", "mlp_act", "mlp_fc2")
+EXPERT_MODULES = ("expert_fc1", "moe_act")
+FRACTIONS = (1.0, 0.5)
+# Selective recompute options searched: Megatron's and this package's (models.local_recompute).
+DENSE_RECOMPUTE = ("layernorm", "core_attn", "mlp_act", "mlp")
+MOE_RECOMPUTE = ("layernorm", "core_attn", "moe_act", "moe")
+# Full recompute of only the first N layers (recompute_method: block): N in steps of this
+# share of the layers.
+BLOCK_STEPS = 8
+# The recompute options whose FLOPs the cost model needs per layer kind.
+FLOP_OPTIONS = ("layernorm", "core_attn", "mlp", "mlp_act", "moe", "moe_act", "full")
+
+
+def megatron_patch(settings: dict[str, Any]) -> Patch:
+    """``settings`` placed under ``policy.megatron_cfg`` (no settings: an empty patch)."""
+    return {"policy": {"megatron_cfg": settings}} if settings else {}
+
+
+@dataclass
+class Candidate:
+    """One activation-memory setting: offload ``modules`` (``fraction`` of them), selective
+    ``recompute_modules``, or full recompute (of ``recompute_num_layers`` layers with the block
+    method, else of every layer), with what the cost model predicted and the runs measured."""
+
+    modules: tuple[str, ...]
+    fraction: float
+    predicted_peak_gib: float | None  # None: measured in the profile, not predicted
+    measured_peak_gib: float | None = None
+    measured_fwd_bwd_s: float | None = None
+    full_recompute: bool = False  # recompute whole layers instead of offloading
+    measurements: int = 1  # more than 1: a close contender, measured again (see remeasured)
+    # Why its measurement failed (failures.Failure.as_dict(): type, message, out-of-memory
+    # sizes); a failed candidate has no measured peak or time, so no budget picks it.
+    failure: dict[str, Any] | None = None
+    recompute_modules: tuple[str, ...] = ()  # selective recompute
+    recompute_num_layers: int | None = None  # full recompute of the first N layers only
+    predicted_fwd_bwd_s: float | None = None
+
+    @property
+    def failed(self) -> str | None:
+        """The failure as one line, or None."""
+        from nemo_rl_offload.failures import Failure
+
+        return Failure.from_dict(self.failure).summary() if self.failure else None
+
+    @functools.cached_property
+    def name(self) -> str:
+        if self.full_recompute:
+            name = "full recompute"
+            if self.recompute_num_layers is not None:
+                name += f" of {self.recompute_num_layers} layers"
+            return name + (" + " + "+".join(self.modules) if self.modules else "")
+        parts = []
+        if self.recompute_modules:
+            parts.append("recompute " + "+".join(self.recompute_modules))
+        if self.modules:
+            suffix = "" if self.fraction == 1.0 else f" x{self.fraction:g}"
+            parts.append("+".join(self.modules) + suffix)
+        return ", ".join(parts) or "no offload"
+
+    def memory_plan(self, layers: int) -> MemoryPlan:
+        """The candidate as the cost model reads it (``layers``: the model's)."""
+        if self.full_recompute:
+            return MemoryPlan(
+                offload=frozenset(self.modules),
+                full_layers=layers
+                if self.recompute_num_layers is None
+                else self.recompute_num_layers,
+            )
+        return MemoryPlan(frozenset(self.modules), self.fraction, frozenset(self.recompute_modules))
+
+    def patch(self) -> Patch:
+        """The candidate's settings as a patch of the policy's megatron_cfg: every switch it
+        depends on set, so that a recipe's own recompute or offload settings do not mix in."""
+        settings: dict[str, Any] = {"fine_grained_activation_offloading": bool(self.modules)}
+        if self.modules:
+            settings["offload_modules"] = list(self.modules)
+            if self.fraction != 1.0:
+                settings["activation_offload_fraction"] = self.fraction
+        if self.full_recompute:
+            settings.update(activation_checkpointing=True, recompute_granularity="full")
+            if self.recompute_num_layers is not None:
+                settings.update(
+                    recompute_method="block", recompute_num_layers=self.recompute_num_layers
+                )
+        elif self.recompute_modules:
+            settings.update(
+                activation_checkpointing=True,
+                recompute_granularity="selective",
+                recompute_modules=list(self.recompute_modules),
+            )
+        else:
+            settings["activation_checkpointing"] = False
+        return megatron_patch(settings)
+
+
+def offloadable_modules(is_moe: bool) -> tuple[str, ...]:
+    """Offload modules in a layer's order: Megatron's attention and norms, then the MLP's
+    (the experts' on a MoE model, this package's dense points otherwise)."""
+    return DENSE_MODULES + (EXPERT_MODULES if is_moe else DENSE_MLP_MODULES)
+
+
+def _subsets(items: tuple[str, ...]) -> Iterable[tuple[str, ...]]:
+    for size in range(len(items) + 1):
+        yield from itertools.combinations(items, size)
+
+
+def live_modules(
+    kinds: list[LayerCost], recompute: tuple[str, ...], modules: tuple[str, ...]
+) -> tuple[str, ...]:
+    """The offload modules in ``modules`` that still have bytes to move once ``recompute``
+    has freed what it frees (offloading nothing only adds a hook)."""
+    removed = cost_model.covered(frozenset(recompute))
+    live = {
+        s.offload
+        for kind in kinds
+        for s in kind.saved
+        if s.offload and s.recompute not in removed and s.nbytes > 0
+    }
+    return tuple(m for m in modules if m in live)
+
+
+def menu(kinds: list[LayerCost], is_moe: bool, dtensor: bool) -> list[Candidate]:
+    """Every candidate the planner considers, before the rules: with each selective recompute
+    set, each subset of the offload modules that still have bytes to move, at each fraction;
+    full recompute of every layer, with and without the layer inputs offloaded, and of the
+    first N layers. A DTensor policy reads one recompute switch (full recompute) and so gets
+    no selective or block candidates."""
+    layers = sum(k.layers for k in kinds)
+    recompute_sets = (
+        [()] if dtensor else list(_subsets(MOE_RECOMPUTE if is_moe else DENSE_RECOMPUTE))
+    )
+    out = []
+    for recompute in recompute_sets:
+        for modules in _subsets(live_modules(kinds, recompute, offloadable_modules(is_moe))):
+            for fraction in FRACTIONS if modules else (1.0,):
+                out.append(Candidate(modules, fraction, None, recompute_modules=recompute))
+    out.append(Candidate((), 1.0, None, full_recompute=True))
+    if not dtensor:
+        out.append(Candidate((LAYER_INPUT,), 1.0, None, full_recompute=True))
+        step = max(1, layers // BLOCK_STEPS)
+        for covered in range(step, layers, step):
+            out.append(Candidate((), 1.0, None, full_recompute=True, recompute_num_layers=covered))
+    return out
+
+
+def frontier(
+    candidates: list[Candidate],
+    predicted: Callable[[Candidate], tuple[float, float]],
+    valid: Callable[[Candidate], bool],
+) -> list[Candidate]:
+    """The valid candidates no other valid one beats on both predicted peak and time (the
+    only ones worth measuring for some budget), fastest first. ``predicted``: (peak, time);
+    ``valid``: whether the rules accept it, asked only of candidates that would join."""
+    out: list[Candidate] = []
+    lowest = float("inf")
+    for candidate in sorted(candidates, key=lambda c: (predicted(c)[1], predicted(c)[0])):
+        peak = predicted(candidate)[0]
+        if peak < lowest and valid(candidate):
+            out.append(candidate)
+            lowest = peak
+    return out
+
+
+def layer_costs(
+    ledger: Any,
+    flops_per_token: Callable[[str, str], float],
+    input_bytes_per_token: float,
+) -> tuple[list[LayerCost], float]:
+    """The cost model's layers from an activation ledger (:class:`offload.ledger.Ledger`) at
+    its tokens per micro-batch, and the bytes the model's own modules save.
+    ``flops_per_token(kind, option)``: forward FLOPs per token of a recompute option in a
+    layer of that kind."""
+    from nemo_rl_offload.offload.ledger import MODEL
+
+    tokens = ledger.tokens_per_microbatch
+    kinds, model_bytes = [], 0.0
+    for kind in ledger.kinds:
+        if kind.kind == MODEL:
+            model_bytes += kind.bytes_at(tokens)
+            continue
+        saved = tuple(Saved(e.bytes_at(tokens), e.offload, e.recompute) for e in kind.entries)
+        flops = {o: flops_per_token(kind.kind, o) * tokens for o in FLOP_OPTIONS}
+        kinds.append(LayerCost(kind.layers, saved, input_bytes_per_token * tokens, flops))
+    return kinds, model_bytes
+
+
+def predictor(
+    kinds: list[LayerCost], model_bytes: float, calibration: cost_model.Calibration
+) -> Callable[[Candidate], tuple[float, float]]:
+    """(peak GiB, step s) of a candidate under ``calibration``, memoised by name."""
+    layers = sum(k.layers for k in kinds)
+    cache: dict[str, tuple[float, float]] = {}
+
+    def predict(candidate: Candidate) -> tuple[float, float]:
+        if candidate.name not in cache:
+            p = cost_model.predict(kinds, model_bytes, candidate.memory_plan(layers), calibration)
+            cache[candidate.name] = (p.peak_bytes / 2**30, p.step_s)
+        return cache[candidate.name]
+
+    return predict
