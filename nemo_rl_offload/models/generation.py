@@ -17,6 +17,12 @@ cache is allocated for the call and freed after it) and only where a step has no
 synchronisation: one pipeline stage, no sequence parallelism, no experts. Elsewhere the steps
 run eagerly with the window growing by one position per step.
 
+A call whose KV cache would not fit (``buffer_size_gb``, or :data:`KV_CACHE_FREE_FRACTION` of
+the GPU memory free at the call) samples its prompts in chunks of rows that fit, one after
+another with the same generator (NeMo-RL's engine queues requests beyond its buffer likewise).
+Every rank takes the smallest chunk any rank can hold, so tensor- and pipeline-parallel ranks
+chunk alike; expert-parallel ranks also run the same number of chunks.
+
 Each sampled token comes with its log-probability under the model (:class:`Generated`): the
 log-softmax over the model's whole vocabulary of the next-token logits divided by the sampling
 temperature (raw logits when greedy), before top-k and top-p: what GRPO's training forward
@@ -120,28 +126,12 @@ class EngineSettings:
         )
 
 
-def _check_cache_fits(nbytes: int, engine: EngineSettings, device: torch.device) -> None:
-    """Refuse (one line) a KV cache larger than the recipe's buffer or than free GPU memory."""
-    need = nbytes / 2**30
-    if engine.buffer_size_gb is not None and need > engine.buffer_size_gb:
-        raise UserInputError(
-            f"{_MCORE}.buffer_size_gb: this batch's KV cache needs {need:.2f} GiB, more than "
-            f"{engine.buffer_size_gb} GiB; raise it or lower max_new_tokens / the batch"
-        )
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        if nbytes > free:
-            raise UserInputError(
-                f"{_MCORE}.buffer_size_gb: this batch's KV cache needs {need:.2f} GiB, but "
-                f"{free / 2**30:.2f} GiB of GPU memory are free; lower max_new_tokens or the "
-                "number of prompts per data-parallel rank"
-            )
+# The share of the GPU memory free at a call that its KV cache may take: the prefill's
+# activations and the logits need the rest.
+KV_CACHE_FREE_FRACTION = 0.6
 
 
-def _allocate(
-    forward: CachedForward, rows: int, max_len: int, engine: EngineSettings, device: torch.device
-) -> KVCache:
+def _attention_layers(forward: CachedForward) -> list[Any]:
     from nemo_rl_offload.models.attention import SDPACoreAttention
 
     layers = [m for m in forward.gpt.modules() if isinstance(m, SDPACoreAttention)]
@@ -150,11 +140,64 @@ def _allocate(
             "policy.megatron_cfg.transformer_impl: generation needs the local layer spec's "
             "attention (set transformer_impl: local)"
         )
+    return layers
+
+
+def _cache_shape(forward: CachedForward, rows: int, max_len: int) -> dict[str, int]:
+    layers = _attention_layers(forward)
     groups = layers[0].num_query_groups_per_partition if layers else 1
-    head_dim = forward.config.kv_channels
-    shape = {"rows": rows, "max_len": max_len, "groups": groups, "head_dim": head_dim}
-    _check_cache_fits(KVCache.nbytes(len(layers), dtype=forward.dtype, **shape), engine, device)
-    numbers = [m.layer_number for m in layers]
+    return {
+        "rows": rows,
+        "max_len": max_len,
+        "groups": groups,
+        "head_dim": forward.config.kv_channels,
+    }
+
+
+def _cache_bytes(forward: CachedForward, rows: int, max_len: int) -> int:
+    layers = len(_attention_layers(forward))
+    return KVCache.nbytes(layers, dtype=forward.dtype, **_cache_shape(forward, rows, max_len))
+
+
+def rows_per_chunk(
+    forward: CachedForward, rows: int, max_len: int, engine: EngineSettings, device: torch.device
+) -> int:
+    """The most rows (a multiple of ``forward.multiple``, at most ``rows``) whose KV cache fits
+    the recipe's buffer and :data:`KV_CACHE_FREE_FRACTION` of the free GPU memory, the same on
+    every rank (the smallest over ranks); refuses (one line) when not even one row's does."""
+    per_row = _cache_bytes(forward, 1, max_len)
+    budget = math.inf
+    if engine.buffer_size_gb is not None:
+        budget = engine.buffer_size_gb * 2**30
+    free = math.inf
+    if device.type == "cuda":
+        available, _ = torch.cuda.mem_get_info(device)
+        free = available + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = min(budget, KV_CACHE_FREE_FRACTION * free)
+    multiple = forward.multiple
+    fit = rows if budget == math.inf else min(rows, int(budget // per_row) // multiple * multiple)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        agreed = torch.tensor([fit], device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        fit = int(agreed)
+    if fit < multiple:
+        need = per_row * multiple / 2**30
+        if engine.buffer_size_gb is not None and per_row * multiple > engine.buffer_size_gb * 2**30:
+            raise UserInputError(
+                f"{_MCORE}.buffer_size_gb: one row's KV cache needs {need:.2f} GiB, more than "
+                f"{engine.buffer_size_gb} GiB; raise it or lower max_new_tokens"
+            )
+        raise UserInputError(
+            f"{_MCORE}.buffer_size_gb: one row's KV cache needs {need:.2f} GiB, but "
+            f"{free / 2**30:.2f} GiB of GPU memory are free on some rank; lower max_new_tokens "
+            "or the prompts' length"
+        )
+    return fit
+
+
+def _allocate(forward: CachedForward, rows: int, max_len: int, device: torch.device) -> KVCache:
+    numbers = [m.layer_number for m in _attention_layers(forward)]
+    shape = _cache_shape(forward, rows, max_len)
     return KVCache.allocate(numbers, dtype=forward.dtype, device=device, **shape)
 
 
@@ -188,11 +231,63 @@ def sample(
     device: torch.device,
     engine: EngineSettings | None = None,
 ) -> list[Generated]:
-    """The sampled continuation of each prompt, with its tokens' log-probabilities."""
+    """The sampled continuation of each prompt, with its tokens' log-probabilities; in chunks
+    of rows whose KV cache fits (module docstring), drawn with one generator."""
     if not prompts:
         return []
     engine = engine or EngineSettings()
     forward = CachedForward(model, vocab_size)
+    multiple = forward.multiple
+    rows = math.ceil(len(prompts) / multiple) * multiple
+    longest = max(len(p) for p in prompts)
+    max_len = max(math.ceil(longest / multiple) * multiple, longest + settings.max_new_tokens)
+    chunk = rows_per_chunk(forward, rows, max_len, engine, device)
+    chunks = _chunks(prompts, chunk, device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    limit = min(vocab_size, settings.vocab_limit or vocab_size)
+    was_training = model.training
+    model.eval()
+    try:
+        out: list[Generated] = []
+        for part, real in chunks:
+            done = _sample_rows(forward, part, settings, pad_id, limit, generator, device, engine)
+            out.extend(done[:real])
+        return out
+    finally:
+        model.train(was_training)
+
+
+def _chunks(
+    prompts: list[list[int]], rows: int, device: torch.device
+) -> list[tuple[list[list[int]], int]]:
+    """``prompts`` in consecutive chunks of at most ``rows`` (each with how many of its prompts
+    are real). Expert-parallel ranks exchange tokens in every forward, so all of them run as
+    many chunks as the rank that needs the most: a rank with fewer prompts than that repeats its
+    first prompt in chunks whose results it drops."""
+    count = max(1, math.ceil(len(prompts) / rows))
+    if _stop_together():
+        agreed = torch.tensor([count], device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        count = int(agreed)
+    size = math.ceil(len(prompts) / count)
+    parts = []
+    for index in range(count):
+        part = prompts[index * size : (index + 1) * size]
+        parts.append((part or prompts[:1], len(part)))
+    return parts
+
+
+def _sample_rows(
+    forward: CachedForward,
+    prompts: list[list[int]],
+    settings: SamplingSettings,
+    pad_id: int,
+    limit: int,
+    generator: torch.Generator,
+    device: torch.device,
+    engine: EngineSettings,
+) -> list[Generated]:
+    """One chunk of :func:`sample`: its prompts through one KV cache."""
     multiple = forward.multiple
     count = len(prompts)
     rows = math.ceil(count / multiple) * multiple  # padded: the decode layout splits rows
@@ -205,14 +300,12 @@ def sample(
         ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long, device=device)
     start = lengths.clone()
     done = torch.zeros(count, dtype=torch.bool, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
     stops = torch.tensor(settings.stop_token_ids, device=device)
     real = torch.arange(count, device=device)
-    limit = min(vocab_size, settings.vocab_limit or vocab_size)
     logprobs = torch.zeros(ids.shape, dtype=torch.float, device=device)
     check_every = 16 if device.type == "cuda" else 1  # a stop check synchronises with the host
 
-    cache = _allocate(forward, rows, max_len, engine, device)
+    cache = _allocate(forward, rows, max_len, device)
     table = forward.rotary_table(max_len)
     tokens = torch.full((1, rows), pad_id, dtype=torch.long, device=device)
     zeros = torch.zeros(count, dtype=torch.long, device=device)
@@ -226,8 +319,6 @@ def sample(
         else None
     )
     spans = windows(longest + 1, max_len, engine.num_cuda_graphs if graphs else None)
-    was_training = model.training
-    model.eval()
     try:
         with cache.attached(forward.gpt):
             batch = torch.full((rows, prefill), pad_id, dtype=torch.long, device=device)
@@ -260,7 +351,6 @@ def sample(
     finally:
         if graphs:
             graphs.release()
-        model.train(was_training)
     return [
         Generated(
             ids[row, start[row] : lengths[row]].tolist(),

@@ -8,8 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nemo_rl_offload.models.cached_forward import CachedForward
 from nemo_rl_offload.models.decode_graphs import windows
-from nemo_rl_offload.models.generation import EngineSettings, SamplingSettings, sample
+from nemo_rl_offload.models.generation import (
+    EngineSettings,
+    SamplingSettings,
+    rows_per_chunk,
+    sample,
+)
 
 PROMPTS = [[5, 17, 3, 9, 40, 41, 7], [8, 2], [30, 31, 32], [11]]
 CPU = torch.device("cpu")
@@ -65,6 +71,61 @@ def test_the_same_seed_draws_the_same_samples(build_tiny):
     assert draw(4) != draw(5)
 
 
+def _one_row_of_cache_gib(model, max_new_tokens: int) -> float:
+    from nemo_rl_offload.models.generation import _cache_bytes
+
+    longest = max(len(p) for p in PROMPTS)
+    return _cache_bytes(CachedForward(model, model.vocab_size), 1, longest + max_new_tokens) / 2**30
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_prompts_whose_cache_does_not_fit_are_sampled_in_chunks_that_fit(
+    build_tiny, moe_globals_restored, preset
+):
+    """A buffer of two rows' cache: the four prompts go in two chunks, with the greedy tokens
+    and log-probabilities of one call over all of them (a full forward's, as above), and a
+    seeded draw is reproducible."""
+    model, _ = build_tiny(preset)
+    model.eval()
+    whole = _greedy(model)
+    two_rows = EngineSettings(buffer_size_gb=2.5 * _one_row_of_cache_gib(model, 9))
+    settings = SamplingSettings(max_new_tokens=9, greedy=True)
+    longest = max(len(p) for p in PROMPTS) + 9
+    forward = CachedForward(model, model.vocab_size)
+    assert rows_per_chunk(forward, len(PROMPTS), longest, two_rows, CPU) == 2
+    chunked = sample(
+        model,
+        PROMPTS,
+        settings,
+        pad_id=0,
+        vocab_size=model.vocab_size,
+        seed=1,
+        device=CPU,
+        engine=two_rows,
+    )
+    assert [g.ids for g in chunked] == [g.ids for g in whole]
+    for a, b in zip(chunked, whole, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=2e-5, rtol=0
+        )
+    drawn = SamplingSettings(max_new_tokens=6, temperature=0.9)
+
+    def draw() -> list[list[int]]:
+        out = sample(
+            model,
+            PROMPTS,
+            drawn,
+            pad_id=0,
+            vocab_size=model.vocab_size,
+            seed=3,
+            device=CPU,
+            engine=two_rows,
+        )
+        return [g.ids for g in out]
+
+    assert draw() == draw() and len(draw()) == len(PROMPTS)
+
+
 def test_a_cache_over_the_recipe_buffer_is_refused_in_one_line(build_tiny):
     from nemo_rl_offload.errors import UserInputError
 
@@ -78,7 +139,7 @@ def test_a_cache_over_the_recipe_buffer_is_refused_in_one_line(build_tiny):
             vocab_size=model.vocab_size,
             seed=1,
             device=CPU,
-            engine=EngineSettings(buffer_size_gb=1e-9),
+            engine=EngineSettings(buffer_size_gb=1e-9),  # under one row's cache
         )
 
 
