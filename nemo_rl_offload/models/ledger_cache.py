@@ -114,7 +114,8 @@ def ledger_key(
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _stored(ledger: Ledger) -> dict[str, Any]:
+def stored_entries(ledger: Ledger) -> dict[str, Any]:
+    """What the cache keeps of a ledger: its entries, without what the recipe decides."""
     return {
         "model": ledger.model,
         "kinds": [
@@ -161,20 +162,22 @@ def cached_ledger(
     if stored is None:
         from nemo_rl_offload.models.ledger_run import build_ledger
 
-        stored = _stored(build_ledger(section, where=where, base_dir=base_dir, lengths=lengths))
+        stored = stored_entries(
+            build_ledger(section, where=where, base_dir=base_dir, lengths=lengths)
+        )
         _write(path, stored)
     _MEMO[key] = stored
-    return _ledger(stored, effective, section, where, lengths), hit
+    return ledger_from_stored(stored, effective, section, where, lengths), hit
 
 
-def _ledger(
+def ledger_from_stored(
     stored: dict[str, Any],
     effective: apply.EffectiveSettings,
     section: dict[str, Any],
     where: str,
     lengths: tuple[int, int],
 ) -> Ledger:
-    """The stored entries with what the recipe decides filled in."""
+    """A ledger from :func:`stored_entries`, with what the recipe decides filled in."""
     tokens, source = tokens_per_microbatch(section, where)
     seq = int(section.get("max_total_sequence_length") or tokens)
     kinds_now = {kind: (layers, o) for kind, layers, o in layer_kinds(effective)}
