@@ -31,7 +31,9 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def _print_report(report: Any, recipe_path: str, out: TextIO, err: TextIO) -> None:
+def _print_report(
+    report: Any, recipe_path: str, out: TextIO, err: TextIO, estimate: Sequence[str] = ()
+) -> None:
     for line in report.errors:
         print(line, file=err)
     for line in report.warnings:
@@ -58,6 +60,8 @@ def _print_report(report: Any, recipe_path: str, out: TextIO, err: TextIO) -> No
         print(f"worker environment: {env}", file=out)
     for note in report.notes:
         print(f"note: {note}", file=out)
+    for line in estimate:
+        print(line, file=out)
     print("valid", file=out)
 
 
@@ -65,7 +69,20 @@ def _cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from nemo_rl_offload.preflight import load_and_check
 
     report = load_and_check(args.config, args.overrides)
-    _print_report(report, args.config, out, err)
+    estimate: list[str] = []
+    if report.ok and not args.no_estimate:
+        from pathlib import Path
+
+        from nemo_rl_offload.memory_report import memory_estimate
+
+        found = memory_estimate(
+            report.recipe,
+            report.algorithm,
+            gpu_memory_gib=args.gpu_memory_gib,
+            base_dir=Path.cwd(),
+        )
+        estimate, report.warnings = found.lines, [*report.warnings, *found.warnings]
+    _print_report(report, args.config, out, err, estimate)
     return 0 if report.ok else EXIT_USER_ERROR
 
 
@@ -195,6 +212,19 @@ def _comma_separated(cast: type, example: str) -> Any:
 
 
 _numbers = _comma_separated(float, "0.9,0.75")
+
+
+def _positive_number(text: str) -> float:
+    """An argparse type: a number > 0, one clear line when not."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number such as 80")
+    return value
+
+
 _lengths = _comma_separated(int, "1024,2048")
 
 
@@ -235,6 +265,18 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides",
         nargs="*",
         help="Hydra-style overrides: key=value, +key=value (add), ++key=value (set or add), ~key",
+    )
+    validate.add_argument(
+        "--gpu-memory-gib",
+        type=_positive_number,
+        default=None,
+        help="GPU memory the estimate is compared with, GiB (default: the visible GPU's, else 80)",
+    )
+    validate.add_argument(
+        "--no-estimate",
+        action="store_true",
+        help="skip the memory estimate (it measures one layer of the model on the CPU the "
+        "first time a model is seen)",
     )
     validate.set_defaults(handler=_cmd_validate)
     demo = commands.add_parser(

@@ -50,7 +50,9 @@ def test_valid_fgo_recipe_prints_settings_and_their_sources() -> None:
     code, out, err = validate(FGO)
 
     assert code == 0, err
-    assert err == []
+    # The estimate's one warning: sampling 512 sequences of 4096 tokens in one call needs a
+    # KV cache larger than a GPU (test_the_memory_estimate_is_printed_...).
+    assert [line for line in err if not line.startswith("warning: memory estimate: ")] == []
     assert out[-1] == "valid"
     assert out[0] == f"recipe: {FGO} (algorithm: grpo)"
     assert "policy: offload settings (transformer_impl " in "\n".join(out)
@@ -66,6 +68,24 @@ def test_valid_fgo_recipe_prints_settings_and_their_sources() -> None:
     # Every knob is shown with where its value came from; this recipe sets them all.
     for name in OFFLOAD_KEYS:
         assert setting_line(out, name).endswith(f"# {MCFG}.{name}")
+
+
+def test_the_memory_estimate_is_printed_and_warns_when_the_gpu_is_too_small() -> None:
+    code, out, err = validate(PLAIN, "--gpu-memory-gib", "80")
+    assert code == 0, err
+    assert out[-1] == "valid"
+    text = "\n".join(out)
+    assert "memory estimate per GPU" in text
+    for part in ("weights", "gradient buffers", "optimizer state", "activations"):
+        assert f"  policy {part}: " in text, part
+    assert out[-2].startswith("  peak: ") and out[-2].endswith("(--gpu-memory-gib)")
+    assert not [line for line in err if "memory estimate" in line]
+    code, out, err = validate(PLAIN, "--gpu-memory-gib", "4")
+    assert code == 0  # a warning, not an error: the estimate may be wrong
+    warning = [line for line in err if line.startswith("warning: memory estimate: ")]
+    assert len(warning) == 1 and "more than the GPU's 4.00 GiB" in warning[0], err
+    code, out, err = validate(PLAIN, "--no-estimate")
+    assert "memory estimate per GPU" not in "\n".join(out)
 
 
 def test_offload_runtime_settings_are_shown_resolved_when_offloading_is_on() -> None:

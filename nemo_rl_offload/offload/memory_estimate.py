@@ -1,0 +1,518 @@
+"""A pre-launch estimate of one GPU's peak memory for a policy (or teacher) section.
+
+Why: a recipe that cannot fit should say so before a Ray cluster starts, and say where the
+bytes go so a user knows what to change. The estimate is arithmetic over what the recipe
+decides (parameter counts from the effective settings, the optimizer and gradient-buffer
+dtypes Megatron allocates for these keys) plus the activation ledger
+(:mod:`.ledger`, measured on the CPU) for what a training micro-batch saves, with the recipe's
+offload modules, selective recompute and full recompute applied to it. It is pure: the ledger is
+passed in, nothing is measured here, so the planner can call it for candidate settings.
+
+Phases (each a peak of its own; the estimate's peak is the largest):
+
+- ``training``: weights, gradient buffers, optimizer state, a held reference copy, and the
+  activations of the micro-batches in flight (forward-backward);
+- ``optimizer step``: the same resident state plus the float32 copies of 16-bit gradients
+  Megatron's mixed-precision optimizers make for their step (kept until the next step's
+  ``zero_grad``, so they are resident during forward-only passes and sampling too);
+- ``forward-only``: the resident state plus a forward-only pass's logits and one layer's
+  working set (log-probabilities; a teacher's scoring);
+- ``generation``: the resident state plus the sampler's KV cache for one step's prompts.
+
+Not counted: allocator fragmentation, CUDA context and library workspaces, temporaries of the
+backward pass (gradients of activations), pinned host buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemo_rl_offload.config.model_presets import Architecture
+from nemo_rl_offload.offload import apply
+from nemo_rl_offload.offload.apply import EffectiveSettings
+from nemo_rl_offload.offload.ledger import DENSE, MODEL, MOE, Entry, Ledger
+
+GIB = 2**30
+DEFAULT_GPU_MEMORY_GIB = 80.0
+_DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "uint8": 1,
+    "fp8": 1,
+}
+# Ledger owners whose bytes tensor parallelism splits only with sequence_parallel (the norms
+# and the residual stream, replicated on every tensor-parallel rank otherwise).
+_REPLICATED_OWNERS = ("input_layernorm", "pre_mlp_layernorm", "(layer)")
+# A selective recompute module also frees what the cheaper options inside it free.
+_RECOMPUTE_COVERS = {"mlp": ("mlp", "mlp_act"), "moe": ("moe", "moe_act")}
+MEGATRON_DEFAULT_RECOMPUTE = ("core_attn",)
+
+
+def dtype_bytes(name: Any, default: int = 4) -> int:
+    """Bytes per element of a recipe dtype name (``bfloat16``, ``fp32``, ``torch.float16``)."""
+    text = str(name or "").removeprefix("torch.")
+    return _DTYPE_BYTES.get(text, default)
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters one rank holds (its pipeline stage; split by tensor and expert parallelism)."""
+
+    layers: float
+    embedding: float
+    output: float
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.embedding + self.output
+
+
+@dataclass(frozen=True)
+class ModuleBytes:
+    """One ledger owner's saved bytes over the stage's layers for one micro-batch on one rank:
+    as measured (``saved``) and after the recipe's settings (``kept``; ``removed_by`` says
+    which setting removed the rest)."""
+
+    module: str
+    saved: float
+    kept: float
+    removed_by: str = ""
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """What a training step's activations hold at their peak on one rank."""
+
+    tokens: int
+    tokens_source: str
+    in_flight: int  # micro-batches whose activations one pipeline stage holds at once
+    modules: list[ModuleBytes]
+    layer_inputs: float = 0.0  # full recompute: the checkpointed segment inputs kept
+    recomputed_segment: float = 0.0  # full recompute: one segment's activations in backward
+    model: float = 0.0  # the ledger's embedding / output / loss entries (logits)
+
+    @property
+    def saved(self) -> float:
+        """Without any offload or recompute setting."""
+        return self.in_flight * sum(m.saved for m in self.modules) + self.model
+
+    @property
+    def total(self) -> float:
+        kept = sum(m.kept for m in self.modules) + self.layer_inputs + self.recomputed_segment
+        return self.in_flight * kept + self.model
+
+    def removed_by(self) -> dict[str, float]:
+        """Bytes each setting removes (per micro-batch in flight, all layers)."""
+        out: dict[str, float] = {}
+        for m in self.modules:
+            if m.removed_by:
+                out[m.removed_by] = out.get(m.removed_by, 0.0) + m.saved - m.kept
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One worker's estimate, in bytes, by part and by phase (:data:`PHASES`)."""
+
+    where: str
+    parameters: ParameterCounts
+    weights: float
+    reference_weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    optimizer_on_host: float = 0.0
+    gradient_copies: float = 0.0  # float32 copies of 16-bit gradients, made by the step
+    activations: ActivationEstimate | None = None  # None: forward-only (a teacher)
+    forward_only: float = 0.0
+    kv_cache: float = 0.0
+    kv_cache_rows: int = 0
+    kv_cache_length: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def resident(self) -> float:
+        """What stays allocated through a training step (its start: ``zero_grad`` has freed
+        the gradient copies)."""
+        return self.weights + self.reference_weights + self.gradients + self.optimizer
+
+    @property
+    def between_steps(self) -> float:
+        """What stays allocated after a training step (forward-only passes, sampling)."""
+        return self.resident + self.gradient_copies
+
+    def phases(self) -> dict[str, float]:
+        """Each phase's peak (bytes)."""
+        out: dict[str, float] = {}
+        if self.activations is not None:
+            out["training"] = self.resident + self.activations.total
+            out["optimizer step"] = self.between_steps
+        out["forward-only"] = self.between_steps + self.forward_only
+        if self.kv_cache:
+            out["generation"] = self.between_steps + self.kv_cache
+        return out
+
+    @property
+    def peak(self) -> float:
+        return max(self.phases().values())
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phases()
+        return max(phases, key=lambda name: phases[name])
+
+
+def gpu_peak(estimates: list[MemoryEstimate]) -> tuple[float, str]:
+    """(bytes, "where phase") of the largest peak of workers that share one GPU (a policy and
+    its teacher): each one's phases beside what the others keep between their steps."""
+    best, label = 0.0, ""
+    for estimate in estimates:
+        others = sum(o.between_steps for o in estimates if o is not estimate)
+        for phase, peak in estimate.phases().items():
+            if peak + others > best:
+                best, label = peak + others, f"{estimate.where} {phase}"
+    return best, label
+
+
+# ------------------------------------------------------------------------------ the parts
+
+
+def _sizes(effective: EffectiveSettings) -> dict[str, int]:
+    v = effective.value
+    return {
+        name: max(1, int(v(name) or 1))
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+        )
+    }
+
+
+def _stage_layers(count: int, pp: int) -> int:
+    return math.ceil(count / pp) if count else 0
+
+
+def _layer_counts(effective: EffectiveSettings) -> dict[str, int]:
+    """Layers of each kind on the largest pipeline stage."""
+    from nemo_rl_offload.offload.ledger import layer_kinds
+
+    pp = _sizes(effective)["pipeline_model_parallel_size"]
+    return {kind: _stage_layers(layers, pp) for kind, layers, _ in layer_kinds(effective)}
+
+
+def parameter_counts(effective: EffectiveSettings, architecture: Architecture) -> ParameterCounts:
+    """Parameters on one rank of the largest pipeline stage, from the effective settings."""
+    v = effective.value
+    vocab_size = architecture.vocab_size
+    shared = architecture.share_embeddings_and_output_weights
+    sizes = _sizes(effective)
+    tp, pp = sizes["tensor_model_parallel_size"], sizes["pipeline_model_parallel_size"]
+    hidden, heads = int(v("hidden_size")), int(v("num_attention_heads"))
+    head_dim = int(v("kv_channels") or hidden // heads)
+    q_dim, kv_dim = heads * head_dim, int(v("num_query_groups") or heads) * head_dim
+    gated = 2 if v("gated_linear_unit") else 1
+    bias = bool(v("add_bias_linear", True))
+    qkv_bias = bias or bool(v("add_qkv_bias"))
+    norm = 2 * hidden if v("normalization") == "LayerNorm" else hidden
+    attention = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
+    attention += (q_dim + 2 * kv_dim) * qkv_bias + hidden * bias
+    replicated = 2 * norm + (2 * head_dim if v("qk_layernorm") else 0)
+    ffn = int(v("ffn_hidden_size") or 4 * hidden)
+    dense = hidden * ffn * gated + ffn * hidden + (ffn * gated + hidden) * bias
+    counts = _layer_counts(effective)
+    layers = counts.get(DENSE, 0) * ((attention + dense) / tp + replicated)
+    if counts.get(MOE):
+        experts = int(v("num_moe_experts"))
+        expert_ffn = int(v("moe_ffn_hidden_size") or ffn)
+        expert = hidden * expert_ffn * gated + expert_ffn * hidden
+        split = sizes["expert_model_parallel_size"] * sizes["expert_tensor_parallel_size"]
+        shared_ffn = int(v("moe_shared_expert_intermediate_size") or 0)
+        moe = (attention + shared_ffn * hidden * (gated + 1)) / tp + experts * expert / split
+        layers += counts[MOE] * (moe + replicated + hidden * experts)
+    embedding = vocab_size * hidden / tp
+    output = 0.0 if shared and pp == 1 else vocab_size * hidden / tp
+    if pp > 1:  # the first stage holds the embedding, the last the output layer
+        embedding, output = max(embedding, output), 0.0
+    return ParameterCounts(layers=layers, embedding=embedding, output=output + norm)
+
+
+def _data_parallel(effective: EffectiveSettings, workers: int) -> int:
+    s = _sizes(effective)
+    model = (
+        s["tensor_model_parallel_size"]
+        * s["pipeline_model_parallel_size"]
+        * s["context_parallel_size"]
+    )
+    return max(1, workers // model)
+
+
+@dataclass(frozen=True)
+class _Optimizer:
+    on_gpu: float
+    on_host: float
+    gradient_copies: float
+
+
+def _optimizer(
+    params: float, param_bytes: int, megatron_cfg: dict[str, Any], shards: int
+) -> _Optimizer:
+    """Adam: a float32 master copy of 16-bit weights and two moments (SGD: one momentum), over
+    ``shards`` data-parallel ranks with the distributed optimizer; ``optimizer_cpu_offload``
+    keeps ``optimizer_offload_fraction`` of it on the host."""
+    opt = megatron_cfg.get("optimizer") or {}
+    sixteen_bit = param_bytes == 2
+    aware = bool(opt.get("use_precision_aware_optimizer"))
+    master = (dtype_bytes(opt.get("main_params_dtype")) if aware else 4) if sixteen_bit else 0
+    if opt.get("optimizer", "adam") == "sgd":
+        states = 4 if opt.get("sgd_momentum") else 0
+    else:
+        states = dtype_bytes(opt.get("exp_avg_dtype")) if aware else 4
+        states += dtype_bytes(opt.get("exp_avg_sq_dtype")) if aware else 4
+    copies = 4 if sixteen_bit and not aware else 0
+    if not opt.get("use_distributed_optimizer"):
+        shards = 1
+    host = float(opt.get("optimizer_offload_fraction") or 0.0)
+    host = min(1.0, max(0.0, host)) if opt.get("optimizer_cpu_offload") else 0.0
+    state = params * (master + states) / shards
+    return _Optimizer(state * (1 - host), state * host, params * copies / shards * (1 - host))
+
+
+def _tp_share(owner: str, effective: EffectiveSettings) -> float:
+    s = _sizes(effective)
+    if owner.startswith("mlp.experts"):
+        return 1 / s["expert_tensor_parallel_size"]
+    tp = s["tensor_model_parallel_size"]
+    if owner in _REPLICATED_OWNERS and not effective.value("sequence_parallel"):
+        return 1.0
+    return 1 / tp
+
+
+def _offload_modules(effective: EffectiveSettings) -> frozenset[str]:
+    if effective.value("fine_grained_activation_offloading") is not True:
+        return frozenset()
+    modules = effective.value("offload_modules")
+    return frozenset(modules) if isinstance(modules, list) else frozenset()
+
+
+def _recompute_modules(effective: EffectiveSettings) -> frozenset[str]:
+    if effective.value("recompute_granularity") != "selective":
+        return frozenset()
+    modules = effective.value("recompute_modules")
+    names = modules if isinstance(modules, list) else MEGATRON_DEFAULT_RECOMPUTE
+    return frozenset(n for name in names for n in _RECOMPUTE_COVERS.get(name, (name,)))
+
+
+def _entry_bytes(
+    entry: Entry, tokens: int, layers: int, effective: EffectiveSettings
+) -> ModuleBytes:
+    """One entry over ``layers`` layers with the recipe's selective recompute and offload
+    modules applied. Megatron's offload manager keeps each module's last group (the last
+    layer's) on the GPU, since its backward runs at once; tensors under
+    ``min_offloaded_tensor_size`` elements stay too."""
+    share = _tp_share(entry.owner, effective)
+    saved = entry.bytes_at(tokens) * share * layers
+    if entry.recompute in _recompute_modules(effective):
+        return ModuleBytes(entry.owner, saved, 0.0, f"recompute {entry.recompute}")
+    if entry.offload and entry.offload in _offload_modules(effective):
+        element = dtype_bytes(entry.dtype)
+        per_tensor = entry.bytes_at(tokens) * share / max(1, entry.tensors) / element
+        minimum = effective.value("min_offloaded_tensor_size", 1024 * 1024)
+        if per_tensor >= (minimum or 0) and layers > 1:
+            fraction = effective.value("activation_offload_fraction", 1.0)
+            fraction = 1.0 if fraction is None else float(fraction)
+            moved = saved * fraction * (layers - 1) / layers
+            return ModuleBytes(entry.owner, saved, saved - moved, f"offload {entry.offload}")
+    return ModuleBytes(entry.owner, saved, saved)
+
+
+def _merge(parts: list[ModuleBytes]) -> list[ModuleBytes]:
+    """One row per owner (an owner saves in several dtypes), in forward order."""
+    rows: dict[str, ModuleBytes] = {}
+    for p in parts:
+        old = rows.get(p.module)
+        if old is None:
+            rows[p.module] = p
+        else:
+            rows[p.module] = ModuleBytes(
+                p.module, old.saved + p.saved, old.kept + p.kept, old.removed_by or p.removed_by
+            )
+    return list(rows.values())
+
+
+def activations(
+    effective: EffectiveSettings, ledger: Ledger, *, activation_bytes: int
+) -> ActivationEstimate:
+    """A training step's activation peak on one rank of the largest pipeline stage."""
+    tokens = ledger.tokens_per_microbatch
+    sizes = _sizes(effective)
+    tp, pp = sizes["tensor_model_parallel_size"], sizes["pipeline_model_parallel_size"]
+    counts = _layer_counts(effective)
+    parts: list[ModuleBytes] = []
+    per_layer: list[float] = []
+    model = 0.0
+    for kind in ledger.kinds:
+        if kind.kind == MODEL:
+            model = sum(e.bytes_at(tokens) * (1 / tp) for e in kind.entries)
+            continue
+        layers = counts.get(kind.kind, 0)
+        per_layer.append(
+            sum(e.bytes_at(tokens) * _tp_share(e.owner, effective) for e in kind.entries)
+        )
+        parts += [_entry_bytes(e, tokens, layers, effective) for e in kind.entries]
+    common = {"tokens": tokens, "tokens_source": ledger.tokens_source, "in_flight": pp}
+    if effective.value("recompute_granularity") != "full":
+        return ActivationEstimate(modules=_merge(parts), model=model, **common)
+    # Full recompute: each segment keeps its input; backward re-runs one segment at a time.
+    stage = sum(counts.values())
+    segment = max(1, int(effective.value("recompute_num_layers") or 1))
+    sp = tp if effective.value("sequence_parallel") else 1
+    layer_input = int(effective.value("hidden_size")) * tokens * activation_bytes / sp
+    offloaded = apply.offloads_layer_input(effective)
+    largest = max(per_layer, default=0.0)
+    if effective.value("recompute_method") == "block":
+        recomputed = min(segment, stage)
+        kept_share = (stage - recomputed) / stage if stage else 0.0
+        modules = [
+            ModuleBytes(p.module, p.saved, p.kept * kept_share, p.removed_by or "full recompute")
+            for p in _merge(parts)
+        ]
+        kept = sum(m.kept for m in modules)
+        inputs = (1 if offloaded else recomputed) * layer_input
+        return ActivationEstimate(
+            modules=modules,
+            layer_inputs=inputs,
+            recomputed_segment=max(0.0, largest - kept),
+            model=model,
+            **common,
+        )
+    segment = min(segment, stage)
+    inputs = (1 if offloaded else math.ceil(stage / segment)) * layer_input
+    modules = [ModuleBytes(p.module, p.saved, 0.0, "full recompute") for p in _merge(parts)]
+    return ActivationEstimate(
+        modules=modules,
+        layer_inputs=inputs,
+        recomputed_segment=segment * largest,
+        model=model,
+        **common,
+    )
+
+
+def _forward_only(
+    effective: EffectiveSettings, ledger: Ledger, section: dict[str, Any], where: str
+) -> float:
+    """A forward-only pass's peak above the resident state: its logits (the ledger's model
+    entries) and one layer's working set at the forward-only micro-batch's tokens."""
+    from nemo_rl_offload.config.batching_settings import BatchingSettings
+
+    batching = BatchingSettings.from_policy(section, where=where)
+    sizes = _sizes(effective)
+    if batching.mode == "rows":
+        tokens = batching.logprob_rows * int(section.get("max_total_sequence_length") or 0)
+    else:
+        tokens = batching.pack_length(training=False)
+    tokens //= sizes["context_parallel_size"]
+    tp = sizes["tensor_model_parallel_size"]
+    model = layer = 0.0
+    for kind in ledger.kinds:
+        if kind.kind == MODEL:
+            model = sum(e.bytes_at(tokens) for e in kind.entries) / tp
+        else:
+            layer = max(
+                layer,
+                sum(e.bytes_at(tokens) * _tp_share(e.owner, effective) for e in kind.entries),
+            )
+    return model + layer
+
+
+def kv_cache_bytes(
+    effective: EffectiveSettings, rows: int, max_len: int, activation_bytes: int
+) -> float:
+    """The sampler's KV cache for ``rows`` sequences of up to ``max_len`` tokens: keys and
+    values of every layer of the stage, the query groups split by tensor parallelism."""
+    v = effective.value
+    sizes = _sizes(effective)
+    hidden, heads = int(v("hidden_size")), int(v("num_attention_heads"))
+    head_dim = int(v("kv_channels") or hidden // heads)
+    groups = max(1, int(v("num_query_groups") or heads) // sizes["tensor_model_parallel_size"])
+    layers = sum(_layer_counts(effective).values())
+    return 2.0 * layers * rows * max_len * groups * head_dim * activation_bytes
+
+
+def estimate_peak(
+    effective: EffectiveSettings,
+    architecture: Architecture,
+    section: dict[str, Any],
+    ledger: Ledger,
+    *,
+    where: str = "policy",
+    workers: int = 1,
+    trainable: bool = True,
+    with_reference: bool = False,
+    samples_per_step: int = 0,
+    longest_prompt: int | None = None,
+) -> MemoryEstimate:
+    """The peak GPU memory of one worker of ``section`` (see the module docstring).
+
+    ``effective``: the section's effective settings (:func:`.apply.effective_settings`, the
+    candidate's for a planner); ``architecture``: its model (vocabulary, tied embeddings);
+    ``ledger``: its activation ledger at the section's tokens per
+    micro-batch; ``workers``: the group's workers (data-parallel size = workers / (tensor x
+    pipeline x context parallel)); ``trainable``: False for a forward-only group (a teacher);
+    ``with_reference``: the workers hold a frozen reference copy (DPO, GRPO with a KL
+    penalty); ``samples_per_step``: sequences the group samples per step (0: it does not
+    sample); ``longest_prompt``: the longest prompt's tokens where the recipe bounds it
+    (``data.max_input_seq_length``): a sampled sequence is at most that plus
+    ``generation.max_new_tokens``, and never more than ``max_total_sequence_length``."""
+    megatron_cfg = section.get("megatron_cfg") or {}
+    param_bytes = dtype_bytes(section.get("precision") or "float32")
+    params = parameter_counts(effective, architecture)
+    notes: list[str] = []
+    weights = params.total * param_bytes
+    estimate: dict[str, Any] = {"where": where, "parameters": params, "weights": weights}
+    if with_reference:
+        estimate["reference_weights"] = weights
+    dp = _data_parallel(effective, workers)
+    if trainable:
+        ddp = megatron_cfg.get("distributed_data_parallel_config") or {}
+        grad_bytes = 4 if ddp.get("grad_reduce_in_fp32") else param_bytes
+        shards = dp * _sizes(effective)["context_parallel_size"]
+        opt = _optimizer(params.total, param_bytes, megatron_cfg, shards)
+        estimate.update(
+            gradients=params.total * grad_bytes,
+            optimizer=opt.on_gpu,
+            optimizer_on_host=opt.on_host,
+            gradient_copies=opt.gradient_copies,
+            activations=activations(effective, ledger, activation_bytes=param_bytes),
+        )
+    estimate["forward_only"] = _forward_only(effective, ledger, section, where)
+    if samples_per_step:
+        rows = math.ceil(samples_per_step / dp)
+        generation = section.get("generation") or {}
+        max_len = int(section.get("max_total_sequence_length") or 0)
+        new_tokens = generation.get("max_new_tokens")
+        if isinstance(longest_prompt, int) and isinstance(new_tokens, int):
+            max_len = min(max_len, longest_prompt + new_tokens)
+        kv = kv_cache_bytes(effective, rows, max_len, param_bytes)
+        limit = (generation.get("mcore_generation_config") or {}).get("buffer_size_gb")
+        if isinstance(limit, int | float) and kv > limit * GIB:
+            notes.append(
+                f"{where}.generation.mcore_generation_config.buffer_size_gb: a full step's KV "
+                f"cache ({kv / GIB:.2f} GiB) is over it, and the sampler refuses such a call; "
+                f"the estimate counts {limit} GiB"
+            )
+            kv = float(limit) * GIB
+        estimate.update(kv_cache=kv, kv_cache_rows=rows, kv_cache_length=max_len)
+    if _sizes(effective)["pipeline_model_parallel_size"] > 1:
+        notes.append(
+            "pipeline_model_parallel_size > 1: the first stage's layers for as many "
+            "micro-batches as stages, beside the last stage's logits (an upper bound)"
+        )
+    return MemoryEstimate(notes=notes, **estimate)
