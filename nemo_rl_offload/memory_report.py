@@ -9,6 +9,7 @@ share a GPU) and the machine (the GPU's size).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,8 @@ def memory_estimate(
     cluster = recipe.get("cluster") or {}
     on_gpu = int(cluster.get("gpus_per_node") or 0) > 0
     gib, source = gpu_memory(gpu_memory_gib)
+    if on_gpu:
+        report.estimates = [_chunked_sampling(e, report.estimates, gib) for e in report.estimates]
     peak, label = gpu_peak(report.estimates)
     report.lines.append(
         "memory estimate per GPU (one worker of each group; allocator slack, CUDA context and "
@@ -194,6 +197,36 @@ def memory_estimate(
             f"{gib:.2f} GiB; {_advice(label, algorithm)}"
         )
     return report
+
+
+def _chunked_sampling(
+    estimate: MemoryEstimate, estimates: list[MemoryEstimate], gpu_gib: float
+) -> MemoryEstimate:
+    """``estimate`` with the KV cache the sampler allocates at most: a step whose cache is over
+    ``KV_CACHE_FREE_FRACTION`` of the memory left free by every worker on the GPU is sampled in
+    chunks of rows that fit it (models/generation.py)."""
+    from nemo_rl_offload.models.generation import KV_CACHE_FREE_FRACTION
+
+    if not estimate.kv_cache:
+        return estimate
+    kept = sum(e.between_steps for e in estimates)
+    cap = KV_CACHE_FREE_FRACTION * max(0.0, gpu_gib * GIB - kept)
+    if estimate.kv_cache <= cap:
+        return estimate
+    per_row = estimate.kv_cache / max(1, estimate.kv_cache_rows)
+    rows = int(cap // per_row) if per_row else 0
+    if rows < 1:
+        note = (
+            f"{estimate.where}.generation: one sequence's KV cache ({_gib(per_row)}) is over "
+            f"{KV_CACHE_FREE_FRACTION:.0%} of the GPU memory left free; the sampler refuses it"
+        )
+        return dataclasses.replace(estimate, notes=[*estimate.notes, note])
+    note = (
+        f"{estimate.where}.generation: a full step's KV cache ({_gib(estimate.kv_cache)}) is "
+        f"over {KV_CACHE_FREE_FRACTION:.0%} of the GPU memory left free: the sampler takes "
+        f"chunks of about {rows} sequences; the estimate counts one chunk's cache"
+    )
+    return dataclasses.replace(estimate, kv_cache=rows * per_row, notes=[*estimate.notes, note])
 
 
 def _advice(label: str, algorithm: str | None) -> str:

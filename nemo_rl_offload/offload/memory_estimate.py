@@ -505,8 +505,8 @@ def estimate_peak(
         if isinstance(limit, int | float) and kv > limit * GIB:
             notes.append(
                 f"{where}.generation.mcore_generation_config.buffer_size_gb: a full step's KV "
-                f"cache ({kv / GIB:.2f} GiB) is over it, and the sampler refuses such a call; "
-                f"the estimate counts {limit} GiB"
+                f"cache ({kv / GIB:.2f} GiB) is over it: the sampler samples the step in chunks "
+                f"of rows that fit it; the estimate counts {limit} GiB"
             )
             kv = float(limit) * GIB
         estimate.update(kv_cache=kv, kv_cache_rows=rows, kv_cache_length=max_len)

@@ -14,7 +14,7 @@ LAYERS = [
     {"config"},
     {"data", "environments", "offload"},
     {"distributed", "models", "losses", "gpu_monitor", "metrics_logger"},
-    {"preflight"},
+    {"preflight", "memory_report"},
     {"algorithms", "telemetry", "export_hf"},
     {"planner", "plan_menu"},
     {"plan_at_start", "demo", "cli"},

@@ -78,3 +78,19 @@ def test_the_ledger_is_measured_once_per_model_and_read_back_from_disk():
     chunked = dict(recipe["policy"], logprob_chunk_size=16)
     _, hit = ledger_cache.cached_ledger(chunked)
     assert not hit  # the loss saves other tensors with chunked log-probabilities
+
+
+def test_a_step_whose_kv_cache_does_not_fit_counts_the_chunk_the_sampler_takes():
+    """The sampler samples in chunks of rows whose cache fits 60% of the free memory
+    (models/generation.py); the estimate counts one chunk's cache, and says so."""
+    overrides = ["cluster.gpus_per_node=1", "policy.generation.max_new_tokens=48"]
+    recipe = load_recipe(TINY / "grpo.yaml", overrides)
+    roomy = memory_estimate(recipe, "grpo", gpu_memory_gib=80)
+    whole = roomy.estimates[0].kv_cache
+    assert whole > 0 and not any("chunks" in line for line in roomy.lines)
+    gpu = (roomy.estimates[0].between_steps + 1.2 * whole) / 2**30  # 60% of the rest: ~72%
+    tight = memory_estimate(recipe, "grpo", gpu_memory_gib=gpu)
+    chunk = tight.estimates[0].kv_cache
+    assert 0 < chunk < whole
+    assert any("the sampler takes chunks of about" in line for line in tight.lines)
+    assert not any("(policy generation)" in w for w in tight.warnings)
