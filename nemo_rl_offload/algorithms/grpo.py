@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nemo_rl_offload import losses
-from nemo_rl_offload.algorithms import loop, loss_inputs, rewards
+from nemo_rl_offload.algorithms import loop, loss_inputs, rewards, throughput
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     EpochSampler,
@@ -242,6 +242,7 @@ def collect_groups(
     generated: list[torch.Tensor] = []
     done = False
     seconds, sequence_tokens, new_tokens = 0.0, 0, 0
+    policy.phase_peak_gib()  # a new count: the sampling phase's peak is read after it
     while not done:
         began = time.perf_counter()
         prompts, responses, scores, logprobs = rollout(
@@ -275,6 +276,9 @@ def collect_groups(
             generation_tokens_per_sec_per_gpu=sequence_tokens / seconds / gpus,
             generation_new_tokens_per_sec_per_gpu=new_tokens / seconds / gpus,
         )
+    peak = policy.phase_peak_gib()
+    if peak > 0:  # GPU workers
+        metrics["generation_peak_gpu_memory_gib"] = peak
     if dynamic:
         metrics.update(
             filtered_reward=float(torch.cat([g.rewards for g in kept]).mean()),
@@ -340,6 +344,7 @@ def start(run: Run) -> loop.Steps:
     val = run.encode(val_raw, "val")
     kl_penalty = losses.effective_kl_penalty(loss_cfg)
     options = losses.PolicyLossOptions.from_recipe(loss_cfg)
+    count_flops = throughput.flops_counter(policy_cfg)
     error_threshold = cfg.get("seq_logprob_error_threshold")
     run.connect()
     policy = run.start_group(
@@ -411,14 +416,32 @@ def start(run: Run) -> loop.Steps:
                 sequences, lambda forward: policy.token_logprobs(forward, reference=True)
             )
             batches.attach("reference_logprobs", reference)
+        logprobs_peak = policy.phase_peak_gib()
+        if logprobs_peak > 0:  # GPU workers
+            loss_metrics["policy_and_reference_logprobs_peak_gpu_memory_gib"] = logprobs_peak
         training_began = time.perf_counter()
         metrics = policy.train(batches.shards, loss_spec)
+        seconds = {
+            "generation": gathered["timing/train/generation"],
+            "policy_and_reference_logprobs": training_began - logprobs_began,
+            "policy_training": time.perf_counter() - training_began,
+        }
         phases = {
-            "timing/train/policy_and_reference_logprobs": training_began - logprobs_began,
-            "timing/train/policy_training": time.perf_counter() - training_began,
+            f"timing/train/{name}": value for name, value in seconds.items() if name != "generation"
         }
         loss_metrics.update(losses.grpo_metric_means(metrics))
         elapsed = time.perf_counter() - start
+        lengths = [len(s.ids) for s in sequences]
+        loss_metrics.update(
+            throughput.step_throughput(
+                lengths=lengths,
+                gpus=policy.workers,
+                elapsed_s=elapsed,
+                phases_s=seconds,
+                training_flops=count_flops(lengths),
+                peak_tflops=float(metrics.get("device_peak_bf16_tflops", 0.0)),
+            )
+        )
         return loop.TrainResult(
             metrics,
             elapsed=elapsed,

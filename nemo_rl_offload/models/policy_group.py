@@ -31,6 +31,7 @@ _PER_RANK_KEYS = (
     "d2h",
     "h2d",
     "cuda_graph",
+    "device_",
 )
 
 
@@ -140,6 +141,11 @@ class PolicyGroup:
         with several workers, each rank's own values: ``combine_step_metrics``)."""
         results = self.group.run("train", per_worker=self._per_worker(shards, loss))
         return combine_step_metrics(results, set(self.reporters.values()))
+
+    def phase_peak_gib(self) -> float:
+        """The most GPU memory any worker allocated since the last call or training step (a
+        new count starts): two calls bracket a phase of the step."""
+        return max(self.group.run("phase_peak_gib"), default=0.0)
 
     def _map(self, method: str, microbatches: list[Any], *args: Any, **kwargs: Any) -> list:
         """Spread independent items over the data-parallel ranks; results in input order."""

@@ -571,15 +571,31 @@ class PolicyWorker:
                 engine=EngineSettings.from_recipe(self.section.get("generation")),
             )
 
+    def phase_peak_gib(self) -> float:
+        """The most GPU memory allocated since the last call (or training step), then a new
+        count: the driver brackets a phase (sampling, log-probabilities) with two calls. 0.0 on
+        CPU workers."""
+        if not self.on_gpu:
+            return 0.0
+        import torch
+
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+        return peak
+
     # ------------------------------------------------------------------------- state
     def memory_stats(self) -> dict[str, float]:
         if not self.on_gpu:
             return {}
         import torch
 
+        from nemo_rl_offload.models.flops import peak_bf16_flops
+
         return {
             "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
             "gpu_memory_gib": torch.cuda.memory_allocated() / 2**30,
+            # What NeMo-RL's model FLOPs utilization divides by (0.0: a GPU not in the table).
+            "device_peak_bf16_tflops": peak_bf16_flops(torch.cuda.get_device_name()) / 1e12,
         }
 
     def save_checkpoint(self, directory: str) -> None:
