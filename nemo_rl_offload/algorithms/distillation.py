@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_rl_offload.algorithms import loop
+from nemo_rl_offload.algorithms import loop, throughput
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     Run,
@@ -102,6 +102,7 @@ def start(run: Run) -> loop.Steps:
         "vocab_size": shared_vocab_size(policy_cfg, teacher_cfg),
     }
     sampler = run.sampler(len(train), seed)
+    count_flops = throughput.flops_counter(policy_cfg)
     val_answers = [str(v["answer"]) for v in val_raw]
 
     def validate_at(step: int) -> dict[str, float]:
@@ -118,6 +119,7 @@ def start(run: Run) -> loop.Steps:
 
     def train_step(step: int) -> loop.TrainResult:
         start = time.perf_counter()
+        policy.phase_peak_gib()  # a new count: the sampling phase's peak is read after it
         prompts, responses, rewards, _ = rollout(
             run,
             policy,
@@ -128,6 +130,8 @@ def start(run: Run) -> loop.Steps:
             group,
             seed=seed * 1000003 + step,
         )
+        sampled = time.perf_counter()
+        sampling_peak = policy.phase_peak_gib()
         sequences = [
             TokenSequence(p.ids + r, len(p.ids), loss_multiplier=p.loss_multiplier)
             for p, r in zip(prompts, responses, strict=True)
@@ -144,14 +148,43 @@ def start(run: Run) -> loop.Steps:
         batches.attach("teacher_logprobs", [values for values, _ in scores])
         if top_k is not None:
             batches.attach("teacher_indices", [indices for _, indices in scores])
+        training_began = time.perf_counter()
         metrics = policy.train(batches.shards, spec)
         elapsed = time.perf_counter() - start
+        # NeMo-RL's distillation timer names; its throughputs as GRPO's (throughput.py).
+        seconds = {
+            "generation": sampled - start,
+            "teacher_logprob_inference": training_began - sampled,
+            "policy_training": time.perf_counter() - training_began,
+        }
+        lengths = [len(s.ids) for s in sequences]
+        values = {f"timing/train/{name}": value for name, value in seconds.items()}
+        values.update(
+            throughput.step_throughput(
+                lengths=lengths,
+                gpus=policy.workers,
+                elapsed_s=elapsed,
+                phases_s=seconds,
+                training_flops=count_flops(lengths),
+                peak_tflops=float(metrics.get("device_peak_bf16_tflops", 0.0)),
+            )
+        )
+        if seconds["generation"] > 0:
+            values["generation_tokens_per_sec_per_gpu"] = (
+                sum(lengths) / seconds["generation"] / max(1, policy.workers)
+            )
+        if sampling_peak > 0:  # GPU workers
+            values["generation_peak_gpu_memory_gib"] = sampling_peak
         return loop.TrainResult(
             metrics,
             elapsed=elapsed,
-            tokens=sum(len(s.ids) for s in sequences),
+            tokens=sum(lengths),
             per_count={"kl": "kl_sum"},
-            values={"reward": float(np.mean(rewards)), **run.truncated(prompts[::group])},
+            values={
+                "reward": float(np.mean(rewards)),
+                **values,
+                **run.truncated(prompts[::group]),
+            },
         )
 
     return loop.Steps(
