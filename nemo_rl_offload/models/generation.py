@@ -175,11 +175,15 @@ def rows_per_chunk(
         free = available + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = min(budget, KV_CACHE_FREE_FRACTION * free)
     multiple = forward.multiple
-    fit = rows if budget == math.inf else min(rows, int(budget // per_row) // multiple * multiple)
+    # What the budget holds, agreed before this rank's own row count caps it: a rank with
+    # fewer prompts must not make the others split theirs.
+    unbounded = 2**62
+    fit = unbounded if budget == math.inf else int(budget // per_row) // multiple * multiple
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        agreed = torch.tensor([fit], device=device)
+        agreed = torch.tensor([min(fit, unbounded)], device=device)
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
         fit = int(agreed)
+    fit = min(fit, rows)
     if fit < multiple:
         need = per_row * multiple / 2**30
         if engine.buffer_size_gb is not None and per_row * multiple > engine.buffer_size_gb * 2**30:

@@ -214,3 +214,21 @@ def dtensor_recipe_steps(rank: int, world: int, port: int, out: Path, recipe: di
         metrics = train_step(worker, step)
         records.append({"lr": metrics["lr"], "loss": metrics["loss"]})
     return {"steps": records}
+
+
+def chunk_rows(rank: int, world: int, port: int, out: Path, buffer_rows: float) -> dict[str, Any]:
+    """The sampler's chunk size on each rank when rank r has 3 + r prompts and the KV cache
+    buffer holds ``buffer_rows`` rows, with and without that buffer."""
+    from nemo_rl_offload.models.cached_forward import CachedForward
+    from nemo_rl_offload.models.generation import EngineSettings, _cache_bytes, rows_per_chunk
+
+    worker = make_worker(rank, world, port, section())
+    forward = CachedForward(worker.model, worker.architecture.vocab_size)
+    gib = buffer_rows * _cache_bytes(forward, 1, 16) / 2**30
+    rows = 3 + rank
+    return {
+        "unbounded": rows_per_chunk(forward, rows, 16, EngineSettings(), worker.device),
+        "bounded": rows_per_chunk(
+            forward, rows, 16, EngineSettings(buffer_size_gb=gib), worker.device
+        ),
+    }

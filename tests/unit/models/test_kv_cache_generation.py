@@ -163,3 +163,13 @@ def test_graph_windows_cover_every_step_with_few_shapes():
     assert len(chosen) == 4 and max(chosen) == 1152
     assert all(pick(n) >= n for n in range(130, 1153))
     assert windows(130, 1152, None)(200) == 200
+
+
+def test_ranks_agree_on_what_the_buffer_holds_not_on_each_others_prompt_counts(tmp_path):
+    """Two data-parallel ranks with 3 and 4 prompts: without a bound each samples all of its
+    own in one chunk; with a buffer of 3.5 rows both take chunks of 3."""
+    from support.worker_ranks import chunk_rows, run_ranks
+
+    ranks = run_ranks(chunk_rows, 2, tmp_path, buffer_rows=3.5)
+    assert [r["unbounded"] for r in ranks] == [3, 4]
+    assert [r["bounded"] for r in ranks] == [3, 3]
