@@ -151,7 +151,10 @@ def test_full_recompute_keeps_layer_inputs_and_one_segment_and_layer_input_offlo
     offloaded = _estimate(
         _section(**FULL, fine_grained_activation_offloading=True, offload_modules=["layer_input"])
     ).activations
-    assert offloaded.layer_inputs == hidden_bytes
+    # Every input goes to the host; backward holds two: the segment's being recomputed and
+    # the one before it, reloading beside it (offload/layer_input.py).
+    assert offloaded.layer_inputs == 2 * hidden_bytes
+    assert offloaded.offloaded == 28 * hidden_bytes and full.offloaded == 0
     assert offloaded.total < full.total
     two = _estimate(_section(**FULL, recompute_num_layers=2)).activations
     assert two.layer_inputs == 14 * hidden_bytes
