@@ -9,9 +9,10 @@ How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offloa
 2. The cost model (:mod:`nemo_rl_offload.offload.cost_model`) predicts each candidate's peak
    and time from the recipe's activation ledger, computed on the CPU here: which bytes each
    module saves, which offload module or recompute option removes them, and the FLOPs that
-   recompute runs again. Peak: the resident state plus one micro-batch's activations less what
-   the candidate removes; time: the plain step plus recompute at the measured FLOP rate, the
-   copies' floor and each offload hook's host time.
+   recompute runs again. Peak: the resident state plus the activations the candidate keeps,
+   counted by :mod:`nemo_rl_offload.offload.activation_bytes` (``validate``'s estimate counts
+   the same settings the same way); time: the plain step plus recompute at the measured FLOP
+   rate, the copies' floor and each offload hook's host time.
 3. Calibration from runs that fit. Full recompute is profiled first (at long context it is
    often the only plan that fits); then the recipe as it is, without offloading or
    recompute, whose failure (out of memory, where the planner is needed most) is a result,
