@@ -19,8 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_rl_offload.offload import cost_model
+from nemo_rl_offload.offload.activation_bytes import (
+    BLOCK,
+    UNIFORM,
+    ActivationSettings,
+    ActivationTable,
+    covered,
+)
 from nemo_rl_offload.offload.capabilities import LAYER_INPUT
-from nemo_rl_offload.offload.cost_model import LayerCost, MemoryPlan, Saved
+from nemo_rl_offload.offload.cost_model import LayerCosts
 
 # A settings patch: recipe keys nested as in the recipe, merged onto a loaded recipe.
 Patch = dict[str, Any]
@@ -87,16 +94,18 @@ class Candidate:
             parts.append("+".join(self.modules) + suffix)
         return ", ".join(parts) or "no offload"
 
-    def memory_plan(self, layers: int) -> MemoryPlan:
-        """The candidate as the cost model reads it (``layers``: the model's)."""
+    def settings(self) -> ActivationSettings:
+        """The candidate as the activation arithmetic reads it: what :meth:`patch` sets (full
+        recompute of every layer is Megatron's uniform method, one layer a segment)."""
         if self.full_recompute:
-            return MemoryPlan(
-                offload=frozenset(self.modules),
-                full_layers=layers
-                if self.recompute_num_layers is None
-                else self.recompute_num_layers,
+            if self.recompute_num_layers is None:
+                return ActivationSettings(offload=frozenset(self.modules), full=UNIFORM)
+            return ActivationSettings(
+                offload=frozenset(self.modules), full=BLOCK, num_layers=self.recompute_num_layers
             )
-        return MemoryPlan(frozenset(self.modules), self.fraction, frozenset(self.recompute_modules))
+        return ActivationSettings(
+            frozenset(self.modules), self.fraction, frozenset(self.recompute_modules)
+        )
 
     def patch(self) -> Patch:
         """The candidate's settings as a patch of the policy's megatron_cfg: every switch it
@@ -135,33 +144,32 @@ def _subsets(items: tuple[str, ...]) -> Iterable[tuple[str, ...]]:
 
 
 def live_modules(
-    kinds: list[LayerCost], recompute: tuple[str, ...], modules: tuple[str, ...]
+    table: ActivationTable, recompute: tuple[str, ...], modules: tuple[str, ...]
 ) -> tuple[str, ...]:
     """The offload modules in ``modules`` that still have bytes to move once ``recompute``
     has freed what it frees (offloading nothing only adds a hook)."""
-    removed = cost_model.covered(frozenset(recompute))
+    removed = covered(frozenset(recompute))
     live = {
-        s.offload
-        for kind in kinds
-        for s in kind.saved
-        if s.offload and s.recompute not in removed and s.nbytes > 0
+        r.offload
+        for r in table.rows
+        if r.offload and r.movable and r.recompute not in removed and r.nbytes > 0
     }
     return tuple(m for m in modules if m in live)
 
 
-def menu(kinds: list[LayerCost], is_moe: bool, dtensor: bool) -> list[Candidate]:
+def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]:
     """Every candidate the planner considers, before the rules: with each selective recompute
     set, each subset of the offload modules that still have bytes to move, at each fraction;
     full recompute of every layer, with and without the layer inputs offloaded, and of the
     first N layers. A DTensor policy reads one recompute switch (full recompute) and so gets
     no selective or block candidates."""
-    layers = sum(k.layers for k in kinds)
+    layers = table.stage_layers
     recompute_sets = (
         [()] if dtensor else list(_subsets(MOE_RECOMPUTE if is_moe else DENSE_RECOMPUTE))
     )
     out = []
     for recompute in recompute_sets:
-        for modules in _subsets(live_modules(kinds, recompute, offloadable_modules(is_moe))):
+        for modules in _subsets(live_modules(table, recompute, offloadable_modules(is_moe))):
             for fraction in FRACTIONS if modules else (1.0,):
                 out.append(Candidate(modules, fraction, None, recompute_modules=recompute))
     out.append(Candidate((), 1.0, None, full_recompute=True))
@@ -192,38 +200,33 @@ def frontier(
 
 
 def layer_costs(
+    effective: Any,
     ledger: Any,
     flops_per_token: Callable[[str, str], float],
-    input_bytes_per_token: float,
-) -> tuple[list[LayerCost], float]:
-    """The cost model's layers from an activation ledger (:class:`offload.ledger.Ledger`) at
-    its tokens per micro-batch, and the bytes the model's own modules save.
-    ``flops_per_token(kind, option)``: forward FLOPs per token of a recompute option in a
-    layer of that kind."""
-    from nemo_rl_offload.offload.ledger import MODEL
-
-    tokens = ledger.tokens_per_microbatch
-    kinds, model_bytes = [], 0.0
-    for kind in ledger.kinds:
-        if kind.kind == MODEL:
-            model_bytes += kind.bytes_at(tokens)
-            continue
-        saved = tuple(Saved(e.bytes_at(tokens), e.offload, e.recompute) for e in kind.entries)
-        flops = {o: flops_per_token(kind.kind, o) * tokens for o in FLOP_OPTIONS}
-        kinds.append(LayerCost(kind.layers, saved, input_bytes_per_token * tokens, flops))
-    return kinds, model_bytes
+    activation_bytes: int,
+) -> LayerCosts:
+    """The cost model's view of a recipe from its effective settings and activation ledger
+    (:class:`offload.ledger.Ledger`) at its tokens per micro-batch: the activation table
+    (:class:`offload.activation_bytes.ActivationTable`, the bytes ``validate``'s estimate
+    counts too) and each layer kind's recompute FLOPs. ``flops_per_token(kind, option)``:
+    forward FLOPs per token of a recompute option in a layer of that kind."""
+    table = ActivationTable.of(effective, ledger, activation_bytes=activation_bytes)
+    flops = {
+        kind: {o: flops_per_token(kind, o) * table.tokens for o in FLOP_OPTIONS}
+        for kind in table.layers_of()
+    }
+    return LayerCosts(table, flops)
 
 
 def predictor(
-    kinds: list[LayerCost], model_bytes: float, calibration: cost_model.Calibration
+    costs: LayerCosts, calibration: cost_model.Calibration
 ) -> Callable[[Candidate], tuple[float, float]]:
     """(peak GiB, step s) of a candidate under ``calibration``, memoised by name."""
-    layers = sum(k.layers for k in kinds)
     cache: dict[str, tuple[float, float]] = {}
 
     def predict(candidate: Candidate) -> tuple[float, float]:
         if candidate.name not in cache:
-            p = cost_model.predict(kinds, model_bytes, candidate.memory_plan(layers), calibration)
+            p = cost_model.predict(costs, candidate.settings(), calibration)
             cache[candidate.name] = (p.peak_bytes / 2**30, p.step_s)
         return cache[candidate.name]
 

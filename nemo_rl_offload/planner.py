@@ -9,9 +9,10 @@ How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offloa
 2. The cost model (:mod:`nemo_rl_offload.offload.cost_model`) predicts each candidate's peak
    and time from the recipe's activation ledger, computed on the CPU here: which bytes each
    module saves, which offload module or recompute option removes them, and the FLOPs that
-   recompute runs again. Peak: the resident state plus one micro-batch's activations less what
-   the candidate removes; time: the plain step plus recompute at the measured FLOP rate, the
-   copies' floor and each offload hook's host time.
+   recompute runs again. Peak: the resident state plus the activations the candidate keeps,
+   counted by :mod:`nemo_rl_offload.offload.activation_bytes` (``validate``'s estimate counts
+   the same settings the same way); time: the plain step plus recompute at the measured FLOP
+   rate, the copies' floor and each offload hook's host time.
 3. Calibration from runs that fit. Full recompute is profiled first (at long context it is
    often the only plan that fits); then the recipe as it is, without offloading or
    recompute, whose failure (out of memory, where the planner is needed most) is a result,
@@ -57,7 +58,8 @@ from typing import Any, TextIO
 from nemo_rl_offload.config.loader import deep_merge
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.offload import cost_model
-from nemo_rl_offload.offload.cost_model import Calibration, LayerCost
+from nemo_rl_offload.offload.activation_bytes import ActivationSettings
+from nemo_rl_offload.offload.cost_model import Calibration, LayerCosts
 from nemo_rl_offload.plan_menu import (
     DENSE_MODULES,
     EXPERT_MODULES,
@@ -103,8 +105,8 @@ class Profile:
     """The recipe as it is, without offloading or recompute (GiB, seconds): measured when it
     fit (``measured``), else predicted by the calibrated cost model. ``resident_gib``: the
     part of the peak that is not activations (weights, gradients, optimizer state), measured;
-    ``bytes_per_microbatch_gib``: what each offload module can move per micro-batch (the
-    ledger's count)."""
+    ``bytes_per_microbatch_gib``: what each offload module moves per micro-batch
+    (:mod:`.offload.activation_bytes`' count from the ledger)."""
 
     peak_gib: float
     fwd_bwd_s: float
@@ -232,31 +234,25 @@ def _measured(records: list[dict[str, Any]]) -> tuple[float, float]:
 
 @dataclass
 class RecipeCosts:
-    """The cost model's view of a recipe (:func:`plan_menu.layer_costs`): its layer kinds and
-    the model's own saved bytes per micro-batch, one micro-batch's forward FLOPs, and the
-    micro-batches of a step."""
+    """The cost model's view of a recipe (:func:`plan_menu.layer_costs`): its activation
+    table and recompute FLOPs, one micro-batch's forward FLOPs (the layers' and the output
+    layer's), and the micro-batches of a step."""
 
-    kinds: list[LayerCost]
-    model_bytes: float
+    layers: LayerCosts
     forward_flops: float
     microbatches: int
 
-    @property
-    def layers(self) -> int:
-        return sum(k.layers for k in self.kinds)
-
     def removal(self, candidate: Candidate) -> cost_model.Removal:
-        return cost_model.removal(self.kinds, self.model_bytes, candidate.memory_plan(self.layers))
+        return cost_model.removal(self.layers, candidate.settings())
 
     def offloadable_gib(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for kind in self.kinds:
-            for saved in kind.saved:
-                if saved.offload:
-                    out[saved.offload] = out.get(saved.offload, 0.0) + (
-                        kind.layers * saved.nbytes / 2**30
-                    )
-        return out
+        """What each offload module moves per micro-batch when every module offloads."""
+        table = self.layers.table
+        modules = dict.fromkeys(r.offload for r in table.rows if r.offload)
+        return {
+            m: table.estimate(ActivationSettings(offload=frozenset({m}))).offloaded / 2**30
+            for m in modules
+        }
 
 
 @dataclass
@@ -330,6 +326,7 @@ def _layer_costs(section: dict[str, Any], base_dir: Any, microbatches: int) -> R
     from nemo_rl_offload.config.model_presets import section_architecture
     from nemo_rl_offload.models.ledger_run import build_ledger
     from nemo_rl_offload.offload import apply, ledger
+    from nemo_rl_offload.offload.activation_bytes import dtype_bytes
     from nemo_rl_offload.plan_menu import layer_costs
 
     architecture = section_architecture(section, base_dir=base_dir)
@@ -344,12 +341,12 @@ def _layer_costs(section: dict[str, Any], base_dir: Any, microbatches: int) -> R
     def flops(kind: str, option: str) -> float:
         return ledger.recompute_flops_per_token(option, settings[kind], seq)
 
-    element = 2 if str(section.get("precision")) in ("bfloat16", "float16") else 4
+    element = dtype_bytes(section.get("precision") or "float32")
     hidden = int(effective.value("hidden_size"))
-    kinds, model_bytes = layer_costs(built, flops, element * hidden)
-    forward = sum(k.layers * k.flops["full"] for k in kinds)
+    layers = layer_costs(effective, built, flops, element)
+    forward = layers.forward_flops()
     forward += 2 * hidden * architecture.vocab_size * built.tokens_per_microbatch
-    return RecipeCosts(kinds, model_bytes, forward, microbatches)
+    return RecipeCosts(layers, forward, microbatches)
 
 
 def step_microbatches(recipe: dict[str, Any]) -> int:
@@ -450,7 +447,7 @@ def plan(
 
     print("plan: the activation ledger (on the CPU) ...", file=err)
     costs = _layer_costs(recipe["policy"], Path.cwd(), step_microbatches(recipe))
-    candidates = menu(costs.kinds, is_moe, dtensor)
+    candidates = menu(costs.layers.table, is_moe, dtensor)
     calibrator = Calibrator(costs)
 
     def run(candidate: Candidate) -> list[dict[str, Any]] | None:
@@ -487,7 +484,7 @@ def plan(
     measured: dict[str, Candidate] = {recompute.name: recompute, plain.name: plain}
     if plain_records is None:
         plain.predicted_peak_gib, plain.predicted_fwd_bwd_s = predictor(
-            costs.kinds, costs.model_bytes, calibrator.calibration()
+            costs.layers, calibrator.calibration()
         )(plain)
     profile = Profile(
         peak_gib=plain.measured_peak_gib or plain.predicted_peak_gib or 0.0,
@@ -504,7 +501,7 @@ def plan(
         # What earlier budgets measured is known: it is an option here too.
         tried = [c for c in measured.values() if c is not plain and c is not recompute]
         for _ in range(max_trials):
-            predict = predictor(costs.kinds, costs.model_bytes, calibrator.calibration())
+            predict = predictor(costs.layers, calibrator.calibration())
             fitting = [
                 c
                 for c in frontier(candidates, predict, valid)
@@ -544,7 +541,7 @@ def plan(
                 remeasured(candidate, records)
             rechecked.add(candidate.name)
         chosen = best(options, budget)
-        predict = predictor(costs.kinds, costs.model_bytes, calibrator.calibration())
+        predict = predictor(costs.layers, calibrator.calibration())
         ranked = frontier(candidates, predict, valid)
         plans.append(
             {

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from nemo_rl_offload.offload.activation_bytes import ActivationSettings, ActivationTable, covered
+from nemo_rl_offload.offload.capabilities import LAYER_INPUT
+
 
 @dataclass(frozen=True)
 class PassTimes:
@@ -55,59 +58,33 @@ def step_floor_s(
 # ------------------------------------------------------------------ the planner's cost model
 #
 # A candidate's peak and step time from the activation ledger (offload.ledger) and a few
-# measured steps. Peak: the resident state (weights, gradients, optimizer) plus one
-# micro-batch's activations as the ledger counts them, minus what the candidate removes;
-# the resident part and the ledger's scale are fitted to the measured peaks (transient
-# buffers such as the logits are in neither the ledger nor the resident state, so the fit
-# carries them). Time: the step without offloading or recompute, plus recompute at the
-# measured FLOP rate (or memory bandwidth for elementwise recompute), plus the copy floor,
-# plus each offload hook's host time.
+# measured steps. The activation bytes a candidate keeps and the bytes it moves are
+# offload.activation_bytes' (the arithmetic validate's estimate uses too); this model adds
+# what is about time. Peak: the resident state (weights, gradients, optimizer) plus the
+# activations the candidate keeps; the resident part and the activations' scale are fitted to
+# the measured peaks (transient buffers are in neither count, so the fit carries them). Time:
+# the step without offloading or recompute, plus recompute at the measured FLOP rate (or
+# memory bandwidth for elementwise recompute), plus the copy floor, plus each offload hook's
+# host time.
 
-# Selective recompute options that also free what a cheaper option frees: recomputing the
-# whole (dense or expert) MLP reruns its activation too.
-RECOMPUTE_COVERS = {"mlp": frozenset({"mlp", "mlp_act"}), "moe": frozenset({"moe", "moe_act"})}
 # Recompute options whose cost is memory traffic, not matrix products: a norm or an
 # activation function reads its input and writes its output once more.
 ELEMENTWISE_RECOMPUTE = frozenset({"layernorm", "mlp_act", "moe_act"})
 
 
 @dataclass(frozen=True)
-class Saved:
-    """What one module of a layer saves for backward in one micro-batch (bytes), and what
-    removes it: an offload module, a selective recompute option (``full``: only whole-layer
-    recompute)."""
+class LayerCosts:
+    """The cost model's view of a recipe: its activation table (what each module saves and
+    what removes it) and, per layer kind, the forward FLOPs of one layer for each recompute
+    option (``full``: the whole layer) in one micro-batch."""
 
-    nbytes: float
-    offload: str | None
-    recompute: str | None
+    table: ActivationTable
+    flops: dict[str, dict[str, float]]
 
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One kind of layer in one micro-batch: how many there are, what each saves, the bytes
-    of its input (what full recompute keeps), and the forward FLOPs of each recompute option
-    (``full``: the whole layer)."""
-
-    layers: int
-    saved: tuple[Saved, ...]
-    input_bytes: float
-    flops: dict[str, float]
-
-    @property
-    def nbytes(self) -> float:
-        return sum(s.nbytes for s in self.saved)
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """A candidate's activation settings, as the cost model reads them. ``full_layers``: None
-    without full recompute, else how many layers full recompute covers (all of them for
-    ``uniform``; fewer for ``block``); ``offload`` then holds only ``layer_input``."""
-
-    offload: frozenset[str] = frozenset()
-    fraction: float = 1.0
-    recompute: frozenset[str] = frozenset()
-    full_layers: int | None = None
+    def forward_flops(self) -> float:
+        """One micro-batch's forward FLOPs through the stage's layers."""
+        layers = self.table.layers_of()
+        return sum(n * self.flops.get(kind, {}).get("full", 0.0) for kind, n in layers.items())
 
 
 @dataclass(frozen=True)
@@ -123,63 +100,33 @@ class Removal:
     hooks: float
 
 
-def covered(recompute: frozenset[str]) -> frozenset[str]:
-    """The recompute options whose saved tensors ``recompute`` frees."""
-    out: set[str] = set()
-    for option in recompute:
-        out |= RECOMPUTE_COVERS.get(option, frozenset({option}))
-    return frozenset(out)
-
-
-def removal(kinds: list[LayerCost], model_bytes: float, plan: MemoryPlan) -> Removal:
-    """One micro-batch's activations under ``plan``; ``model_bytes``: what the embedding,
-    output layer and loss save, which no plan removes.
-
-    Without pipeline parallelism one micro-batch is live at a time, so its activations are
-    the peak's part that plans change. Offloading a fraction f of a module's bytes removes f
-    of them from the peak. Full recompute keeps each covered layer's input, the other layers
-    whole, and one layer re-materialised during its backward (the peak when every layer is
-    covered; otherwise the uncovered layers' activations are larger and freed first)."""
-    layers = sum(k.layers for k in kinds)
-    if plan.full_layers is not None:
-        recomputed = min(plan.full_layers, layers)
-        layer_bytes = max((k.nbytes for k in kinds), default=0.0)
-        average = sum(k.layers * k.nbytes for k in kinds) / max(1, layers)
-        inputs = sum(k.layers * k.input_bytes for k in kinds) / max(1, layers)
-        offloaded = recomputed * inputs if "layer_input" in plan.offload else 0.0
-        kept_inputs = recomputed * inputs - offloaded
-        if offloaded:
-            kept_inputs = min(recomputed, 2) * inputs  # the one being saved, the one reloaded
-        uncovered = (layers - recomputed) * average
-        return Removal(
-            activation_bytes=model_bytes + kept_inputs + max(uncovered, layer_bytes),
-            offloaded_bytes=offloaded,
-            recompute_flops=sum(k.layers * k.flops.get("full", 0.0) for k in kinds)
-            * recomputed
-            / max(1, layers),
-            recompute_traffic_bytes=0.0,
-            hooks=float(recomputed) if offloaded else 0.0,
-        )
-    removed_by = covered(plan.recompute)
-    kept = offloaded = traffic = hooks = 0.0
-    flops = 0.0
-    for kind in kinds:
-        for saved in kind.saved:
-            if saved.recompute in removed_by:
-                # An elementwise option's cost is its traffic, unless a larger recompute
-                # that covers it (whose FLOPs count) runs it.
-                if saved.recompute in ELEMENTWISE_RECOMPUTE & plan.recompute:
-                    traffic += kind.layers * 2 * saved.nbytes
-                continue
-            kept += kind.layers * saved.nbytes
-            if saved.offload in plan.offload:
-                offloaded += kind.layers * saved.nbytes * plan.fraction
-        present = {s.offload for s in kind.saved if s.offload in plan.offload}
-        hooks += kind.layers * len(present) * plan.fraction
-        flops += kind.layers * sum(
-            kind.flops.get(o, 0.0) for o in plan.recompute if o not in ELEMENTWISE_RECOMPUTE
-        )
-    return Removal(model_bytes + kept - offloaded, offloaded, flops, traffic, hooks)
+def removal(costs: LayerCosts, plan: ActivationSettings) -> Removal:
+    """What ``plan`` keeps and moves (:mod:`.activation_bytes`), and the recompute it runs
+    again and the offload hooks it runs. Full recompute re-runs the covered layers' forward
+    FLOPs and hooks each checkpoint input it offloads; selective recompute re-runs its
+    options' FLOPs (an elementwise option's traffic instead, unless a larger option that
+    covers it runs it); offloading hooks each offload module of each layer, in proportion to
+    the fraction."""
+    table = costs.table
+    kept = table.estimate(plan)
+    layers = table.layers_of()
+    if plan.full is not None:
+        share = table.recomputed_layers(plan) / max(1, table.stage_layers)
+        hooks = float(table.checkpoints(plan)) if LAYER_INPUT in plan.offload else 0.0
+        return Removal(kept.total, kept.offloaded, costs.forward_flops() * share, 0.0, hooks)
+    freed = covered(plan.recompute)
+    traffic = sum(
+        row.layers * 2 * row.nbytes
+        for row in table.rows
+        if row.recompute in freed and row.recompute in ELEMENTWISE_RECOMPUTE & plan.recompute
+    )
+    hooks = flops = 0.0
+    for kind, n in layers.items():
+        present = {r.offload for r in table.rows if r.kind == kind and r.offload in plan.offload}
+        hooks += n * len(present) * plan.fraction
+        options = plan.recompute - ELEMENTWISE_RECOMPUTE
+        flops += n * sum(costs.flops.get(kind, {}).get(o, 0.0) for o in options)
+    return Removal(kept.total, kept.offloaded, flops, traffic, hooks)
 
 
 @dataclass(frozen=True)
@@ -227,10 +174,8 @@ def step_time_s(removed: Removal, calibration: Calibration) -> float:
     return c.base_step_s + c.microbatches * extra
 
 
-def predict(
-    kinds: list[LayerCost], model_bytes: float, plan: MemoryPlan, calibration: Calibration
-) -> Prediction:
-    removed = removal(kinds, model_bytes, plan)
+def predict(costs: LayerCosts, plan: ActivationSettings, calibration: Calibration) -> Prediction:
+    removed = removal(costs, plan)
     peak = peak_bytes(
         calibration.resident_bytes, removed.activation_bytes, calibration.activation_scale
     )

@@ -5,8 +5,9 @@ bytes go so a user knows what to change. The estimate is arithmetic over what th
 decides (parameter counts from the effective settings, the optimizer and gradient-buffer
 dtypes Megatron allocates for these keys) plus the activation ledger
 (:mod:`.ledger`, measured on the CPU) for what a training micro-batch saves, with the recipe's
-offload modules, selective recompute and full recompute applied to it. It is pure: the ledger is
-passed in, nothing is measured here, so the planner can call it for candidate settings.
+offload modules, selective recompute and full recompute applied to it by
+:mod:`.activation_bytes`, the arithmetic the planner's cost model uses too. It is pure: the
+ledger is passed in, nothing is measured here.
 
 Phases (each a peak of its own; the estimate's peak is the largest):
 
@@ -30,34 +31,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_rl_offload.config.model_presets import Architecture
-from nemo_rl_offload.offload import apply
+from nemo_rl_offload.offload.activation_bytes import (
+    ActivationEstimate,
+    activations,
+    dtype_bytes,
+    parallel_sizes,
+    stage_layer_counts,
+    tp_share,
+)
 from nemo_rl_offload.offload.apply import EffectiveSettings
-from nemo_rl_offload.offload.ledger import DENSE, MODEL, MOE, Entry, Ledger
+from nemo_rl_offload.offload.ledger import DENSE, MODEL, MOE, Ledger
 
 GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 80.0
-_DTYPE_BYTES = {
-    "float32": 4,
-    "fp32": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "uint8": 1,
-    "fp8": 1,
-}
-# Ledger owners whose bytes tensor parallelism splits only with sequence_parallel (the norms
-# and the residual stream, replicated on every tensor-parallel rank otherwise).
-_REPLICATED_OWNERS = ("input_layernorm", "pre_mlp_layernorm", "(layer)")
-# A selective recompute module also frees what the cheaper options inside it free.
-_RECOMPUTE_COVERS = {"mlp": ("mlp", "mlp_act"), "moe": ("moe", "moe_act")}
-MEGATRON_DEFAULT_RECOMPUTE = ("core_attn",)
-
-
-def dtype_bytes(name: Any, default: int = 4) -> int:
-    """Bytes per element of a recipe dtype name (``bfloat16``, ``fp32``, ``torch.float16``)."""
-    text = str(name or "").removeprefix("torch.")
-    return _DTYPE_BYTES.get(text, default)
 
 
 @dataclass(frozen=True)
@@ -71,49 +57,6 @@ class ParameterCounts:
     @property
     def total(self) -> float:
         return self.layers + self.embedding + self.output
-
-
-@dataclass(frozen=True)
-class ModuleBytes:
-    """One ledger owner's saved bytes over the stage's layers for one micro-batch on one rank:
-    as measured (``saved``) and after the recipe's settings (``kept``; ``removed_by`` says
-    which setting removed the rest)."""
-
-    module: str
-    saved: float
-    kept: float
-    removed_by: str = ""
-
-
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """What a training step's activations hold at their peak on one rank."""
-
-    tokens: int
-    tokens_source: str
-    in_flight: int  # micro-batches whose activations one pipeline stage holds at once
-    modules: list[ModuleBytes]
-    layer_inputs: float = 0.0  # full recompute: the checkpointed segment inputs kept
-    recomputed_segment: float = 0.0  # full recompute: one segment's activations in backward
-    model: float = 0.0  # the ledger's embedding / output / loss entries (logits)
-
-    @property
-    def saved(self) -> float:
-        """Without any offload or recompute setting."""
-        return self.in_flight * sum(m.saved for m in self.modules) + self.model
-
-    @property
-    def total(self) -> float:
-        kept = sum(m.kept for m in self.modules) + self.layer_inputs + self.recomputed_segment
-        return self.in_flight * kept + self.model
-
-    def removed_by(self) -> dict[str, float]:
-        """Bytes each setting removes (per micro-batch in flight, all layers)."""
-        out: dict[str, float] = {}
-        for m in self.modules:
-            if m.removed_by:
-                out[m.removed_by] = out.get(m.removed_by, 0.0) + m.saved - m.kept
-        return out
 
 
 @dataclass(frozen=True)
@@ -182,38 +125,12 @@ def gpu_peak(estimates: list[MemoryEstimate]) -> tuple[float, str]:
 # ------------------------------------------------------------------------------ the parts
 
 
-def _sizes(effective: EffectiveSettings) -> dict[str, int]:
-    v = effective.value
-    return {
-        name: max(1, int(v(name) or 1))
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-            "expert_tensor_parallel_size",
-        )
-    }
-
-
-def _stage_layers(count: int, pp: int) -> int:
-    return math.ceil(count / pp) if count else 0
-
-
-def _layer_counts(effective: EffectiveSettings) -> dict[str, int]:
-    """Layers of each kind on the largest pipeline stage."""
-    from nemo_rl_offload.offload.ledger import layer_kinds
-
-    pp = _sizes(effective)["pipeline_model_parallel_size"]
-    return {kind: _stage_layers(layers, pp) for kind, layers, _ in layer_kinds(effective)}
-
-
 def parameter_counts(effective: EffectiveSettings, architecture: Architecture) -> ParameterCounts:
     """Parameters on one rank of the largest pipeline stage, from the effective settings."""
     v = effective.value
     vocab_size = architecture.vocab_size
     shared = architecture.share_embeddings_and_output_weights
-    sizes = _sizes(effective)
+    sizes = parallel_sizes(effective)
     tp, pp = sizes["tensor_model_parallel_size"], sizes["pipeline_model_parallel_size"]
     hidden, heads = int(v("hidden_size")), int(v("num_attention_heads"))
     head_dim = int(v("kv_channels") or hidden // heads)
@@ -227,7 +144,7 @@ def parameter_counts(effective: EffectiveSettings, architecture: Architecture) -
     replicated = 2 * norm + (2 * head_dim if v("qk_layernorm") else 0)
     ffn = int(v("ffn_hidden_size") or 4 * hidden)
     dense = hidden * ffn * gated + ffn * hidden + (ffn * gated + hidden) * bias
-    counts = _layer_counts(effective)
+    counts = stage_layer_counts(effective)
     layers = counts.get(DENSE, 0) * ((attention + dense) / tp + replicated)
     if counts.get(MOE):
         experts = int(v("num_moe_experts"))
@@ -245,7 +162,7 @@ def parameter_counts(effective: EffectiveSettings, architecture: Architecture) -
 
 
 def _data_parallel(effective: EffectiveSettings, workers: int) -> int:
-    s = _sizes(effective)
+    s = parallel_sizes(effective)
     model = (
         s["tensor_model_parallel_size"]
         * s["pipeline_model_parallel_size"]
@@ -285,126 +202,6 @@ def _optimizer(
     return _Optimizer(state * (1 - host), state * host, params * copies / shards * (1 - host))
 
 
-def _tp_share(owner: str, effective: EffectiveSettings) -> float:
-    s = _sizes(effective)
-    if owner.startswith("mlp.experts"):
-        return 1 / s["expert_tensor_parallel_size"]
-    tp = s["tensor_model_parallel_size"]
-    if owner in _REPLICATED_OWNERS and not effective.value("sequence_parallel"):
-        return 1.0
-    return 1 / tp
-
-
-def _offload_modules(effective: EffectiveSettings) -> frozenset[str]:
-    if effective.value("fine_grained_activation_offloading") is not True:
-        return frozenset()
-    modules = effective.value("offload_modules")
-    return frozenset(modules) if isinstance(modules, list) else frozenset()
-
-
-def _recompute_modules(effective: EffectiveSettings) -> frozenset[str]:
-    if effective.value("recompute_granularity") != "selective":
-        return frozenset()
-    modules = effective.value("recompute_modules")
-    names = modules if isinstance(modules, list) else MEGATRON_DEFAULT_RECOMPUTE
-    return frozenset(n for name in names for n in _RECOMPUTE_COVERS.get(name, (name,)))
-
-
-def _entry_bytes(
-    entry: Entry, tokens: int, layers: int, effective: EffectiveSettings
-) -> ModuleBytes:
-    """One entry over ``layers`` layers with the recipe's selective recompute and offload
-    modules applied. Megatron's offload manager keeps each module's last group (the last
-    layer's) on the GPU, since its backward runs at once; tensors under
-    ``min_offloaded_tensor_size`` elements stay too."""
-    share = _tp_share(entry.owner, effective)
-    saved = entry.bytes_at(tokens) * share * layers
-    if entry.recompute in _recompute_modules(effective):
-        return ModuleBytes(entry.owner, saved, 0.0, f"recompute {entry.recompute}")
-    if entry.offload and entry.offload in _offload_modules(effective):
-        element = dtype_bytes(entry.dtype)
-        per_tensor = entry.bytes_at(tokens) * share / max(1, entry.tensors) / element
-        minimum = effective.value("min_offloaded_tensor_size", 1024 * 1024)
-        if per_tensor >= (minimum or 0) and layers > 1:
-            fraction = effective.value("activation_offload_fraction", 1.0)
-            fraction = 1.0 if fraction is None else float(fraction)
-            moved = saved * fraction * (layers - 1) / layers
-            return ModuleBytes(entry.owner, saved, saved - moved, f"offload {entry.offload}")
-    return ModuleBytes(entry.owner, saved, saved)
-
-
-def _merge(parts: list[ModuleBytes]) -> list[ModuleBytes]:
-    """One row per owner (an owner saves in several dtypes), in forward order."""
-    rows: dict[str, ModuleBytes] = {}
-    for p in parts:
-        old = rows.get(p.module)
-        if old is None:
-            rows[p.module] = p
-        else:
-            rows[p.module] = ModuleBytes(
-                p.module, old.saved + p.saved, old.kept + p.kept, old.removed_by or p.removed_by
-            )
-    return list(rows.values())
-
-
-def activations(
-    effective: EffectiveSettings, ledger: Ledger, *, activation_bytes: int
-) -> ActivationEstimate:
-    """A training step's activation peak on one rank of the largest pipeline stage."""
-    tokens = ledger.tokens_per_microbatch
-    sizes = _sizes(effective)
-    tp, pp = sizes["tensor_model_parallel_size"], sizes["pipeline_model_parallel_size"]
-    counts = _layer_counts(effective)
-    parts: list[ModuleBytes] = []
-    per_layer: list[float] = []
-    model = 0.0
-    for kind in ledger.kinds:
-        if kind.kind == MODEL:
-            model = sum(e.bytes_at(tokens) * (1 / tp) for e in kind.entries)
-            continue
-        layers = counts.get(kind.kind, 0)
-        per_layer.append(
-            sum(e.bytes_at(tokens) * _tp_share(e.owner, effective) for e in kind.entries)
-        )
-        parts += [_entry_bytes(e, tokens, layers, effective) for e in kind.entries]
-    common = {"tokens": tokens, "tokens_source": ledger.tokens_source, "in_flight": pp}
-    if effective.value("recompute_granularity") != "full":
-        return ActivationEstimate(modules=_merge(parts), model=model, **common)
-    # Full recompute: each segment keeps its input; backward re-runs one segment at a time.
-    stage = sum(counts.values())
-    segment = max(1, int(effective.value("recompute_num_layers") or 1))
-    sp = tp if effective.value("sequence_parallel") else 1
-    layer_input = int(effective.value("hidden_size")) * tokens * activation_bytes / sp
-    offloaded = apply.offloads_layer_input(effective)
-    largest = max(per_layer, default=0.0)
-    if effective.value("recompute_method") == "block":
-        recomputed = min(segment, stage)
-        kept_share = (stage - recomputed) / stage if stage else 0.0
-        modules = [
-            ModuleBytes(p.module, p.saved, p.kept * kept_share, p.removed_by or "full recompute")
-            for p in _merge(parts)
-        ]
-        kept = sum(m.kept for m in modules)
-        inputs = (1 if offloaded else recomputed) * layer_input
-        return ActivationEstimate(
-            modules=modules,
-            layer_inputs=inputs,
-            recomputed_segment=max(0.0, largest - kept),
-            model=model,
-            **common,
-        )
-    segment = min(segment, stage)
-    inputs = (1 if offloaded else math.ceil(stage / segment)) * layer_input
-    modules = [ModuleBytes(p.module, p.saved, 0.0, "full recompute") for p in _merge(parts)]
-    return ActivationEstimate(
-        modules=modules,
-        layer_inputs=inputs,
-        recomputed_segment=segment * largest,
-        model=model,
-        **common,
-    )
-
-
 def _forward_only(
     effective: EffectiveSettings, ledger: Ledger, section: dict[str, Any], where: str
 ) -> float:
@@ -413,7 +210,7 @@ def _forward_only(
     from nemo_rl_offload.config.batching_settings import BatchingSettings
 
     batching = BatchingSettings.from_policy(section, where=where)
-    sizes = _sizes(effective)
+    sizes = parallel_sizes(effective)
     if batching.mode == "rows":
         tokens = batching.logprob_rows * int(section.get("max_total_sequence_length") or 0)
     else:
@@ -427,7 +224,7 @@ def _forward_only(
         else:
             layer = max(
                 layer,
-                sum(e.bytes_at(tokens) * _tp_share(e.owner, effective) for e in kind.entries),
+                sum(e.bytes_at(tokens) * tp_share(e.owner, effective) for e in kind.entries),
             )
     return model + layer
 
@@ -438,11 +235,11 @@ def kv_cache_bytes(
     """The sampler's KV cache for ``rows`` sequences of up to ``max_len`` tokens: keys and
     values of every layer of the stage, the query groups split by tensor parallelism."""
     v = effective.value
-    sizes = _sizes(effective)
+    sizes = parallel_sizes(effective)
     hidden, heads = int(v("hidden_size")), int(v("num_attention_heads"))
     head_dim = int(v("kv_channels") or hidden // heads)
     groups = max(1, int(v("num_query_groups") or heads) // sizes["tensor_model_parallel_size"])
-    layers = sum(_layer_counts(effective).values())
+    layers = sum(stage_layer_counts(effective).values())
     return 2.0 * layers * rows * max_len * groups * head_dim * activation_bytes
 
 
@@ -483,7 +280,7 @@ def estimate_peak(
     if trainable:
         ddp = megatron_cfg.get("distributed_data_parallel_config") or {}
         grad_bytes = 4 if ddp.get("grad_reduce_in_fp32") else param_bytes
-        shards = dp * _sizes(effective)["context_parallel_size"]
+        shards = dp * parallel_sizes(effective)["context_parallel_size"]
         opt = _optimizer(params.total, param_bytes, megatron_cfg, shards)
         estimate.update(
             gradients=params.total * grad_bytes,
@@ -510,7 +307,7 @@ def estimate_peak(
             )
             kv = float(limit) * GIB
         estimate.update(kv_cache=kv, kv_cache_rows=rows, kv_cache_length=max_len)
-    if _sizes(effective)["pipeline_model_parallel_size"] > 1:
+    if parallel_sizes(effective)["pipeline_model_parallel_size"] > 1:
         notes.append(
             "pipeline_model_parallel_size > 1: the first stage's layers for as many "
             "micro-batches as stages, beside the last stage's logits (an upper bound)"

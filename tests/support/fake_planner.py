@@ -16,22 +16,42 @@ from nemo_rl_offload import planner
 from nemo_rl_offload.config.overrides import parse_override
 from nemo_rl_offload.distributed.worker_group import WorkerError
 from nemo_rl_offload.offload import cost_model
-from nemo_rl_offload.offload.cost_model import Calibration, LayerCost, Saved
+from nemo_rl_offload.offload.activation_bytes import ActivationTable, Row
+from nemo_rl_offload.offload.cost_model import Calibration, LayerCosts
+from nemo_rl_offload.offload.ledger import DENSE
 
 GIB = 2**30
 # One dense layer per micro-batch, shaped as a Llama layer's ledger is (GiB): what each module
 # saves, the offload module and the recompute option that remove it.
 LAYER = (
-    Saved(0.10 * GIB, "attn_norm", "full"),
-    Saved(0.10 * GIB, "qkv_linear", "layernorm"),
-    Saved(0.30 * GIB, "core_attn", "core_attn"),
-    Saved(0.10 * GIB, "attn_proj", "full"),
-    Saved(0.10 * GIB, "mlp_norm", "full"),
-    Saved(0.10 * GIB, "mlp_fc1", "layernorm"),
-    Saved(0.50 * GIB, "mlp_act", "mlp"),
-    Saved(0.25 * GIB, "mlp_fc2", "mlp_act"),
-    Saved(0.05 * GIB, None, "full"),
+    (0.10 * GIB, "attn_norm", "full"),
+    (0.10 * GIB, "qkv_linear", "layernorm"),
+    (0.30 * GIB, "core_attn", "core_attn"),
+    (0.10 * GIB, "attn_proj", "full"),
+    (0.10 * GIB, "mlp_norm", "full"),
+    (0.10 * GIB, "mlp_fc1", "layernorm"),
+    (0.50 * GIB, "mlp_act", "mlp"),
+    (0.25 * GIB, "mlp_fc2", "mlp_act"),
+    (0.05 * GIB, None, "full"),
 )
+
+
+def layer_table(
+    layers: int,
+    saved: tuple[tuple[float, str | None, str | None], ...],
+    layer_input: float,
+    model: float = 0.0,
+) -> ActivationTable:
+    """An activation table of ``layers`` dense layers, each saving ``saved`` ((bytes, offload
+    module, recompute option) per entry; every tensor large enough to offload), one
+    micro-batch in flight: the arithmetic's input without measuring a ledger."""
+    rows = tuple(
+        Row(f"{offload or 'entry'}.{i}", DENSE, layers, nbytes, offload, recompute, layers > 1)
+        for i, (nbytes, offload, recompute) in enumerate(saved)
+    )
+    return ActivationTable(1024, "test", 1, rows, layer_input, model, layers)
+
+
 FLOPS = {
     "layernorm": 1e9,
     "core_attn": 2e11,
@@ -44,8 +64,8 @@ FLOPS = {
 
 
 def small_costs(layers: int = 8, microbatches: int = 2) -> planner.RecipeCosts:
-    kinds = [LayerCost(layers, LAYER, 0.1 * GIB, FLOPS)]
-    return planner.RecipeCosts(kinds, 1.0 * GIB, layers * 1e12 + 0.5e12, microbatches)
+    costs = LayerCosts(layer_table(layers, LAYER, 0.1 * GIB, 1.0 * GIB), {DENSE: FLOPS})
+    return planner.RecipeCosts(costs, layers * 1e12 + 0.5e12, microbatches)
 
 
 # What the simulated GPU does: the ledger's activations 5% over its count, 20 GiB resident,
@@ -95,8 +115,7 @@ class Simulated:
         self.calls: list[str] = []
 
     def truth_of(self, candidate: planner.Candidate) -> cost_model.Prediction:
-        plan = candidate.memory_plan(self.costs.layers)
-        return cost_model.predict(self.costs.kinds, self.costs.model_bytes, plan, self.truth)
+        return cost_model.predict(self.costs.layers, candidate.settings(), self.truth)
 
     def __call__(self, config: str, overrides: list[str], steps: int, err: Any) -> list[dict]:
         candidate = candidate_of(overrides)

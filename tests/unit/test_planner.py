@@ -50,16 +50,18 @@ CONSERVATIVE_MISSES = {
 
 def _predict_peak(profile: planner.Profile, modules: tuple[str, ...], fraction: float) -> float:
     """The cost model's peak for an offload set, from a table's no-offload peak and each
-    module's measured bytes per micro-batch (one layer kind holding them all)."""
-    from nemo_rl_offload.offload import cost_model
+    module's measured bytes per micro-batch: two layers each saving them, since the offload
+    manager keeps the last layer's on the GPU and so the first moves the measured bytes."""
+    from support.fake_planner import layer_table
 
-    saved = tuple(
-        cost_model.Saved(g * 2**30, m, None) for m, g in profile.bytes_per_microbatch_gib.items()
-    )
-    kinds = [cost_model.LayerCost(1, saved, 0.0, {})]
-    total = sum(s.nbytes for s in saved)
-    plan = cost_model.MemoryPlan(frozenset(modules), fraction)
-    removed = cost_model.removal(kinds, 0.0, plan)
+    from nemo_rl_offload.offload import cost_model
+    from nemo_rl_offload.offload.activation_bytes import ActivationSettings
+
+    saved = tuple((g * 2**30, m, None) for m, g in profile.bytes_per_microbatch_gib.items())
+    costs = cost_model.LayerCosts(layer_table(2, saved, 0.0), {})
+    total = 2 * sum(nbytes for nbytes, _, _ in saved)
+    plan = ActivationSettings(frozenset(modules), fraction)
+    removed = cost_model.removal(costs, plan)
     return cost_model.peak_bytes(profile.peak_gib * 2**30 - total, removed.activation_bytes) / 2**30
 
 
@@ -99,7 +101,7 @@ def test_the_menu_offloads_only_what_recompute_leaves_and_covers_full_and_block_
     from nemo_rl_offload.plan_menu import menu
 
     costs = small_costs(layers=8)
-    candidates = menu(costs.kinds, is_moe=False, dtensor=False)
+    candidates = menu(costs.layers.table, is_moe=False, dtensor=False)
     names = {c.name for c in candidates}
     assert "recompute layernorm, core_attn x0.5" in names and "mlp_fc1+mlp_fc2" in names
     # layernorm recompute frees what qkv_linear and mlp_fc1 offload: never both.
@@ -110,7 +112,7 @@ def test_the_menu_offloads_only_what_recompute_leaves_and_covers_full_and_block_
     full = [c for c in candidates if c.full_recompute]
     assert {c.recompute_num_layers for c in full} == {None, *range(1, 8)}
     assert any(c.modules == ("layer_input",) for c in full)
-    dtensor = menu(costs.kinds, is_moe=False, dtensor=True)
+    dtensor = menu(costs.layers.table, is_moe=False, dtensor=True)
     assert not any(c.recompute_modules or c.recompute_num_layers for c in dtensor)
 
 
@@ -446,7 +448,7 @@ def test_where_no_offload_does_not_fit_full_recompute_calibrates_and_mixed_plans
     assert profile.resident_gib == pytest.approx(20.0)
     from nemo_rl_offload.plan_menu import menu
 
-    candidates = menu(costs.kinds, is_moe=False, dtensor=False)
+    candidates = menu(costs.layers.table, is_moe=False, dtensor=False)
     full_s = simulated.truth_of(planner.Candidate((), 1.0, None, full_recompute=True)).step_s
     for budget, entry in zip(budgets, result["plans"], strict=True):
         chosen = entry["chosen"]

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from support.fake_planner import layer_table
 
 from nemo_rl_offload.offload import cost_model as cm
+from nemo_rl_offload.offload.activation_bytes import BLOCK, UNIFORM, ActivationSettings
 from nemo_rl_offload.offload.cost_model import PassTimes, overhead_floor_s, step_floor_s
+from nemo_rl_offload.offload.ledger import DENSE
 
 GB = 1e9
 
@@ -44,14 +47,17 @@ def test_step_floor_adds_every_microbatch():
 
 GIB = 2**30
 LAYER = (
-    cm.Saved(1.0 * GIB, "attn_norm", "full"),
-    cm.Saved(2.0 * GIB, "qkv_linear", "layernorm"),
-    cm.Saved(3.0 * GIB, "core_attn", "core_attn"),
-    cm.Saved(4.0 * GIB, "mlp_act", "mlp"),
-    cm.Saved(0.5 * GIB, "mlp_fc2", "mlp_act"),
+    (1.0 * GIB, "attn_norm", "full"),
+    (2.0 * GIB, "qkv_linear", "layernorm"),
+    (3.0 * GIB, "core_attn", "core_attn"),
+    (4.0 * GIB, "mlp_act", "mlp"),
+    (0.5 * GIB, "mlp_fc2", "mlp_act"),
 )
 FLOPS = {"layernorm": 1e9, "core_attn": 2e11, "mlp": 5e11, "mlp_act": 1e9, "full": 1e12}
-KINDS = [cm.LayerCost(4, LAYER, 0.25 * GIB, FLOPS)]
+# Four dense layers; the model's own entries (1 GiB) in WITH_MODEL only.
+KINDS = cm.LayerCosts(layer_table(4, LAYER, 0.25 * GIB), {DENSE: FLOPS})
+WITH_MODEL = cm.LayerCosts(layer_table(4, LAYER, 0.25 * GIB, 1 * GIB), {DENSE: FLOPS})
+Plan = ActivationSettings
 CAL = cm.Calibration(
     resident_bytes=10 * GIB,
     activation_scale=1.0,
@@ -66,41 +72,42 @@ CAL = cm.Calibration(
 
 
 def test_nothing_removed_keeps_every_layer_and_the_model():
-    removed = cm.removal(KINDS, 1 * GIB, cm.MemoryPlan())
+    removed = cm.removal(WITH_MODEL, Plan())
     assert removed.activation_bytes == (1 + 4 * 10.5) * GIB
     assert (removed.offloaded_bytes, removed.recompute_flops, removed.hooks) == (0, 0, 0)
-    assert cm.predict(KINDS, 1 * GIB, cm.MemoryPlan(), CAL).step_s == 1.2
+    assert cm.predict(WITH_MODEL, Plan(), CAL).step_s == 1.2
 
 
 def test_offloading_a_fraction_removes_that_fraction_and_costs_hooks_and_copies():
-    plain = cm.removal(KINDS, 0.0, cm.MemoryPlan())
-    half = cm.removal(KINDS, 0.0, cm.MemoryPlan(frozenset({"core_attn", "mlp_act"}), 0.5))
-    assert plain.activation_bytes - half.activation_bytes == 0.5 * 4 * 7 * GIB
-    assert half.offloaded_bytes == 14 * GIB and half.hooks == 4
-    # 14 GiB per micro-batch at 50 GB/s: longer than both 0.2 s forward and 0.4 s backward.
+    plain = cm.removal(KINDS, Plan())
+    half = cm.removal(KINDS, Plan(frozenset({"core_attn", "mlp_act"}), 0.5))
+    # Half of every layer's 7 GiB but the last layer's, which the offload manager keeps.
+    assert plain.activation_bytes - half.activation_bytes == 0.5 * 3 * 7 * GIB
+    assert half.offloaded_bytes == 10.5 * GIB and half.hooks == 4
+    # 10.5 GiB per micro-batch at 50 GB/s: longer than both 0.2 s forward and 0.4 s backward.
     predicted = cm.step_time_s(half, CAL)
-    floor = cm.overhead_floor_s(14 * GIB, cm.PassTimes(0.2, 0.4), 50e9, 50e9)
+    floor = cm.overhead_floor_s(10.5 * GIB, cm.PassTimes(0.2, 0.4), 50e9, 50e9)
     assert predicted == pytest.approx(1.2 + 2 * (floor + 4 * 1e-3)) and floor > 0
 
 
 def test_recompute_frees_what_its_option_covers_and_costs_its_flops_or_traffic():
-    mlp = cm.removal(KINDS, 0.0, cm.MemoryPlan(recompute=frozenset({"mlp"})))
+    mlp = cm.removal(KINDS, Plan(recompute=frozenset({"mlp"})))
     assert mlp.activation_bytes == 4 * 6 * GIB  # the MLP frees its activation's input too
     assert mlp.recompute_flops == 4 * 5e11 and mlp.recompute_traffic_bytes == 0
-    norm = cm.removal(KINDS, 0.0, cm.MemoryPlan(recompute=frozenset({"layernorm"})))
+    norm = cm.removal(KINDS, Plan(recompute=frozenset({"layernorm"})))
     assert norm.recompute_flops == 0 and norm.recompute_traffic_bytes == 4 * 2 * 2 * GIB
     # Offloading what recompute already freed moves nothing.
-    both = cm.MemoryPlan(frozenset({"qkv_linear"}), recompute=frozenset({"layernorm"}))
-    assert cm.removal(KINDS, 0.0, both).offloaded_bytes == 0
+    both = Plan(frozenset({"qkv_linear"}), recompute=frozenset({"layernorm"}))
+    assert cm.removal(KINDS, both).offloaded_bytes == 0
 
 
 def test_full_recompute_keeps_the_inputs_and_one_layer_and_block_keeps_the_rest_whole():
-    full = cm.removal(KINDS, 0.0, cm.MemoryPlan(full_layers=4))
+    full = cm.removal(KINDS, Plan(full=UNIFORM))
     assert full.activation_bytes == (4 * 0.25 + 10.5) * GIB
     assert full.recompute_flops == 4 * 1e12
-    block = cm.removal(KINDS, 0.0, cm.MemoryPlan(full_layers=1))
+    block = cm.removal(KINDS, Plan(full=BLOCK, num_layers=1))
     assert block.activation_bytes == (0.25 + 3 * 10.5) * GIB and block.recompute_flops == 1e12
-    offloaded = cm.removal(KINDS, 0.0, cm.MemoryPlan(frozenset({"layer_input"}), full_layers=4))
+    offloaded = cm.removal(KINDS, Plan(frozenset({"layer_input"}), full=UNIFORM))
     assert offloaded.offloaded_bytes == 1 * GIB and offloaded.hooks == 4
     assert offloaded.activation_bytes == (2 * 0.25 + 10.5) * GIB
 
@@ -123,8 +130,8 @@ def test_the_plain_step_and_the_flop_rate_from_full_recompute_with_and_without_t
 
 
 def test_host_time_per_hook_is_what_the_measured_run_adds_beyond_the_model():
-    removed = cm.removal(KINDS, 0.0, cm.MemoryPlan(frozenset({"attn_norm"})))
+    removed = cm.removal(KINDS, Plan(frozenset({"attn_norm"})))
     without = cm.step_time_s(removed, dataclasses.replace(CAL, host_s_per_hook=0.0))
     assert cm.host_s_per_hook(without + 2 * 4 * 0.002, removed, CAL) == pytest.approx(0.002)
     assert cm.host_s_per_hook(without - 0.1, removed, CAL) == 0.0
-    assert cm.host_s_per_hook(1.0, cm.removal(KINDS, 0.0, cm.MemoryPlan()), CAL) is None
+    assert cm.host_s_per_hook(1.0, cm.removal(KINDS, Plan()), CAL) is None

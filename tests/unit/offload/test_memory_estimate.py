@@ -151,7 +151,10 @@ def test_full_recompute_keeps_layer_inputs_and_one_segment_and_layer_input_offlo
     offloaded = _estimate(
         _section(**FULL, fine_grained_activation_offloading=True, offload_modules=["layer_input"])
     ).activations
-    assert offloaded.layer_inputs == hidden_bytes
+    # Every input goes to the host; backward holds two: the segment's being recomputed and
+    # the one before it, reloading beside it (offload/layer_input.py).
+    assert offloaded.layer_inputs == 2 * hidden_bytes
+    assert offloaded.offloaded == 28 * hidden_bytes and full.offloaded == 0
     assert offloaded.total < full.total
     two = _estimate(_section(**FULL, recompute_num_layers=2)).activations
     assert two.layer_inputs == 14 * hidden_bytes
@@ -193,3 +196,47 @@ def test_a_teacher_beside_the_policy_adds_what_it_keeps():
     peak, label = gpu_peak([policy, teacher])
     assert label == "policy training"
     assert peak == pytest.approx(policy.peak + teacher.between_steps)
+
+
+PLANNER_CANDIDATES = [
+    ("offload set", {"modules": tuple(FIVE)}),
+    ("offload fraction", {"modules": ("core_attn", "mlp_fc1"), "fraction": 0.5}),
+    ("selective recompute", {"recompute_modules": ("mlp", "layernorm")}),
+    ("recompute and offload", {"modules": ("core_attn",), "recompute_modules": ("mlp",)}),
+    ("full recompute", {"full_recompute": True}),
+    ("full recompute, layer_input", {"modules": ("layer_input",), "full_recompute": True}),
+    ("block recompute", {"full_recompute": True, "recompute_num_layers": 7}),
+]
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{}, {"tensor_model_parallel_size": 2, "sequence_parallel": True}],
+    ids=["tp1", "tp2-sp"],
+)
+@pytest.mark.parametrize(
+    ("case", "fields"), PLANNER_CANDIDATES, ids=[c for c, _ in PLANNER_CANDIDATES]
+)
+def test_the_planners_prediction_for_a_candidate_is_validates_estimate_of_its_settings(
+    case, fields, parallel
+):
+    """The planner predicts a candidate's kept and moved bytes from the recipe's table; the
+    estimate of the recipe with the candidate's patch applied must say the same."""
+    from nemo_rl_offload.config.loader import deep_merge
+    from nemo_rl_offload.offload import cost_model
+    from nemo_rl_offload.plan_menu import Candidate, layer_costs
+
+    fields = dict(fields)
+    candidate = Candidate(fields.pop("modules", ()), fields.pop("fraction", 1.0), None, **fields)
+    section = _section(**parallel)
+    architecture = architecture_for("llama-1b")
+    effective = apply.effective_settings(section, architecture, te_installed=False)
+    ledger = ledger_from_stored(STORED, effective, section, "policy", (32, 64))
+    costs = layer_costs(effective, ledger, lambda kind, option: 0.0, 2)
+    predicted = cost_model.removal(costs, candidate.settings())
+
+    patched = deep_merge(section, candidate.patch()["policy"])
+    estimated = _estimate(patched).activations
+    assert predicted.activation_bytes == pytest.approx(estimated.total, rel=1e-12), case
+    assert predicted.offloaded_bytes == pytest.approx(estimated.offloaded, rel=1e-12), case
+    assert estimated.total < estimated.saved, case  # each candidate removes something

@@ -1,0 +1,360 @@
+"""How many activation bytes a plan keeps on one GPU per training micro-batch, and how many it
+moves to the host: the one place this arithmetic lives.
+
+Why one owner: ``validate``'s pre-launch estimate (:mod:`.memory_estimate`) and the planner's
+cost model (:mod:`.cost_model`, candidates from :mod:`nemo_rl_offload.plan_menu`) must never
+disagree about the same settings' bytes. Both build an :class:`ActivationTable` once from the
+activation ledger (:mod:`.ledger`) and the recipe's shape and parallel settings, then evaluate
+settings (:class:`ActivationSettings`: a recipe's, or a candidate's) against it, which is cheap
+enough to do for every candidate of the planner's menu.
+
+What the arithmetic knows (each rule is Megatron's behaviour on the local layer spec):
+
+- tensor parallelism splits an owner's bytes, except the norms' and the residual stream's
+  without ``sequence_parallel``; expert tensor parallelism splits the experts';
+- Megatron's offload manager keeps each module's last group (the last layer's) on the GPU,
+  since its backward runs at once, and tensors under ``min_offloaded_tensor_size`` elements;
+  ``activation_offload_fraction`` moves that share of the rest;
+- a selective recompute option frees its entries, and a larger one the cheaper ones inside it
+  (``mlp`` frees ``mlp_act``'s);
+- full recompute keeps each checkpoint's input (one hidden vector per token) and re-runs one
+  segment at a time in backward; the block method covers only the first N layers, the others
+  keep what they save; ``layer_input`` offloading moves every checkpoint input to the host and
+  keeps two at a time in backward (the one being recomputed and the one reloading beside it,
+  :mod:`.layer_input`);
+- a pipeline stage holds as many micro-batches in flight as there are stages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_rl_offload.offload.apply import EffectiveSettings
+from nemo_rl_offload.offload.capabilities import LAYER_INPUT
+from nemo_rl_offload.offload.ledger import MODEL, Ledger
+
+_DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "uint8": 1,
+    "fp8": 1,
+}
+# Ledger owners whose bytes tensor parallelism splits only with sequence_parallel (the norms
+# and the residual stream, replicated on every tensor-parallel rank otherwise).
+_REPLICATED_OWNERS = ("input_layernorm", "pre_mlp_layernorm", "(layer)")
+# A selective recompute option also frees what the cheaper options inside it free.
+RECOMPUTE_COVERS = {"mlp": frozenset({"mlp", "mlp_act"}), "moe": frozenset({"moe", "moe_act"})}
+MEGATRON_DEFAULT_RECOMPUTE = ("core_attn",)
+DEFAULT_MIN_OFFLOADED_TENSOR_SIZE = 1024 * 1024
+UNIFORM, BLOCK = "uniform", "block"
+
+
+def dtype_bytes(name: Any, default: int = 4) -> int:
+    """Bytes per element of a recipe dtype name (``bfloat16``, ``fp32``, ``torch.float16``)."""
+    text = str(name or "").removeprefix("torch.")
+    return _DTYPE_BYTES.get(text, default)
+
+
+def parallel_sizes(effective: EffectiveSettings) -> dict[str, int]:
+    """The model-parallel sizes of the effective settings (at least 1 each)."""
+    v = effective.value
+    return {
+        name: max(1, int(v(name) or 1))
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+        )
+    }
+
+
+def stage_layer_counts(effective: EffectiveSettings) -> dict[str, int]:
+    """Layers of each kind on the largest pipeline stage."""
+    from nemo_rl_offload.offload.ledger import layer_kinds
+
+    pp = parallel_sizes(effective)["pipeline_model_parallel_size"]
+    return {kind: math.ceil(n / pp) if n else 0 for kind, n, _ in layer_kinds(effective)}
+
+
+def tp_share(owner: str, effective: EffectiveSettings) -> float:
+    """The share of a ledger owner's bytes one tensor-parallel rank holds."""
+    s = parallel_sizes(effective)
+    if owner.startswith("mlp.experts"):
+        return 1 / s["expert_tensor_parallel_size"]
+    if owner in _REPLICATED_OWNERS and not effective.value("sequence_parallel"):
+        return 1.0
+    return 1 / s["tensor_model_parallel_size"]
+
+
+def covered(recompute: frozenset[str]) -> frozenset[str]:
+    """The recompute options whose saved tensors ``recompute`` frees."""
+    out: set[str] = set()
+    for option in recompute:
+        out |= RECOMPUTE_COVERS.get(option, frozenset({option}))
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class ActivationSettings:
+    """The settings that remove activation bytes, as the arithmetic reads them: offload
+    modules (with ``LAYER_INPUT`` under full recompute) and the fraction moved, selective
+    recompute options as named, and full recompute (``full``: ``uniform`` or ``block``;
+    ``num_layers``: the segment's layers for uniform, the covered layers for block)."""
+
+    offload: frozenset[str] = frozenset()
+    fraction: float = 1.0
+    recompute: frozenset[str] = frozenset()
+    full: str | None = None
+    num_layers: int = 1
+
+    @classmethod
+    def of(cls, effective: EffectiveSettings) -> ActivationSettings:
+        """A recipe's settings, from its effective settings (Megatron's defaults filled in)."""
+        v = effective.value
+        offload: frozenset[str] = frozenset()
+        if v("fine_grained_activation_offloading") is True and isinstance(
+            v("offload_modules"), list
+        ):
+            offload = frozenset(v("offload_modules"))
+        fraction = v("activation_offload_fraction", 1.0)
+        granularity = v("recompute_granularity")
+        recompute: frozenset[str] = frozenset()
+        if granularity == "selective":
+            modules = v("recompute_modules")
+            recompute = frozenset(
+                modules if isinstance(modules, list) else MEGATRON_DEFAULT_RECOMPUTE
+            )
+        full = None
+        if granularity == "full":
+            full = BLOCK if v("recompute_method") == BLOCK else UNIFORM
+        return cls(
+            offload=offload,
+            fraction=1.0 if fraction is None else float(fraction),
+            recompute=recompute,
+            full=full,
+            num_layers=max(1, int(v("recompute_num_layers") or 1)),
+        )
+
+
+@dataclass(frozen=True)
+class Row:
+    """One ledger entry on one rank of the largest stage: ``nbytes`` per layer (this rank's
+    share) over ``layers`` layers of its ``kind``; ``movable``: the offload manager moves its
+    tensors (not under ``min_offloaded_tensor_size``, and more layers than the last one)."""
+
+    owner: str
+    kind: str
+    layers: int
+    nbytes: float
+    offload: str | None
+    recompute: str | None
+    movable: bool = True
+
+
+@dataclass(frozen=True)
+class ModuleBytes:
+    """One ledger owner's saved bytes over the stage's layers for one micro-batch on one rank:
+    as measured (``saved``) and after the settings (``kept``; ``removed_by`` says which setting
+    removed the rest)."""
+
+    module: str
+    saved: float
+    kept: float
+    removed_by: str = ""
+
+
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """What a training step's activations hold at their peak on one rank, and what one
+    micro-batch moves to the host (``offloaded``, each way)."""
+
+    tokens: int
+    tokens_source: str
+    in_flight: int  # micro-batches whose activations one pipeline stage holds at once
+    modules: list[ModuleBytes]
+    layer_inputs: float = 0.0  # full recompute: the checkpointed segment inputs kept
+    recomputed_segment: float = 0.0  # full recompute: one segment's activations in backward
+    model: float = 0.0  # the ledger's embedding / output / loss entries (logits)
+    offloaded: float = 0.0  # bytes one micro-batch copies to the host (and back)
+
+    @property
+    def saved(self) -> float:
+        """Without any offload or recompute setting."""
+        return self.in_flight * sum(m.saved for m in self.modules) + self.model
+
+    @property
+    def total(self) -> float:
+        kept = sum(m.kept for m in self.modules) + self.layer_inputs + self.recomputed_segment
+        return self.in_flight * kept + self.model
+
+    def removed_by(self) -> dict[str, float]:
+        """Bytes each setting removes (per micro-batch in flight, all layers)."""
+        out: dict[str, float] = {}
+        for m in self.modules:
+            if m.removed_by:
+                out[m.removed_by] = out.get(m.removed_by, 0.0) + m.saved - m.kept
+        return out
+
+
+def _merge(parts: list[ModuleBytes]) -> list[ModuleBytes]:
+    """One row per owner (an owner saves in several dtypes), in forward order."""
+    rows: dict[str, ModuleBytes] = {}
+    for p in parts:
+        old = rows.get(p.module)
+        if old is None:
+            rows[p.module] = p
+        else:
+            rows[p.module] = ModuleBytes(
+                p.module, old.saved + p.saved, old.kept + p.kept, old.removed_by or p.removed_by
+            )
+    return list(rows.values())
+
+
+@dataclass(frozen=True)
+class ActivationTable:
+    """A recipe's activation bytes on one rank of its largest stage, ready to evaluate any
+    settings (:meth:`estimate`): ``rows`` from the ledger, ``layer_input`` one checkpoint
+    input's bytes, ``model`` the embedding / output / loss entries no setting removes."""
+
+    tokens: int
+    tokens_source: str
+    in_flight: int
+    rows: tuple[Row, ...]
+    layer_input: float
+    model: float
+    stage_layers: int
+
+    @classmethod
+    def of(
+        cls, effective: EffectiveSettings, ledger: Ledger, *, activation_bytes: int
+    ) -> ActivationTable:
+        """The table of a recipe's shape and parallel settings (its offload and recompute
+        settings play no part: they are evaluated later)."""
+        tokens = ledger.tokens_per_microbatch
+        sizes = parallel_sizes(effective)
+        tp, pp = sizes["tensor_model_parallel_size"], sizes["pipeline_model_parallel_size"]
+        counts = stage_layer_counts(effective)
+        minimum = effective.value("min_offloaded_tensor_size", DEFAULT_MIN_OFFLOADED_TENSOR_SIZE)
+        rows: list[Row] = []
+        model = 0.0
+        for kind in ledger.kinds:
+            if kind.kind == MODEL:
+                model = sum(e.bytes_at(tokens) for e in kind.entries) / tp
+                continue
+            layers = counts.get(kind.kind, 0)
+            for e in kind.entries:
+                nbytes = e.bytes_at(tokens) * tp_share(e.owner, effective)
+                per_tensor = nbytes / max(1, e.tensors) / dtype_bytes(e.dtype)
+                movable = per_tensor >= (minimum or 0) and layers > 1
+                rows.append(
+                    Row(e.owner, kind.kind, layers, nbytes, e.offload, e.recompute, movable)
+                )
+        sp = tp if effective.value("sequence_parallel") else 1
+        layer_input = int(effective.value("hidden_size")) * tokens * activation_bytes / sp
+        return cls(
+            tokens=tokens,
+            tokens_source=ledger.tokens_source,
+            in_flight=pp,
+            rows=tuple(rows),
+            layer_input=layer_input,
+            model=model,
+            stage_layers=sum(counts.values()),
+        )
+
+    def layers_of(self) -> dict[str, int]:
+        """Layers of each kind (on the largest stage)."""
+        return {row.kind: row.layers for row in self.rows}
+
+    def largest_layer(self) -> float:
+        """One layer's saved bytes, of the largest kind."""
+        per_kind: dict[str, float] = {}
+        for row in self.rows:
+            per_kind[row.kind] = per_kind.get(row.kind, 0.0) + row.nbytes
+        return max(per_kind.values(), default=0.0)
+
+    def recomputed_layers(self, settings: ActivationSettings) -> int:
+        """Layers full recompute re-runs (0 without it)."""
+        if settings.full is None:
+            return 0
+        if settings.full == BLOCK:
+            return min(settings.num_layers, self.stage_layers)
+        return self.stage_layers
+
+    def checkpoints(self, settings: ActivationSettings) -> int:
+        """Checkpointed segments under full recompute, each keeping its input (0 without)."""
+        if settings.full is None:
+            return 0
+        if settings.full == BLOCK:
+            return self.recomputed_layers(settings)
+        return math.ceil(self.stage_layers / min(settings.num_layers, max(1, self.stage_layers)))
+
+    def _row(self, row: Row, settings: ActivationSettings, freed: frozenset[str]) -> ModuleBytes:
+        saved = row.nbytes * row.layers
+        if row.recompute in freed:
+            return ModuleBytes(row.owner, saved, 0.0, f"recompute {row.recompute}")
+        if row.offload and row.offload in settings.offload and row.movable:
+            moved = saved * settings.fraction * (row.layers - 1) / row.layers
+            return ModuleBytes(row.owner, saved, saved - moved, f"offload {row.offload}")
+        return ModuleBytes(row.owner, saved, saved)
+
+    def estimate(self, settings: ActivationSettings) -> ActivationEstimate:
+        """The activations ``settings`` keep at the peak and move per micro-batch."""
+        freed = covered(settings.recompute)
+        modules = _merge([self._row(row, settings, freed) for row in self.rows])
+        moved = sum(m.saved - m.kept for m in modules if m.removed_by.startswith("offload"))
+        common: dict[str, Any] = {
+            "tokens": self.tokens,
+            "tokens_source": self.tokens_source,
+            "in_flight": self.in_flight,
+            "model": self.model,
+        }
+        if settings.full is None:
+            return ActivationEstimate(modules=modules, offloaded=moved, **common)
+        checkpoints = self.checkpoints(settings)
+        largest = self.largest_layer()
+        if LAYER_INPUT in settings.offload:
+            inputs = min(checkpoints, 2) * self.layer_input
+            moved_inputs = checkpoints * self.layer_input
+        else:
+            inputs, moved_inputs = checkpoints * self.layer_input, 0.0
+        if settings.full == BLOCK:
+            # The uncovered layers keep what they save (offloaded as set); backward re-runs one
+            # covered layer at a time, after the uncovered layers' activations are freed.
+            stage = self.stage_layers
+            share = (stage - checkpoints) / stage if stage else 0.0
+            modules = [
+                ModuleBytes(m.module, m.saved, m.kept * share, m.removed_by or "full recompute")
+                for m in modules
+            ]
+            kept = sum(m.kept for m in modules)
+            return ActivationEstimate(
+                modules=modules,
+                layer_inputs=inputs,
+                recomputed_segment=max(0.0, largest - kept),
+                offloaded=moved * share + moved_inputs,
+                **common,
+            )
+        segment = min(settings.num_layers, self.stage_layers)
+        return ActivationEstimate(
+            modules=[ModuleBytes(m.module, m.saved, 0.0, "full recompute") for m in modules],
+            layer_inputs=inputs,
+            recomputed_segment=segment * largest,
+            offloaded=moved_inputs,
+            **common,
+        )
+
+
+def activations(
+    effective: EffectiveSettings, ledger: Ledger, *, activation_bytes: int
+) -> ActivationEstimate:
+    """A recipe's training activations on one rank of its largest pipeline stage."""
+    table = ActivationTable.of(effective, ledger, activation_bytes=activation_bytes)
+    return table.estimate(ActivationSettings.of(effective))
