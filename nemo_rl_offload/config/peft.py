@@ -165,8 +165,6 @@ def model_problems(
         return []
     key = f"{where}.megatron_cfg.peft.enabled"
     found = []
-    if where != "policy":
-        found.append(f"{key}: only the trained policy takes adapters; set it to false")
     if has_experts:
         found.append(
             f"{key}: adapters on a model with experts (MoE linears) are not implemented yet; "

@@ -36,7 +36,12 @@ from typing import Any
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.tensor_parallel import mappings
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -55,14 +60,26 @@ class _Adapter:
     lora_name: str
 
     def _add_adapter(
-        self, settings: LoraSettings, name: str, a_shape: tuple, b_shape: tuple
+        self,
+        settings: LoraSettings,
+        name: str,
+        a_shape: tuple,
+        b_shape: tuple,
+        split: tuple[str, int],
     ) -> None:
+        """Make A (``a_shape``) and B (``b_shape``), the one named in ``split`` marked as
+        split over tensor-parallel ranks along that dimension (Megatron counts such a weight
+        on every rank in the gradient norm, a replicated one on the first rank only)."""
         config = self.config  # type: ignore[attr-defined]
         self.lora = settings
         self.lora_name = name
         kwargs = {"dtype": config.params_dtype, "device": _init_device(config)}
         self.lora_a = torch.nn.Parameter(torch.zeros(a_shape, **kwargs))
         self.lora_b = torch.nn.Parameter(torch.zeros(b_shape, **kwargs))
+        for param_name in ADAPTER_PARAMS:
+            param = getattr(self, param_name)
+            parallel = param_name == split[0]
+            set_tensor_model_parallel_attributes(param, parallel, split[1] if parallel else -1, 1)
         self.lora_dropout = torch.nn.Dropout(settings.dropout)  # type: ignore[attr-defined]
 
     def _dropout(self, x: torch.Tensor, split: bool) -> torch.Tensor:
@@ -93,6 +110,7 @@ class LoraColumnParallelLinear(_Adapter, ColumnParallelLinear):
             lora_name,
             (lora.dim, self.input_size),
             (self.output_size_per_partition, lora.dim),
+            split=("lora_b", 0),
         )
         if self.sequence_parallel:
             self.lora_a.sequence_parallel = True
@@ -112,8 +130,10 @@ class LoraColumnParallelLinear(_Adapter, ColumnParallelLinear):
         return output + update.to(output.dtype), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # noqa: ANN001, ANN201
-        """Megatron's (weight and bias split along the output) with B split likewise."""
-        return make_sharded_tensors_for_checkpoint(
+        """Megatron's (weight and bias split along the output) with B split likewise. A gated
+        fc1's rows are [gate; up], each split over ranks (Megatron's MLP re-shards its weight
+        so with its swiglu factory); B's rows follow the weight's, so B gets the same."""
+        sharded = make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True),
             prefix,
             {"weight": 0, "bias": 0, "lora_b": 0},
@@ -121,6 +141,16 @@ class LoraColumnParallelLinear(_Adapter, ColumnParallelLinear):
             tp_group=self.tp_group,
             dp_cp_group=metadata["dp_cp_group"],
         )
+        if self.lora_name == "linear_fc1" and self.config.gated_linear_unit:
+            key = f"{prefix}lora_b"
+            sharded[key] = apply_swiglu_sharded_factory(
+                sharded[key],
+                sharded_offsets,
+                metadata.get("singleton_local_shards", False),
+                tp_group=self.tp_group,
+                dp_group=metadata["dp_cp_group"],
+            )
+        return sharded
 
 
 class LoraRowParallelLinear(_Adapter, RowParallelLinear):
@@ -133,6 +163,7 @@ class LoraRowParallelLinear(_Adapter, RowParallelLinear):
             lora_name,
             (lora.dim, self.input_size_per_partition),
             (self.output_size, lora.dim),
+            split=("lora_a", 1),
         )
         if self.sequence_parallel:
             self.lora_b.sequence_parallel = True
