@@ -96,6 +96,7 @@ def _read_dist_checkpoint(
 
     from nemo_rl_offload.models import checkpoint
     from nemo_rl_offload.models.builder import build_gpt_model
+    from nemo_rl_offload.models.lora import merged_state_dict
     from nemo_rl_offload.models.parallel import single_rank_megatron
     from nemo_rl_offload.offload import apply
 
@@ -116,7 +117,9 @@ def _read_dist_checkpoint(
             on_gpu=False,
             weights_only=True,
         )
-        return {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+        # LoRA adapters are folded into their linears' weights (W + alpha/dim * B A).
+        state = merged_state_dict(model) if effective.lora is not None else model.state_dict()
+        return {k: v for k, v in state.items() if "_extra_state" not in k}
 
 
 def export(

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.config import checkpointing, dtensor_recipes, grpo_options, ignored_keys
+from nemo_rl_offload.config import (
+    checkpointing,
+    dtensor_recipes,
+    grpo_options,
+    ignored_keys,
+    peft,
+)
 from nemo_rl_offload.config.loader import load_recipe, unset_environment
 from nemo_rl_offload.config.model_presets import (
     Architecture,
@@ -431,6 +437,14 @@ def check_recipe(
         effective = apply.effective_settings(
             section, architecture, where=where, te_installed=caps.has_transformer_engine
         )
+        if where == "policy":  # a teacher's peft is refused by ignored_keys
+            report.errors += peft.problems(section, where) + peft.model_problems(
+                section,
+                where,
+                has_experts=effective.is_moe,
+                transformer_impl=effective.value("transformer_impl"),
+                cuda_graph_impl=effective.value("cuda_graph_impl"),
+            )
         if architecture is not None:  # Megatron cannot build a config without the model
             effective_by_section[where] = effective
         report.sections.append(

@@ -451,7 +451,6 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         f"{m}.mtp_use_repeated_layer": Unused(
             "multi-token prediction is not implemented (mtp_num_layers is refused)", _always
         ),
-        f"{m}.peft": _not_yet_section(f"{m}.peft", "LoRA adapters"),
         f"{m}.train_iters": train_only(
             Unused(
                 "the schedule's length is scheduler.lr_decay_iters and the run's the "
@@ -575,6 +574,9 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             "quantization is not implemented (quant_cfg is refused)", _always
         )
     if teacher:
+        # The policy's adapters are implemented (config/peft.py); a teacher's would change
+        # the targets it gives.
+        entries[f"{m}.peft"] = _not_yet_section(f"{m}.peft", "LoRA adapters on a teacher")
         return entries
     g = f"{where}.generation"
     for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang"), ("trtllm", "TensorRT-LLM")):

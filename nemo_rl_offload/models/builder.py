@@ -16,6 +16,7 @@ from typing import Any
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from nemo_rl_offload.config.model_presets import Architecture
+from nemo_rl_offload.config.peft import LoraSettings
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.offload import apply
 from nemo_rl_offload.offload.apply import EffectiveSettings
@@ -92,6 +93,7 @@ def layer_spec(
     config: Any,
     mlp_offload_modules: frozenset[str] = frozenset(),
     recompute_modules: frozenset[str] = frozenset(),
+    lora: LoraSettings | None = None,
 ) -> Any:
     """The transformer layer spec for ``config.transformer_impl`` (for the local spec, this
     pipeline stage's block spec where its final norm had to be replaced: see
@@ -99,7 +101,8 @@ def layer_spec(
     (:mod:`models.mlp_offload`; the rules allow them on the local spec's dense MLP only), and
     on the local spec the selective recompute that runs there through this package
     (:mod:`models.local_recompute`: ``layernorm`` from ``config``, and this package's
-    ``recompute_modules``, which TransformerConfig does not hold)."""
+    ``recompute_modules``, which TransformerConfig does not hold), and the LoRA adapters
+    ``lora`` (:mod:`models.lora`; dense local spec only, as validate checks first)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if mlp_offload_modules and (config.transformer_impl != "local" or config.num_moe_experts):
@@ -111,6 +114,11 @@ def layer_spec(
         raise UserInputError(
             f"policy.megatron_cfg.recompute_modules: {sorted(recompute_modules)} recompute the "
             "dense MLP of the local layer spec; remove them (the offload rules say why)"
+        )
+    if lora is not None and (config.transformer_impl != "local" or config.num_moe_experts):
+        raise UserInputError(
+            "policy.megatron_cfg.peft.enabled: adapters sit on the dense local layer spec; "
+            "set transformer_impl to local (models with experts are not supported yet)"
         )
     if config.transformer_impl == "transformer_engine":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -132,6 +140,10 @@ def layer_spec(
         normalization=config.normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if lora is not None:
+        from nemo_rl_offload.models.lora import with_lora
+
+        spec = with_lora(spec, lora)
     from nemo_rl_offload.models.local_recompute import recomputes_norms, with_local_recompute
 
     if recompute_modules or recomputes_norms(config):
@@ -196,8 +208,16 @@ def build_gpt_model(
     mlp_modules = apply.project_offload_modules(effective) if kwargs.get(FGO_FIELD) else frozenset()
     config = apply.make_transformer_config(kwargs, mlp_modules)
     model = gpt_model_for(
-        config, architecture, mlp_modules, apply.project_recompute_modules(effective)
+        config,
+        architecture,
+        mlp_modules,
+        apply.project_recompute_modules(effective),
+        effective.lora,
     )
+    if effective.lora is not None:
+        from nemo_rl_offload.models.lora import prepare
+
+        prepare(model)
     if apply.offloads_layer_input(effective):
         if on_gpu:
             from nemo_rl_offload.models.layer_input_block import offload_layer_inputs
@@ -218,14 +238,16 @@ def gpt_model_for(
     architecture: Architecture,
     mlp_offload_modules: frozenset[str] = frozenset(),
     recompute_modules: frozenset[str] = frozenset(),
+    lora: LoraSettings | None = None,
 ) -> GPTModel:
     """The GPTModel of ``config`` for this pipeline stage, on the CPU, with the dense MLP's
-    offload points ``mlp_offload_modules`` and this package's ``recompute_modules``."""
+    offload points ``mlp_offload_modules``, this package's ``recompute_modules`` and the LoRA
+    adapters ``lora`` (initialised by ``models.lora.prepare``, which freezes the rest)."""
     from megatron.core import parallel_state
 
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, mlp_offload_modules, recompute_modules),
+        transformer_layer_spec=layer_spec(config, mlp_offload_modules, recompute_modules, lora),
         vocab_size=architecture.vocab_size,
         max_sequence_length=architecture.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

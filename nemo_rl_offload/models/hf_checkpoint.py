@@ -128,6 +128,7 @@ def load_into_model(model: Any, architecture: Architecture) -> None:
     from megatron.core import parallel_state
 
     from nemo_rl_offload.models.hf_convert import hf_to_megatron
+    from nemo_rl_offload.models.lora import is_adapter_key
 
     directory = Path(architecture.hf_directory or "")
     if parallel_state.get_expert_model_parallel_world_size() > 1:
@@ -152,8 +153,8 @@ def load_into_model(model: Any, architecture: Architecture) -> None:
     offsets = {local: layer.layer_number - 1 for local, layer in enumerate(model.decoder.layers)}
     state = {}
     for key, current in own.items():
-        if key.endswith("_extra_state"):
-            state[key] = current
+        if key.endswith("_extra_state") or is_adapter_key(key):
+            state[key] = current  # LoRA adapters start from their initialisation
             continue
         source = _global_key(key, offsets)
         if source not in converted and key == "output_layer.weight":

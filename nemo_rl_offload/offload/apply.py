@@ -21,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_rl_offload.config import peft
 from nemo_rl_offload.config.model_presets import Architecture, has_experts
+from nemo_rl_offload.config.peft import LoraSettings
 from nemo_rl_offload.offload.capabilities import (
     LAYER_INPUT,
     MLP_OFFLOAD_MODULES,
@@ -99,6 +101,8 @@ class EffectiveSettings:
     conflicts: list[tuple[str, str, str]]
     # recompute_* keys given while activation_checkpointing is off (NeMo-RL ignores them).
     ignored_recompute_keys: list[str]
+    # The LoRA adapters the layer spec places (megatron_cfg.peft), None without.
+    lora: LoraSettings | None = None
 
     def value(self, name: str, default: Any = None) -> Any:
         setting = self.settings.get(name)
@@ -251,7 +255,7 @@ def effective_settings(
         resolve_transformer_impl(megatron_cfg.get("transformer_impl"), te_installed),
         impl_source,
     )
-    return EffectiveSettings(settings, conflicts, ignored)
+    return EffectiveSettings(settings, conflicts, ignored, peft.lora_settings(policy_cfg))
 
 
 def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:

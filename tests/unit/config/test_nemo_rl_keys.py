@@ -111,7 +111,7 @@ def test_a_key_ignoring_which_changes_nothing_warns_once_and_is_silent_when_iner
 @pytest.mark.parametrize(
     ("recipe", "key"),
     [
-        ({"policy": {"megatron_cfg": {"peft": {"enabled": True}}}}, "policy.megatron_cfg.peft"),
+        ({"teacher": {"megatron_cfg": {"peft": {"enabled": True}}}}, "teacher.megatron_cfg.peft"),
         (
             {"policy": {"megatron_cfg": {"fp8_cfg": {"enabled": True}}}},
             "policy.megatron_cfg.fp8_cfg",

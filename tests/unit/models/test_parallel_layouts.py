@@ -99,6 +99,36 @@ def test_every_pass_agrees_on_a_dense_layout(dense_single, megatron_cfg, tmp_pat
         assert _reported(results)["sampled"] == single["sampled"]
 
 
+# LoRA (policy.megatron_cfg.peft): the adapters follow their linear's split; the checkpoint
+# holds adapters trained one step (B away from zero) and the frozen base.
+LORA = {"peft": {"enabled": True, "dim": 4, "alpha": 8, "dropout": 0.0}}
+
+
+@pytest.fixture(scope="module")
+def lora_single(tmp_path_factory) -> tuple[dict, Path]:
+    return _single(tmp_path_factory.mktemp("lora_single"), section(**LORA))
+
+
+@pytest.mark.parametrize(
+    "megatron_cfg",
+    [
+        {"tensor_model_parallel_size": 2},
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    ],
+    ids=["tp2", "tp2_sp"],
+)
+def test_every_pass_agrees_with_lora_adapters(lora_single, megatron_cfg, tmp_path):
+    single, ckpt = lora_single
+    results = run_ranks(
+        worker_ranks.load_then_every_pass,
+        2,
+        tmp_path,
+        policy=section(**megatron_cfg, **LORA),
+        ckpt=str(ckpt),
+    )
+    _assert_same_passes(single, _reported(results))
+
+
 # The MoE step trains on an even length: a padded position changes an MoE model's gradients in
 # their last digits even on one rank (its tokens reach the experts), and a fresh Adam's first
 # step turns that into more than ATOL. Its forward passes still run odd lengths.
