@@ -115,6 +115,9 @@ class FakePolicy:
         self.calls: list[int] = []
         self.truncate = truncate
 
+    def phase_peak_gib(self) -> float:
+        return 0.0  # as CPU workers report
+
     def generate(self, prompts, settings, *, seed, pad_id):
         self.calls.append(len(prompts))
         out = []
