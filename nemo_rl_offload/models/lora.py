@@ -232,8 +232,9 @@ def adapted_linears(model: Any) -> Iterator[tuple[int, Any]]:
 
 def prepare(model: Any) -> None:
     """Freeze every parameter of ``model`` but the adapters', and initialise the adapters: A
-    xavier-normal from a generator seeded by torch's seed, the layer and the linear (the same
-    whole A on every layout, this rank taking its part), B zero."""
+    xavier-uniform (Megatron-Bridge's ``xavier``) from a generator seeded by torch's seed, the
+    layer and the linear (the same whole A on every layout, this rank taking its part), B
+    zero."""
     for name, param in model.named_parameters():
         param.requires_grad = name.rsplit(".", 1)[-1] in ADAPTER_PARAMS
     seed = torch.initial_seed()
@@ -243,8 +244,8 @@ def prepare(model: Any) -> None:
         )
         whole_in = linear.input_size
         whole = torch.empty(linear.lora.dim, whole_in)
-        std = math.sqrt(2.0 / (whole_in + linear.lora.dim))
-        whole.normal_(0.0, std, generator=generator)
+        limit = math.sqrt(6.0 / (whole_in + linear.lora.dim))  # xavier (Glorot) uniform
+        whole.uniform_(-limit, limit, generator=generator)
         if isinstance(linear, LoraRowParallelLinear):
             part = linear.input_size_per_partition
             rank = parallel_state.get_tensor_model_parallel_rank()
