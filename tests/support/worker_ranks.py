@@ -47,6 +47,25 @@ def _rank_main(rank: int, function: Any, world: int, port: int, out: str, kwargs
         traceback.print_exc()
         raise
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    _leave()
+
+
+def _leave() -> None:
+    """End the rank once its result is written, without the interpreter's teardown: a gloo
+    process group left to the destructors of a finishing process can abort it ("terminate
+    called without an active exception", SIGABRT), which failed a CI run whose results were
+    all written."""
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # the other ranks have written theirs too
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def section(**megatron_cfg: Any) -> dict[str, Any]:
