@@ -102,7 +102,7 @@ def start(run: Run) -> loop.Steps:
         "vocab_size": shared_vocab_size(policy_cfg, teacher_cfg),
     }
     sampler = run.sampler(len(train), seed)
-    count_flops = throughput.flops_counter(policy_cfg)
+    meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     val_answers = [str(v["answer"]) for v in val_raw]
 
     def validate_at(step: int) -> dict[str, float]:
@@ -151,24 +151,14 @@ def start(run: Run) -> loop.Steps:
         training_began = time.perf_counter()
         metrics = policy.train(batches.shards, spec)
         elapsed = time.perf_counter() - start
-        # NeMo-RL's distillation timer names; its throughputs as GRPO's (throughput.py).
+        # NeMo-RL's distillation timer names; its throughputs as GRPO's.
         seconds = {
             "generation": sampled - start,
             "teacher_logprob_inference": training_began - sampled,
             "policy_training": time.perf_counter() - training_began,
         }
         lengths = [len(s.ids) for s in sequences]
-        values = {f"timing/train/{name}": value for name, value in seconds.items()}
-        values.update(
-            throughput.step_throughput(
-                lengths=lengths,
-                gpus=policy.workers,
-                elapsed_s=elapsed,
-                phases_s=seconds,
-                training_flops=count_flops(lengths),
-                peak_tflops=float(metrics.get("device_peak_bf16_tflops", 0.0)),
-            )
-        )
+        values = meter.metrics(lengths, elapsed_s=elapsed, phases_s=seconds, train_metrics=metrics)
         if seconds["generation"] > 0:
             values["generation_tokens_per_sec_per_gpu"] = (
                 sum(lengths) / seconds["generation"] / max(1, policy.workers)

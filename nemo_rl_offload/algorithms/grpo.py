@@ -344,7 +344,6 @@ def start(run: Run) -> loop.Steps:
     val = run.encode(val_raw, "val")
     kl_penalty = losses.effective_kl_penalty(loss_cfg)
     options = losses.PolicyLossOptions.from_recipe(loss_cfg)
-    count_flops = throughput.flops_counter(policy_cfg)
     error_threshold = cfg.get("seq_logprob_error_threshold")
     run.connect()
     policy = run.start_group(
@@ -357,6 +356,7 @@ def start(run: Run) -> loop.Steps:
         logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
     )
     run.restore(policy)
+    meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts, group = (
         int(cfg["num_prompts_per_step"]),
@@ -426,21 +426,11 @@ def start(run: Run) -> loop.Steps:
             "policy_and_reference_logprobs": training_began - logprobs_began,
             "policy_training": time.perf_counter() - training_began,
         }
-        phases = {
-            f"timing/train/{name}": value for name, value in seconds.items() if name != "generation"
-        }
         loss_metrics.update(losses.grpo_metric_means(metrics))
         elapsed = time.perf_counter() - start
         lengths = [len(s.ids) for s in sequences]
         loss_metrics.update(
-            throughput.step_throughput(
-                lengths=lengths,
-                gpus=policy.workers,
-                elapsed_s=elapsed,
-                phases_s=seconds,
-                training_flops=count_flops(lengths),
-                peak_tflops=float(metrics.get("device_peak_bf16_tflops", 0.0)),
-            )
+            meter.metrics(lengths, elapsed_s=elapsed, phases_s=seconds, train_metrics=metrics)
         )
         return loop.TrainResult(
             metrics,
@@ -449,7 +439,6 @@ def start(run: Run) -> loop.Steps:
             values={
                 **loss_metrics,
                 **gathered,
-                **phases,
                 "response_tokens_mean": float(
                     np.mean([len(r) for g in groups for r in g.responses])
                 ),

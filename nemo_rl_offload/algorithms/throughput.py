@@ -7,20 +7,54 @@ GPUs (generation is colocated), so every phase divides by all of them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 
-def flops_counter(policy_cfg: dict[str, Any]) -> Callable[[list[int]], float]:
-    """Model FLOPs of a training step over sequences of the given lengths, for the policy of
-    ``policy_cfg`` (:func:`nemo_rl_offload.models.flops.training_flops`)."""
-    from nemo_rl_offload.config.model_presets import section_architecture
-    from nemo_rl_offload.models.flops import training_flops
-    from nemo_rl_offload.offload.apply import effective_settings
+@dataclass(frozen=True)
+class StepMeter:
+    """A step body's throughput metrics: its phases' seconds under NeMo-RL's timer names
+    (``timing/train/<phase>``) and :func:`step_throughput` over the policy's GPUs."""
 
-    architecture = section_architecture(policy_cfg, base_dir=Path.cwd())
-    effective = effective_settings(policy_cfg, architecture, te_installed=False)
-    return lambda lengths: training_flops(effective, architecture.vocab_size, lengths)
+    training_flops: Callable[[list[int]], float]
+    gpus: int
+
+    @classmethod
+    def for_policy(cls, policy_cfg: dict[str, Any], gpus: int) -> StepMeter:
+        """The meter of the policy of ``policy_cfg`` on ``gpus`` workers: its model FLOPs
+        (:func:`nemo_rl_offload.models.flops.training_flops`) from the effective settings."""
+        from nemo_rl_offload.config.model_presets import section_architecture
+        from nemo_rl_offload.models.flops import training_flops
+        from nemo_rl_offload.offload.apply import effective_settings
+
+        architecture = section_architecture(policy_cfg, base_dir=Path.cwd())
+        effective = effective_settings(policy_cfg, architecture, te_installed=False)
+        vocab = architecture.vocab_size
+        return cls(lambda lengths: training_flops(effective, vocab, lengths), gpus)
+
+    def metrics(
+        self,
+        lengths: list[int],
+        *,
+        elapsed_s: float,
+        phases_s: dict[str, float],
+        train_metrics: dict[str, float],
+    ) -> dict[str, float]:
+        """The step's timers and throughputs; ``train_metrics`` (the workers' training step)
+        gives the GPU's peak (``device_peak_bf16_tflops``, absent on CPU workers)."""
+        out = {f"timing/train/{name}": seconds for name, seconds in phases_s.items()}
+        out.update(
+            step_throughput(
+                lengths=lengths,
+                gpus=self.gpus,
+                elapsed_s=elapsed_s,
+                phases_s=phases_s,
+                training_flops=self.training_flops(lengths),
+                peak_tflops=float(train_metrics.get("device_peak_bf16_tflops", 0.0)),
+            )
+        )
+        return out
 
 
 def step_throughput(

@@ -143,8 +143,9 @@ def _attention_layers(forward: CachedForward) -> list[Any]:
     return layers
 
 
-def _cache_shape(forward: CachedForward, rows: int, max_len: int) -> dict[str, int]:
-    layers = _attention_layers(forward)
+def _cache_shape(
+    forward: CachedForward, layers: list[Any], rows: int, max_len: int
+) -> dict[str, int]:
     groups = layers[0].num_query_groups_per_partition if layers else 1
     return {
         "rows": rows,
@@ -155,8 +156,9 @@ def _cache_shape(forward: CachedForward, rows: int, max_len: int) -> dict[str, i
 
 
 def _cache_bytes(forward: CachedForward, rows: int, max_len: int) -> int:
-    layers = len(_attention_layers(forward))
-    return KVCache.nbytes(layers, dtype=forward.dtype, **_cache_shape(forward, rows, max_len))
+    layers = _attention_layers(forward)
+    shape = _cache_shape(forward, layers, rows, max_len)
+    return KVCache.nbytes(len(layers), dtype=forward.dtype, **shape)
 
 
 def rows_per_chunk(
@@ -200,8 +202,9 @@ def rows_per_chunk(
 
 
 def _allocate(forward: CachedForward, rows: int, max_len: int, device: torch.device) -> KVCache:
-    numbers = [m.layer_number for m in _attention_layers(forward)]
-    shape = _cache_shape(forward, rows, max_len)
+    layers = _attention_layers(forward)
+    numbers = [m.layer_number for m in layers]
+    shape = _cache_shape(forward, layers, rows, max_len)
     return KVCache.allocate(numbers, dtype=forward.dtype, device=device, **shape)
 
 

@@ -28,29 +28,6 @@ FULL_RECOMPUTE = {"activation_checkpointing": True, "recompute_num_layers": 1}
 LAYER_INPUT = {"fine_grained_activation_offloading": True, "offload_modules": ["layer_input"]}
 
 
-@pytest.fixture(scope="module")
-def megatron_gpu(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    import torch.distributed as dist
-
-    from nemo_rl_offload.models.parallel import (
-        destroy_megatron_parallel,
-        initialize_megatron_parallel,
-    )
-
-    torch.cuda.set_device(0)
-    owned = not dist.is_initialized()
-    if owned:
-        store = dist.FileStore(str(tmp_path_factory.mktemp("dist") / "store"), 1)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1)
-    try:
-        initialize_megatron_parallel({}, seed=1234, on_gpu=True)
-        yield
-    finally:
-        if owned:
-            destroy_megatron_parallel()
-            dist.destroy_process_group()
-
-
 def _run(**cfg: Any) -> dict[str, Any]:
     """STEPS forward-backward steps of a seeded bf16 llama-1b: gradients of the last step,
     bytes held from forward to backward, peak over the step and seconds per step (median)."""

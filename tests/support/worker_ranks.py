@@ -90,6 +90,12 @@ def make_worker(rank: int, world: int, port: int, policy: dict[str, Any]) -> Any
     return worker
 
 
+def single_worker(policy: dict[str, Any]) -> Any:
+    """A CPU policy worker of ``policy`` on one rank in this process (a second one joins the
+    first one's torch.distributed and Megatron groups)."""
+    return make_worker(0, 1, _free_port(), policy)
+
+
 def step_batches(step: int, count: int = 2, length: int = 24) -> list[dict[str, np.ndarray]]:
     """The micro-batches of one training step (the same on every layout)."""
     rng = np.random.default_rng(1000 + step)

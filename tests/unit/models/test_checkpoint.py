@@ -257,25 +257,17 @@ def test_a_checkpoint_of_another_model_or_with_damaged_files_is_one_line(
 def test_bfloat16_training_resumes_bitwise(megatron_cpu, tmp_path, distributed):
     """Mixed precision: the optimizer steps float32 main weights beside the bfloat16 model,
     both in the checkpoint; a resumed worker's next step is bitwise the saving worker's."""
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
 
     policy = {
         **section(optimizer={"use_distributed_optimizer": distributed}),
         "precision": "bfloat16",
     }
 
-    def worker():
-        made = PolicyWorker(
-            section=policy, where="policy", rank=0, world_size=1, seed=7, on_gpu=False
-        )
-        made.setup(*made.node_address())
-        return made
-
-    trained = worker()
+    trained = worker_ranks.single_worker(policy)
     for step in (1, 2):
         trained.train(worker_ranks.step_batches(step), worker_ranks.LOSS)
     trained.save_checkpoint(str(tmp_path / "ckpt"))
-    resumed = worker()
+    resumed = worker_ranks.single_worker(policy)
     assert resumed.load_checkpoint(str(tmp_path / "ckpt")) == 2
     for step in (3, 4):
         want = trained.train(worker_ranks.step_batches(step), worker_ranks.LOSS)

@@ -48,18 +48,10 @@ def test_merged_weights_compute_what_the_adapted_model_does(build_tiny):
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
 def test_training_moves_only_adapters_and_resumes_bitwise(megatron_cpu, tmp_path, distributed):
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
 
     policy = section(optimizer={"use_distributed_optimizer": distributed}, peft=PEFT)
 
-    def worker():
-        made = PolicyWorker(
-            section=policy, where="policy", rank=0, world_size=1, seed=7, on_gpu=False
-        )
-        made.setup(*made.node_address())
-        return made
-
-    trained = worker()
+    trained = worker_ranks.single_worker(policy)
     weights = trained._unwrapped().state_dict()
     before = {k: v.clone() for k, v in weights.items() if torch.is_tensor(v)}
     batch = worker_ranks.step_batches(1)
@@ -69,7 +61,7 @@ def test_training_moves_only_adapters_and_resumes_bitwise(megatron_cpu, tmp_path
     for key, value in before.items():
         assert torch.equal(after[key], value) != lora.is_adapter_key(key), key
     trained.save_checkpoint(str(tmp_path / "ckpt"))
-    resumed = worker()
+    resumed = worker_ranks.single_worker(policy)
     assert resumed.load_checkpoint(str(tmp_path / "ckpt")) == 4
     for step in (5, 6):
         want = trained.train(worker_ranks.step_batches(step), worker_ranks.LOSS)

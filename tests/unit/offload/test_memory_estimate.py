@@ -67,6 +67,18 @@ MEASURED = [
     ("full recompute", 8192, False, FULL, 47.88),
     ("full recompute", 16384, False, FULL, 50.75),
     ("all five offload modules, distributed optimizer", 8192, True, OFFLOAD_FIVE, 58.94),
+    pytest.param(
+        "all five offload modules",
+        8192,
+        False,
+        OFFLOAD_FIVE,
+        65.95,
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="estimated 11.5% low and not explained "
+            "(benchmarks/results/2026-11-25_cpu_memory_estimate_vs_issue20_h100.md)",
+        ),
+    ),
 ]
 TOLERANCE = 0.05
 
