@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from nemo_rl_offload.offload.apply import EffectiveSettings
 from nemo_rl_offload.offload.ledger import DENSE, MOE, layer_kinds
+from nemo_rl_offload.offload.memory_estimate import layer_weights
 
 # Dense bfloat16 peak of one GPU (FLOP/s), by a name its CUDA device name contains: NVIDIA's
 # H100 SXM and H200 data sheets (989.4 TFLOP/s without sparsity), the peak NeMo-RL divides by.
@@ -30,27 +31,14 @@ def peak_bf16_flops(device_name: str) -> float:
 def forward_flops_per_token(effective: EffectiveSettings, vocab_size: int) -> float:
     """Forward matrix-product FLOPs per token of the whole model (all ranks), attention's
     sequence-length term excluded (:func:`training_flops` adds it)."""
-    v = effective.value
-    hidden, heads = int(v("hidden_size")), int(v("num_attention_heads"))
-    head_dim = int(v("kv_channels") or hidden // heads)
-    q_dim, kv_dim = heads * head_dim, int(v("num_query_groups") or heads) * head_dim
-    gated = 2 if v("gated_linear_unit") else 1
-    ffn = int(v("ffn_hidden_size") or 4 * hidden)
-    attention = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
-    dense_mlp = hidden * ffn * gated + ffn * hidden
+    weights = layer_weights(effective)
     counts = {kind: count for kind, count, _ in layer_kinds(effective)}
-    moe_layers = counts.get(MOE, 0)
-    per_layer = counts.get(DENSE, 0) * (attention + dense_mlp)
-    if moe_layers:
-        experts = int(v("num_moe_experts"))
-        expert_ffn = int(v("moe_ffn_hidden_size") or ffn)
-        active = int(v("moe_router_topk") or 1) * (
-            hidden * expert_ffn * gated + expert_ffn * hidden
-        )
-        shared_ffn = int(v("moe_shared_expert_intermediate_size") or 0)
-        shared = shared_ffn * hidden * (gated + 1)
-        per_layer += moe_layers * (attention + hidden * experts + active + shared)
-    return 2.0 * (per_layer + vocab_size * hidden)
+    per_token = counts.get(DENSE, 0) * (weights.attention + weights.dense_mlp)
+    if counts.get(MOE):
+        topk = int(effective.value("moe_router_topk") or 1)
+        routed = topk * weights.expert + weights.shared_experts + weights.router
+        per_token += counts[MOE] * (weights.attention + routed)
+    return 2.0 * (per_token + vocab_size * int(effective.value("hidden_size")))
 
 
 def training_flops(effective: EffectiveSettings, vocab_size: int, lengths: Iterable[int]) -> float:

@@ -125,6 +125,37 @@ def gpu_peak(estimates: list[MemoryEstimate]) -> tuple[float, str]:
 # ------------------------------------------------------------------------------ the parts
 
 
+@dataclass(frozen=True)
+class LayerWeights:
+    """The matrix weights of a layer's parts at full width (no biases, no norms): what the
+    parameter counts and the model FLOPs (models/flops.py) are both built from."""
+
+    attention: int  # qkv and output projections
+    dense_mlp: int  # fc1 (both halves when gated) and fc2
+    expert: int  # one routed expert's fc1 and fc2
+    shared_experts: int
+    router: int
+
+
+def layer_weights(effective: EffectiveSettings) -> LayerWeights:
+    """Each part's matrix weights, from the effective settings."""
+    v = effective.value
+    hidden, heads = int(v("hidden_size")), int(v("num_attention_heads"))
+    head_dim = int(v("kv_channels") or hidden // heads)
+    q_dim, kv_dim = heads * head_dim, int(v("num_query_groups") or heads) * head_dim
+    gated = 2 if v("gated_linear_unit") else 1
+    ffn = int(v("ffn_hidden_size") or 4 * hidden)
+    expert_ffn = int(v("moe_ffn_hidden_size") or ffn)
+    experts = int(v("num_moe_experts") or 0) if effective.is_moe else 0
+    return LayerWeights(
+        attention=hidden * (q_dim + 2 * kv_dim) + q_dim * hidden,
+        dense_mlp=hidden * ffn * (gated + 1),
+        expert=hidden * expert_ffn * (gated + 1),
+        shared_experts=hidden * int(v("moe_shared_expert_intermediate_size") or 0) * (gated + 1),
+        router=hidden * experts,
+    )
+
+
 def parameter_counts(effective: EffectiveSettings, architecture: Architecture) -> ParameterCounts:
     """Parameters on one rank of the largest pipeline stage, from the effective settings."""
     v = effective.value
@@ -139,21 +170,18 @@ def parameter_counts(effective: EffectiveSettings, architecture: Architecture) -
     bias = bool(v("add_bias_linear", True))
     qkv_bias = bias or bool(v("add_qkv_bias"))
     norm = 2 * hidden if v("normalization") == "LayerNorm" else hidden
-    attention = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
-    attention += (q_dim + 2 * kv_dim) * qkv_bias + hidden * bias
+    weights = layer_weights(effective)
+    attention = weights.attention + (q_dim + 2 * kv_dim) * qkv_bias + hidden * bias
     replicated = 2 * norm + (2 * head_dim if v("qk_layernorm") else 0)
     ffn = int(v("ffn_hidden_size") or 4 * hidden)
-    dense = hidden * ffn * gated + ffn * hidden + (ffn * gated + hidden) * bias
+    dense = weights.dense_mlp + (ffn * gated + hidden) * bias
     counts = stage_layer_counts(effective)
     layers = counts.get(DENSE, 0) * ((attention + dense) / tp + replicated)
     if counts.get(MOE):
         experts = int(v("num_moe_experts"))
-        expert_ffn = int(v("moe_ffn_hidden_size") or ffn)
-        expert = hidden * expert_ffn * gated + expert_ffn * hidden
         split = sizes["expert_model_parallel_size"] * sizes["expert_tensor_parallel_size"]
-        shared_ffn = int(v("moe_shared_expert_intermediate_size") or 0)
-        moe = (attention + shared_ffn * hidden * (gated + 1)) / tp + experts * expert / split
-        layers += counts[MOE] * (moe + replicated + hidden * experts)
+        moe = (attention + weights.shared_experts) / tp + experts * weights.expert / split
+        layers += counts[MOE] * (moe + replicated + weights.router)
     embedding = vocab_size * hidden / tp
     output = 0.0 if shared and pp == 1 else vocab_size * hidden / tp
     if pp > 1:  # the first stage holds the embedding, the last the output layer
