@@ -36,8 +36,17 @@ _PER_RANK_KEYS = (
 
 
 # Of the per-rank metrics, those also logged for every rank under ``rank<r>/`` when a group
-# has several workers: each rank's memory and offloading, which a maximum over ranks hides.
-_EVERY_RANK_KEYS = ("peak_", "offload", "pinned", "d2h", "h2d")
+# has several workers: each rank's peaks, bytes offloaded and pinned memory, which a maximum
+# over ranks hides (the rest of the telemetry stays one value per step).
+_EVERY_RANK_KEYS = frozenset(
+    {
+        "peak_fwd_bwd_gpu_memory_gib",
+        "peak_activation_gpu_memory_gib",
+        "peak_gpu_memory_gib",
+        "offloaded_gib_per_step",
+        "pinned_host_gib",
+    }
+)
 
 
 def combine_step_metrics(results: list[dict[str, float]], reporters: set[int]) -> dict[str, float]:
@@ -50,7 +59,7 @@ def combine_step_metrics(results: list[dict[str, float]], reporters: set[int]) -
         for key, value in result.items():
             if key.startswith(_PER_RANK_KEYS):  # every rank's memory and time count
                 totals[key] = max(totals.get(key, 0.0), value)
-                if len(results) > 1 and key.startswith(_EVERY_RANK_KEYS):
+                if len(results) > 1 and key in _EVERY_RANK_KEYS:
                     totals[f"rank{rank}/{key}"] = value
             elif rank in reporters:  # sums: once per data-parallel group
                 totals[key] = totals.get(key, 0.0) + value
