@@ -8,8 +8,11 @@
 # not fit is a row with its out-of-memory sizes. With GPUS=2 the lengths run side by side, one
 # GPU each (round robin).
 # Run on the GPU machine from the repository root:
-#     OUT=DIR [SEQS="8192 16384 32768"] [CASES=a,b,...] [STEPS=5] [GPUS=1] bash benchmarks/long_context_matrix.sh
-# Writes DIR/seq<N>/ (the benchmark's JSON and markdown table per length).
+#     OUT=DIR [SEQS="8192 16384 32768"] [CASES=a,b,...] [CASES_16384=c,d,...] [STEPS=5] [GPUS=1] [FIRST_GPU=0] \
+#         [LIMIT=seconds per length] bash benchmarks/long_context_matrix.sh
+# CASES_<N> replaces CASES at N tokens (a plan that cannot fit there need not be run). Writes
+# DIR/seq<N>/ (the benchmark's JSON and markdown table per length, and each case's record as it
+# finishes in a .cases.jsonl, kept when LIMIT cuts the length short).
 set -u
 OUT=${OUT:-/tmp/long_context_matrix}
 SEQS=${SEQS:-8192 16384 32768}
@@ -18,19 +21,25 @@ GPUS=${GPUS:-1}
 CASES=${CASES:-recompute_full,recompute_full+layer_input,recompute_block_14,recompute_block_7,fgo_all5,fgo_all5_mlp,recompute_cheap,fgo_norm_inputs_attn+recompute_cheap,fgo_norm_inputs_attn_fc1+recompute_mlp_act,recompute_mlp_layernorm,fgo_attn_pair+recompute_mlp_layernorm}
 source benchmarks/device_setup.sh
 SHAPE=(num_layers=28 hidden_size=3072 ffn_hidden_size=8192 num_attention_heads=24 num_query_groups=8)
+# The CUDA allocator's expandable segments (NeMo-RL's recipes set them the same way): offloaded
+# and reloaded activations of many sizes otherwise leave GiBs reserved but unusable, and plans
+# that fit by their bytes run out of memory. ALLOC= runs with the allocator's default.
+ALLOC=${ALLOC-expandable_segments:True}
 OVERRIDES=()
+[ -n "$ALLOC" ] && OVERRIDES+=("--recipe-override=policy.megatron_cfg.env_vars={PYTORCH_CUDA_ALLOC_CONF: \"$ALLOC\"}")
 for field in "${SHAPE[@]}"; do
     OVERRIDES+=("--recipe-override=++policy.megatron_cfg.model_overrides.$field")
 done
 lane=0
 for seq in $SEQS; do
     (
-        export CUDA_VISIBLE_DEVICES=$lane
-        python3 benchmarks/offload_benchmark.py --model llama-1b \
+        export CUDA_VISIBLE_DEVICES=$(( lane + ${FIRST_GPU:-0} ))
+        cases_here=CASES_$seq
+        timeout "${LIMIT:-86400}" python3 benchmarks/offload_benchmark.py --model llama-1b \
             --recipe examples/configs/grpo_math_1B_megatron.yaml "${OVERRIDES[@]}" \
-            --seq "$seq" --microbatches 2 --steps "$STEPS" --cases "$CASES" \
+            --seq "$seq" --microbatches 2 --steps "$STEPS" --cases "${!cases_here:-$CASES}" \
             --out "$OUT/seq$seq" > "$OUT/seq$seq.log" 2>&1
-        echo "seq $seq rc=$? (GPU $lane)"
+        echo "seq $seq rc=$? (GPU $CUDA_VISIBLE_DEVICES)"
     ) &
     lane=$(( (lane + 1) % GPUS ))
     if [ "$lane" -eq 0 ]; then wait; fi

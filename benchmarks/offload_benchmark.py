@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -172,10 +173,34 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
     return cases
 
 
+def mixed_case(name: str) -> dict[str, Any]:
+    """The settings of a case written as its parts joined by ``__``: ``fgo:MOD+MOD`` (offload
+    modules), ``rc:MOD+MOD`` (selective recompute modules), ``frac:F`` (offload fraction).
+    Raises KeyError naming the case when a part is none of these."""
+    settings: dict[str, Any] = {}
+    for part in name.split("__"):
+        kind, _, value = part.partition(":")
+        if kind == "fgo" and value:
+            settings.update(FGO, offload_modules=value.split("+"))
+        elif kind == "rc" and value:
+            settings.update(_selective(value.split("+")))
+        elif kind == "frac" and value:
+            try:
+                settings["activation_offload_fraction"] = float(value)
+            except ValueError:
+                raise KeyError(name) from None
+        else:
+            raise KeyError(name)
+    return settings
+
+
 def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, Any]]:
     """The named cases (all when ``names`` is None), no_offload first. Besides the matrix's
-    names, ``fgo:MOD+MOD`` is an offload case of those modules (e.g. a planner's choice), and
-    ``recompute_block_N`` full recompute of the first N layers only, ``CASE_graph_inflight_N``
+    names, ``fgo:MOD+MOD`` is an offload case of those modules, optionally with
+    ``__rc:MOD+MOD`` (selective recompute beside it) and ``__frac:F`` (its offload fraction),
+    e.g. a planner's choice ``fgo:core_attn__rc:layernorm+mlp_act`` (``rc:MOD+MOD`` alone is
+    selective recompute), ``recompute_block_N`` full recompute of the first N layers only,
+    ``CASE_graph_inflight_N``
     is an offload case of the matrix under full-iteration graphs with
     max inflight N, ``CASE_megatron_copies`` an offload case with Megatron's own copies of
     non-contiguous tensors and ``CASE_megatron_hooks`` one with Megatron's own hook code (to
@@ -204,8 +229,8 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
             base = resolve(name.removesuffix(f"_{left_out}"))
             if base.get("fine_grained_activation_offloading"):
                 return {**base, left_out: True}
-        elif name.startswith("fgo:"):
-            return {**FGO, "offload_modules": name.removeprefix("fgo:").split("+")}
+        elif name.startswith(("fgo:", "rc:")):
+            return mixed_case(name)
         raise KeyError(name)
 
     return {name: resolve(name) for name in ["no_offload", *names]}
@@ -517,6 +542,9 @@ def run_case(
     errors = check_section(section)
     if errors:
         return {"case": name, "settings": settings, "rejected": errors}
+    # The recipe's worker environment, as its Ray workers get it (e.g. the CUDA allocator's
+    # PYTORCH_CUDA_ALLOC_CONF, read when this process first allocates on the GPU).
+    os.environ.update(section["megatron_cfg"].get("env_vars") or {})
     worker = build_worker(section, on_gpu)
     use_megatron_handler(worker, settings)
     try:
@@ -874,6 +902,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in order:
             record = run_case_in_subprocess(name, args, out)
             runs[name].append(record)
+            # Each record as it comes: a run cut short (a time limit) keeps its finished cases.
+            with (out / f"{args.model}_seq{args.seq}.cases.jsonl").open("a") as done:
+                done.write(json.dumps(record) + "\n")
             shown = {k: v for k, v in record.items() if k not in ("steps", "settings", "losses")}
             print(json.dumps(shown), flush=True)
     records = [combine_processes(runs[name]) for name in cases]
@@ -883,6 +914,8 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
         "command": " ".join(["python3", "benchmarks/offload_benchmark.py", *sys.argv[1:]]),
         "model": args.model,
+        "recipe": args.recipe,
+        "recipe_overrides": list(args.recipe_override),
         "model_overrides": parse_model_overrides(args),
         "seq": args.seq,
         "microbatches": args.microbatches,

@@ -49,6 +49,7 @@ them across settings would need the workers to rebuild their model under new set
 
 from __future__ import annotations
 
+import json
 import shlex
 import statistics
 import sys
@@ -87,6 +88,7 @@ __all__ = [
 PREDICTION_TOLERANCE = 0.02
 MCFG = "policy.megatron_cfg"
 GRAPH_INFLIGHT = 4  # max inflight offloads for graphed measurements when the recipe sets none
+EXPANDABLE_SEGMENTS = "expandable_segments:True"  # see allocator_settings
 # Fitting plans measured within this of the fastest fitting one are measured again: one offload
 # set's time spreads about this much between fresh processes
 # (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt).
@@ -135,6 +137,15 @@ def _value_text(value: Any) -> str:
         return f"{value:g}"
     if isinstance(value, list):
         return "[" + ",".join(_value_text(v) for v in value) + "]"
+    if isinstance(value, dict):  # strings quoted: a mapping's values may hold ':' or ','
+        return (
+            "{"
+            + ", ".join(
+                f"{k}: {json.dumps(v) if isinstance(v, str) else _value_text(v)}"
+                for k, v in value.items()
+            )
+            + "}"
+        )
     return str(value)
 
 
@@ -142,13 +153,23 @@ def render_overrides(patch: Patch, recipe: dict[str, Any]) -> list[str]:
     """The patch as Hydra-grammar override lines for ``recipe`` (the loaded recipe it applies
     to): a key the recipe has is set (``key=value``), one it lacks is added (``++key=value``),
     so that every line applies as written."""
-    lines = []
-    for path, value in _leaves(patch):
-        node: Any = recipe
-        for key in path:
-            node = node.get(key, _MISSING) if isinstance(node, dict) else _MISSING
-        prefix = "++" if node is _MISSING else ""
-        lines.append(f"{prefix}{'.'.join(path)}={_value_text(value)}")
+    lines: list[str] = []
+
+    def walk(part: Patch, node: Any, path: tuple[str, ...]) -> None:
+        for key, value in part.items():
+            here = (*path, key)
+            child = node.get(key, _MISSING) if isinstance(node, dict) else _MISSING
+            if isinstance(value, dict) and child is None and value:
+                # A mapping the recipe sets to null (e.g. env_vars: null) has no keys to
+                # add: it is set whole.
+                lines.append(f"{'.'.join(here)}={_value_text(value)}")
+            elif isinstance(value, dict):
+                walk(value, child, here)  # an empty mapping changes nothing
+            else:
+                prefix = "++" if child is _MISSING else ""
+                lines.append(f"{prefix}{'.'.join(here)}={_value_text(value)}")
+
+    walk(patch, recipe, ())
     return lines
 
 
@@ -419,6 +440,12 @@ def plan(
     )
     graph_patch, graph_steps = graph_settings(recipe["policy"]["megatron_cfg"])
     measured_with = deep_merge(measured_with, graph_patch)
+    measured_with = deep_merge(
+        measured_with,
+        allocator_settings(
+            recipe["policy"]["megatron_cfg"], report.worker_environment("policy"), dtensor
+        ),
+    )
     steps += graph_steps
 
     def lines(patch: Patch) -> list[str]:
@@ -574,6 +601,26 @@ def faster_over_budget(
         (c.name, *predict(c)) for c in ranked if predict(c)[1] < limit and predict(c)[0] > budget
     ]
     return out[:WHY_NOT_SHOWN]
+
+
+def allocator_settings(
+    megatron_cfg: dict[str, Any], worker_environment: dict[str, str], dtensor: bool
+) -> Patch:
+    """What every measurement of an eager Megatron recipe runs with when its workers' environment
+    leaves the CUDA allocator's configuration to the default: expandable segments. Offloaded and
+    reloaded activations of many sizes otherwise leave GiBs reserved but unusable: at 16k tokens
+    on the 3B shape, plans that fit with expandable segments ran out of memory with 6.8-9.8 GiB
+    reserved but unallocated (benchmarks/results/2026-11-25_h100x2_long_context_3b.md). The plan
+    then carries the setting, so the job runs as measured. A recipe that sets
+    PYTORCH_CUDA_ALLOC_CONF is measured as it is, as are graphed recipes (graphs capture from
+    the allocator's private pools) and DTensor sections (their env_vars replace megatron_cfg's)."""
+    if (
+        dtensor
+        or "PYTORCH_CUDA_ALLOC_CONF" in worker_environment
+        or megatron_cfg.get("cuda_graph_impl") == "full_iteration"
+    ):
+        return {}
+    return megatron_patch({"env_vars": {"PYTORCH_CUDA_ALLOC_CONF": EXPANDABLE_SEGMENTS}})
 
 
 def graph_settings(megatron_cfg: dict[str, Any]) -> tuple[Patch, int]:

@@ -3,6 +3,7 @@ the names built from it."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -113,6 +114,22 @@ def test_partial_full_recompute_cases_recompute_the_first_n_layers_and_the_rules
     )
 
 
+def test_mixed_cases_name_offload_recompute_and_fraction_and_unknown_parts_are_refused():
+    """A planner's choice is a case by name: offload modules, selective recompute beside them
+    and the offload fraction; the rules accept it; a part that is none of these is unknown."""
+    name = "fgo:core_attn+attn_proj__rc:layernorm+mlp_act__frac:0.5"
+    settings = bench.resolve_cases("llama-1b", [name])[name]
+    assert settings["offload_modules"] == ["core_attn", "attn_proj"]
+    assert settings["recompute_modules"] == ["layernorm", "mlp_act"]
+    assert settings["activation_offload_fraction"] == 0.5
+    assert bench.check_section(bench.section_for("llama-1b", 4096, settings)) == []
+    alone = bench.resolve_cases("llama-1b", ["rc:layernorm"])["rc:layernorm"]
+    assert alone["recompute_modules"] == ["layernorm"] and "offload_modules" not in alone
+    for bad in ("fgo:core_attn__frac:half", "fgo:core_attn__xx:1", "rc:"):
+        with pytest.raises(KeyError):
+            bench.resolve_cases("llama-1b", [bad])
+
+
 DROP_AND_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}
 
 
@@ -154,3 +171,33 @@ def test_a_malformed_model_override_is_refused_in_one_line(line, says, capsys):
     assert bench.main(["--model-override", line, "--cases", "no_offload"]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1
+
+
+def test_a_recipe_case_runs_with_the_recipes_worker_environment(monkeypatch):
+    """The child process takes the recipe's megatron_cfg.env_vars (e.g. the CUDA allocator's
+    configuration) before it builds the worker, as the recipe's Ray workers get them."""
+    import argparse
+
+    seen: dict[str, str | None] = {}
+
+    class Built(Exception):
+        pass
+
+    def build_worker(section, on_gpu):
+        seen["alloc"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        raise Built
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(bench, "build_worker", build_worker)
+    args = argparse.Namespace(
+        recipe=str(
+            Path(__file__).resolve().parents[2] / "examples/configs/grpo_math_1B_megatron.yaml"
+        ),
+        recipe_override=['policy.megatron_cfg.env_vars={PYTORCH_CUDA_ALLOC_CONF: "x:y"}'],
+        model="llama-1b",
+        seq=256,
+    )
+    with pytest.raises(Built):
+        bench.run_case("no_offload", {}, args, [], on_gpu=False)
+    assert seen["alloc"] == "x:y"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)

@@ -477,3 +477,57 @@ def test_when_nothing_fits_the_profile_failure_names_both_runs(monkeypatch):
     monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
     with pytest.raises(planner.ProfileFailed, match="full recompute: out of memory.*without"):
         planner.plan(LONG, SMALL_STEP, budgets_gib=[20.5], steps=3, err=StringIO())
+
+
+EXPANDABLE_LINE = (
+    'policy.megatron_cfg.env_vars={PYTORCH_CUDA_ALLOC_CONF: "expandable_segments:True"}'
+)
+
+
+def test_an_eager_recipe_is_measured_and_planned_with_expandable_segments(monkeypatch):
+    """The 1B recipe leaves the CUDA allocator's configuration to the default (env_vars: null):
+    every measurement and the plan set expandable segments, in one line that applies to the
+    null mapping; a recipe that sets the allocator itself is measured as it is."""
+    from io import StringIO
+
+    costs = small_costs()
+    simulated = Simulated(costs, capacity_gib=32.0)
+    calls: list[list[str]] = []
+
+    def measure(config, overrides, steps, err):
+        calls.append(list(overrides))
+        return simulated(config, overrides, steps, err)
+
+    monkeypatch.setattr(planner, "_measure", measure)
+    monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
+    result = planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0], steps=3, err=StringIO())
+    assert calls and all(EXPANDABLE_LINE in lines for lines in calls)
+    (entry,) = result["plans"]
+    assert EXPANDABLE_LINE in planner.plan_overrides(result, entry["chosen"])
+    calls.clear()
+    own = 'policy.megatron_cfg.env_vars={PYTORCH_CUDA_ALLOC_CONF: "backend:cudaMallocAsync"}'
+    planner.plan(LONG, [*SMALL_STEP, own], budgets_gib=[30.0], steps=3, err=StringIO())
+    assert calls and not any(EXPANDABLE_LINE in lines for lines in calls)
+
+
+def test_graphed_and_dtensor_recipes_keep_the_allocator_as_it_is():
+    graphed = {"cuda_graph_impl": "full_iteration"}
+    assert planner.allocator_settings(graphed, {}, dtensor=False) == {}
+    assert planner.allocator_settings({}, {}, dtensor=True) == {}
+    assert planner.allocator_settings({}, {"PYTORCH_CUDA_ALLOC_CONF": "x"}, dtensor=False) == {}
+    eager = planner.allocator_settings({}, {}, dtensor=False)
+    assert eager["policy"]["megatron_cfg"]["env_vars"] == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"
+    }
+
+
+def test_a_mapping_the_recipe_sets_to_null_is_rendered_whole_and_applies():
+    from nemo_rl_offload.config.loader import apply_overrides
+
+    recipe = {"policy": {"megatron_cfg": {"env_vars": None, "tp": 1}}}
+    patch = planner.megatron_patch({"env_vars": {"A": "x:y, z"}, "tp": 2})
+    lines = planner.render_overrides(patch, recipe)
+    assert lines == ['policy.megatron_cfg.env_vars={A: "x:y, z"}', "policy.megatron_cfg.tp=2"]
+    assert apply_overrides(recipe, lines) == {
+        "policy": {"megatron_cfg": {"env_vars": {"A": "x:y, z"}, "tp": 2}}
+    }
