@@ -70,7 +70,12 @@ def _estimate(
 
     section = recipe[where]
     architecture = section_architecture(section, where=where, base_dir=base_dir)
-    effective = apply.effective_settings(section, architecture, where=where, te_installed=False)
+    # Estimated as the GPU machines this package runs on are set up: no Transformer Engine
+    # (the local layer spec) and no Apex, so Megatron's optimizer is torch's, not a fused one.
+    te_installed = False
+    effective = apply.effective_settings(
+        section, architecture, where=where, te_installed=te_installed
+    )
     ledger, _ = cached_ledger(section, where=where, base_dir=base_dir)
     policy = where == "policy"
     return estimate_peak(
@@ -84,6 +89,7 @@ def _estimate(
         with_reference=policy and holds_reference(recipe, algorithm or ""),
         samples_per_step=_samples_per_step(recipe, algorithm) if policy else 0,
         longest_prompt=(recipe.get("data") or {}).get("max_input_seq_length"),
+        fused_adam=te_installed,
     )
 
 
@@ -132,6 +138,12 @@ def _lines(e: MemoryEstimate, section: dict[str, Any]) -> list[str]:
             out.append(
                 f"  {where} optimizer step: +{_gib(e.gradient_copies)} (float32 copies of the "
                 "gradients, kept until the next step)"
+            )
+        if e.step_temporaries:
+            out.append(
+                f"  {where} optimizer step: +{_gib(e.step_temporaries)} while it runs (torch's "
+                "Adam: a float32 temporary of the parameters' size; no fused Adam without "
+                "Transformer Engine or Apex)"
             )
     out.append(f"  {where} forward-only pass: +{_gib(e.forward_only)} (logits and one layer)")
     if e.kv_cache:

@@ -15,7 +15,10 @@ Phases (each a peak of its own; the estimate's peak is the largest):
   activations of the micro-batches in flight (forward-backward);
 - ``optimizer step``: the same resident state plus the float32 copies of 16-bit gradients
   Megatron's mixed-precision optimizers make for their step (kept until the next step's
-  ``zero_grad``, so they are resident during forward-only passes and sampling too);
+  ``zero_grad``, so they are resident during forward-only passes and sampling too), plus, for
+  Adam without a fused implementation (Megatron falls back to torch's multi-tensor Adam when
+  neither Transformer Engine nor Apex is installed), the float32 temporary of the parameters'
+  size that torch's step holds for its denominator while it runs;
 - ``forward-only``: the resident state plus a forward-only pass's logits and one layer's
   working set (log-probabilities; a teacher's scoring);
 - ``generation``: the resident state plus the sampler's KV cache for one step's prompts.
@@ -71,6 +74,7 @@ class MemoryEstimate:
     optimizer: float = 0.0
     optimizer_on_host: float = 0.0
     gradient_copies: float = 0.0  # float32 copies of 16-bit gradients, made by the step
+    step_temporaries: float = 0.0  # held only while the optimizer steps (torch's Adam)
     activations: ActivationEstimate | None = None  # None: forward-only (a teacher)
     forward_only: float = 0.0
     kv_cache: float = 0.0
@@ -94,7 +98,7 @@ class MemoryEstimate:
         out: dict[str, float] = {}
         if self.activations is not None:
             out["training"] = self.resident + self.activations.total
-            out["optimizer step"] = self.between_steps
+            out["optimizer step"] = self.between_steps + self.step_temporaries
         out["forward-only"] = self.between_steps + self.forward_only
         if self.kv_cache:
             out["generation"] = self.between_steps + self.kv_cache
@@ -204,14 +208,17 @@ class _Optimizer:
     on_gpu: float
     on_host: float
     gradient_copies: float
+    step_temporaries: float
 
 
 def _optimizer(
-    params: float, param_bytes: int, megatron_cfg: dict[str, Any], shards: int
+    params: float, param_bytes: int, megatron_cfg: dict[str, Any], shards: int, fused_adam: bool
 ) -> _Optimizer:
     """Adam: a float32 master copy of 16-bit weights and two moments (SGD: one momentum), over
     ``shards`` data-parallel ranks with the distributed optimizer; ``optimizer_cpu_offload``
-    keeps ``optimizer_offload_fraction`` of it on the host."""
+    keeps ``optimizer_offload_fraction`` of it on the host. Without ``fused_adam``, torch's
+    multi-tensor Adam computes ``sqrt(v) + eps`` for all the parameters it steps at once: one
+    float32 temporary of their size during the step."""
     opt = megatron_cfg.get("optimizer") or {}
     sixteen_bit = param_bytes == 2
     aware = bool(opt.get("use_precision_aware_optimizer"))
@@ -222,12 +229,17 @@ def _optimizer(
         states = dtype_bytes(opt.get("exp_avg_dtype")) if aware else 4
         states += dtype_bytes(opt.get("exp_avg_sq_dtype")) if aware else 4
     copies = 4 if sixteen_bit and not aware else 0
+    adam = opt.get("optimizer", "adam") != "sgd"
+    temporaries = 4 if adam and not fused_adam else 0
     if not opt.get("use_distributed_optimizer"):
         shards = 1
     host = float(opt.get("optimizer_offload_fraction") or 0.0)
     host = min(1.0, max(0.0, host)) if opt.get("optimizer_cpu_offload") else 0.0
     state = params * (master + states) / shards
-    return _Optimizer(state * (1 - host), state * host, params * copies / shards * (1 - host))
+    on_gpu = (1 - host) / shards
+    return _Optimizer(
+        state * (1 - host), state * host, params * copies * on_gpu, params * temporaries * on_gpu
+    )
 
 
 def _forward_only(
@@ -283,6 +295,7 @@ def estimate_peak(
     with_reference: bool = False,
     samples_per_step: int = 0,
     longest_prompt: int | None = None,
+    fused_adam: bool = False,
 ) -> MemoryEstimate:
     """The peak GPU memory of one worker of ``section`` (see the module docstring).
 
@@ -295,7 +308,9 @@ def estimate_peak(
     penalty); ``samples_per_step``: sequences the group samples per step (0: it does not
     sample); ``longest_prompt``: the longest prompt's tokens where the recipe bounds it
     (``data.max_input_seq_length``): a sampled sequence is at most that plus
-    ``generation.max_new_tokens``, and never more than ``max_total_sequence_length``."""
+    ``generation.max_new_tokens``, and never more than ``max_total_sequence_length``;
+    ``fused_adam``: the job's Megatron has a fused Adam (Transformer Engine or Apex installed
+    on its GPU machine)."""
     megatron_cfg = section.get("megatron_cfg") or {}
     param_bytes = dtype_bytes(section.get("precision") or "float32")
     params = parameter_counts(effective, architecture)
@@ -309,12 +324,13 @@ def estimate_peak(
         ddp = megatron_cfg.get("distributed_data_parallel_config") or {}
         grad_bytes = 4 if ddp.get("grad_reduce_in_fp32") else param_bytes
         shards = dp * parallel_sizes(effective)["context_parallel_size"]
-        opt = _optimizer(params.total, param_bytes, megatron_cfg, shards)
+        opt = _optimizer(params.total, param_bytes, megatron_cfg, shards, fused_adam)
         estimate.update(
             gradients=params.total * grad_bytes,
             optimizer=opt.on_gpu,
             optimizer_on_host=opt.on_host,
             gradient_copies=opt.gradient_copies,
+            step_temporaries=opt.step_temporaries,
             activations=activations(effective, ledger, activation_bytes=param_bytes),
         )
     estimate["forward_only"] = _forward_only(effective, ledger, section, where)

@@ -206,8 +206,31 @@ def test_a_teacher_beside_the_policy_adds_what_it_keeps():
     teacher = _estimate(_section(), where="teacher", trainable=False)
     assert teacher.activations is None and teacher.gradients == 0
     peak, label = gpu_peak([policy, teacher])
-    assert label == "policy training"
+    assert label == f"policy {policy.peak_phase}"
     assert peak == pytest.approx(policy.peak + teacher.between_steps)
+
+
+# The whole step's peak of the 3B shape on one H100 (distributed optimizer, no reference copy,
+# torch's Adam), the same in every case of the long-context matrix whatever its activations:
+# benchmarks/results/2026-11-25_h100x2_long_context_3b.md ("step peak").
+MEASURED_OPTIMIZER_STEP_GIB = 67.47
+
+
+def test_the_optimizer_step_holds_the_gradient_copies_and_torch_adams_temporary():
+    """Without a fused Adam the step holds two float32 parameter-sized buffers over the
+    resident state (the gradients' copies and the denominator), as measured; a fused Adam
+    (Transformer Engine or Apex on the job's machine) holds only the copies."""
+    torch_adam = _estimate(_section())
+    assert torch_adam.step_temporaries == pytest.approx(4 * torch_adam.parameters.total)
+    measured = MEASURED_OPTIMIZER_STEP_GIB * GIB
+    assert abs(torch_adam.phases()["optimizer step"] - measured) <= 0.01 * measured
+    fused = _estimate(_section(), fused_adam=True)
+    assert fused.step_temporaries == 0
+    assert fused.phases()["optimizer step"] == pytest.approx(fused.between_steps)
+    sgd = _estimate(_section(optimizer={"optimizer": "sgd"}))
+    assert sgd.step_temporaries == 0
+    sharded = _estimate(_section(), workers=2)
+    assert sharded.step_temporaries == pytest.approx(torch_adam.step_temporaries / 2)
 
 
 PLANNER_CANDIDATES = [
