@@ -116,6 +116,10 @@ class Profile:
     resident_gib: float = 0.0
     measured: bool = True
     failure: str | None = None  # why the recipe as it is did not run
+    # The whole step's peak in the profiling runs, the optimizer step's included: budgets are
+    # the forward-backward peak's, which activation settings change; the optimizer step's
+    # (torch's Adam holds parameter-sized float32 buffers) is the same whatever they are.
+    step_peak_gib: float = 0.0
 
 
 def _leaves(patch: Patch, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
@@ -513,7 +517,16 @@ def plan(
         plain.predicted_peak_gib, plain.predicted_fwd_bwd_s = predictor(
             costs.layers, calibrator.calibration()
         )(plain)
+    step_peak = max(
+        (
+            r.get("peak_gpu_memory_gib", 0.0)
+            for records in (recompute_records, plain_records)
+            for r in (records or [])
+        ),
+        default=0.0,
+    )
     profile = Profile(
+        step_peak_gib=step_peak,
         peak_gib=plain.measured_peak_gib or plain.predicted_peak_gib or 0.0,
         fwd_bwd_s=plain.measured_fwd_bwd_s or plain.predicted_fwd_bwd_s or 0.0,
         bytes_per_microbatch_gib=costs.offloadable_gib(),
@@ -668,6 +681,17 @@ def retarget(patch: Patch, dtensor: bool) -> Patch:
     return {**patch, "policy": policy}
 
 
+def optimizer_note(profile: Profile, budget: float) -> str:
+    """The line under a plan whose budget the whole step exceeds: the optimizer step peaks over
+    it whatever the activation setting."""
+    return (
+        f"note: the optimizer step peaks at {profile.step_peak_gib:.2f} GiB, over "
+        f"{budget:.2f} GiB, whatever the activation setting (the budget is the forward-backward "
+        f"peak's); to lower it: {MCFG}.optimizer.optimizer_cpu_offload, the distributed "
+        "optimizer over more ranks, or a fused Adam (Transformer Engine or Apex installed)"
+    )
+
+
 def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:
     if profile.resident_gib >= budget:
         return (
@@ -688,17 +712,22 @@ def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:
 
 
 def _profile_line(profile: Profile) -> str:
+    step = (
+        f"; the whole step, optimizer step included, peaked at {profile.step_peak_gib:.2f} GiB"
+        if profile.step_peak_gib
+        else ""
+    )
     if profile.measured:
         return (
             f"no offload: peak {profile.peak_gib:.2f} GiB (resident {profile.resident_gib:.2f} "
             f"GiB: weights, gradients, optimizer; activations "
             f"{profile.peak_gib - profile.resident_gib:.2f} GiB), forward-backward "
-            f"{profile.fwd_bwd_s:.3f} s"
+            f"{profile.fwd_bwd_s:.3f} s{step}"
         )
     return (
         f"no offload: did not run ({profile.failure}); predicted peak {profile.peak_gib:.2f} GiB "
         f"(resident {profile.resident_gib:.2f} GiB: weights, gradients, optimizer, measured), "
-        f"forward-backward {profile.fwd_bwd_s:.3f} s (estimated from full recompute)"
+        f"forward-backward {profile.fwd_bwd_s:.3f} s (estimated from full recompute){step}"
     )
 
 
@@ -761,6 +790,8 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
             print(why_none(profile, budget, entry["tried"]), file=out)
             all_met = False
             continue
+        if profile.step_peak_gib > budget:
+            print(optimizer_note(profile, budget), file=out)
         print(f"plan: {chosen.name}; paste these overrides:", file=out)
         for line in plan_overrides(result, chosen):
             print(f"  {shlex.quote(line)}", file=out)

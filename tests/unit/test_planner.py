@@ -531,3 +531,29 @@ def test_a_mapping_the_recipe_sets_to_null_is_rendered_whole_and_applies():
     assert apply_overrides(recipe, lines) == {
         "policy": {"megatron_cfg": {"env_vars": {"A": "x:y, z"}, "tp": 2}}
     }
+
+
+def test_a_plan_under_the_optimizer_steps_peak_says_so(monkeypatch):
+    """Budgets are the forward-backward peak's; when the whole step (the optimizer's own peak,
+    the same whatever the activations) is over a budget, the plan says so in one note and
+    names what lowers it; a budget over it gets no note."""
+    from io import StringIO
+
+    costs = small_costs()
+    simulated = Simulated(costs, capacity_gib=32.0)
+
+    def measure(config, overrides, steps, err):
+        records = simulated(config, overrides, steps, err)
+        return [{**r, "peak_gpu_memory_gib": 30.5} for r in records]
+
+    monkeypatch.setattr(planner, "_measure", measure)
+    monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
+    result = planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0, 31.0], steps=3, err=StringIO())
+    assert result["profile"].step_peak_gib == 30.5
+    out = StringIO()
+    planner.format_plan(result, out)
+    text = out.getvalue()
+    assert "the whole step, optimizer step included, peaked at 30.50 GiB" in text
+    notes = [line for line in text.splitlines() if line.startswith("note: the optimizer step")]
+    assert len(notes) == 1 and "over 30.00 GiB" in notes[0]
+    assert "optimizer_cpu_offload" in notes[0]
