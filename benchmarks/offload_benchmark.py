@@ -894,7 +894,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bandwidth = copy_bandwidth()
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
     for round_index in range(args.rounds):
         # Reversed every other round: a host that drifts over the run favours no case.
@@ -907,6 +906,9 @@ def main(argv: list[str] | None = None) -> int:
                 done.write(json.dumps(record) + "\n")
             shown = {k: v for k, v in record.items() if k not in ("steps", "settings", "losses")}
             print(json.dumps(shown), flush=True)
+    # After the cases: this process's CUDA context and cached buffers would otherwise take GPU
+    # memory from every case (1.5 GiB on an H100: a case at the edge ran out of memory).
+    bandwidth = copy_bandwidth()
     records = [combine_processes(runs[name]) for name in cases]
     add_floors(records, bandwidth, args.microbatches)
     stem = f"{args.model}_seq{args.seq}"

@@ -290,6 +290,9 @@ class Calibrator:
     recompute_s: float | None = None
     base_s: float | None = None
     points: list[tuple[float, float]] = field(default_factory=list)
+    # (ledger activation bytes, peak bytes) of offload plans without full recompute, whose
+    # peak holds more than the line (cost_model.Calibration.offload_peak_bytes)
+    offload_points: list[tuple[float, float]] = field(default_factory=list)
     d2h: list[float] = field(default_factory=list)
     h2d: list[float] = field(default_factory=list)
     offload_runs: list[tuple[cost_model.Removal, float]] = field(default_factory=list)
@@ -297,7 +300,11 @@ class Calibrator:
     def observe(self, candidate: Candidate, records: list[dict[str, Any]]) -> None:
         removed = self.costs.removal(candidate)
         peak = candidate.measured_peak_gib or 0.0
-        self.points.append((removed.activation_bytes, peak * 2**30))
+        point = (removed.activation_bytes, peak * 2**30)
+        if cost_model.holds_offload_peak(candidate.settings()):
+            self.offload_points.append(point)
+        else:
+            self.points.append(point)
         if removed.offloaded_bytes > 0:
             for key, out in (("d2h_gb_per_s", self.d2h), ("h2d_gb_per_s", self.h2d)):
                 value = _replayed_median(records, key)
@@ -324,8 +331,14 @@ class Calibrator:
             rate = cost_model.flops_per_s(self.base_s, None, forward, 0.0, microbatches)
         else:
             raise ValueError("calibration needs the plain step or full recompute measured")
-        resident, scale = cost_model.fit_memory(self.points)
+        resident, scale = cost_model.fit_memory(self.points or self.offload_points)
+        offload_peak = (
+            statistics.median(peak - resident - scale * kept for kept, peak in self.offload_points)
+            if self.points and self.offload_points
+            else 0.0
+        )
         calibration = Calibration(
+            offload_peak_bytes=offload_peak,
             resident_bytes=resident,
             activation_scale=scale,
             base_step_s=base,
@@ -506,7 +519,7 @@ def plan(
             f"plan: profiling failed: full recompute: {recompute.failed}; without offloading "
             f"or recompute: {plain.failed}"
         )
-    if max(p for _, p in calibrator.points) <= 0:
+    if max((p for _, p in calibrator.points), default=0.0) <= 0:
         raise UserInputError("the workers report no GPU memory; run the planner on GPU workers")
     profiled = plain_records if plain_records is not None else recompute_records
     resident = _replayed_median(profiled, "peak_fwd_bwd_gpu_memory_gib") - _replayed_median(

@@ -132,8 +132,9 @@ def removal(costs: LayerCosts, plan: ActivationSettings) -> Removal:
 @dataclass(frozen=True)
 class Calibration:
     """What a few measured steps say about this recipe on this machine. Peak bytes =
-    ``resident_bytes + activation_scale x`` activation bytes; ``base_step_s``: a step without
-    offloading or recompute, of ``microbatches`` micro-batches."""
+    ``resident_bytes + activation_scale x`` activation bytes, plus ``offload_peak_bytes`` for
+    a plan that offloads without full recompute; ``base_step_s``: a step without offloading or
+    recompute, of ``microbatches`` micro-batches."""
 
     resident_bytes: float
     activation_scale: float
@@ -144,6 +145,20 @@ class Calibration:
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     host_s_per_hook: float = 0.0
+    # What an offload plan's peak holds beyond the activations it keeps, fitted from the
+    # offload plans measured (0 until one is): such a plan peaks as the backward starts, with
+    # the output layer's gradients and the first reloads beside everything kept, where full
+    # recompute and the plain step, which the line is fitted to, peak elsewhere. On the 3B
+    # shape it was the same for every attention-offload plan of one length and grew with the
+    # tokens (benchmarks/results/2026-11-25_h100x2_long_context_3b.md; the planner's replay of
+    # it in tests/unit/test_cost_model_replay.py).
+    offload_peak_bytes: float = 0.0
+
+
+def holds_offload_peak(plan: ActivationSettings) -> bool:
+    """Whether a plan's peak is an offload plan's (:attr:`Calibration.offload_peak_bytes`):
+    it offloads without full recompute."""
+    return bool(plan.offload) and plan.full is None
 
 
 @dataclass(frozen=True)
@@ -179,6 +194,8 @@ def predict(costs: LayerCosts, plan: ActivationSettings, calibration: Calibratio
     peak = peak_bytes(
         calibration.resident_bytes, removed.activation_bytes, calibration.activation_scale
     )
+    if holds_offload_peak(plan):
+        peak += calibration.offload_peak_bytes
     return Prediction(peak, step_time_s(removed, calibration), removed)
 
 

@@ -297,6 +297,23 @@ def _grouped(recorder: Any) -> dict[tuple[bool, str, str], list[Any]]:
     return groups
 
 
+FUSED_ATTENTION_NOTE = (
+    "core_attn recompute keeps these: q, k, v are its checkpoint's inputs and the output is "
+    "attn_proj's input; a fused attention kernel saves nothing else but its softmax statistics"
+)
+
+
+def _kept_by_attention_checkpoint(items: list[Any], tokens: int) -> bool:
+    """Whether what the core attention saved is kept under its selective recompute: a fused
+    kernel (torch's SDPA, no [.., s, s] probabilities among its tensors) saves its inputs (q,
+    k, v: [batch, heads, s, head dim]), which the checkpoint keeps, and its output, which the
+    output projection saves; only its softmax statistics (3-D) go. Measured: a plan with
+    core_attn recompute held all of it (benchmarks/results/2026-11-25_h100x2_long_context_3b.md,
+    the two 8k plans with core_attn in their recompute_modules)."""
+    quadratic = any(sum(1 for d in i.shape if d == tokens) >= 2 for i in items)
+    return not quadratic and any(len(i.shape) >= 4 for i in items)
+
+
 def entries(
     short: Any,
     long: Any,
@@ -320,6 +337,8 @@ def entries(
         per_token = (large - small) / (lengths[1] - lengths[0])
         offload, recompute, note = removal(owner, kind, chunked)
         items = b.get(key) or a[key]
+        if recompute == "core_attn" and _kept_by_attention_checkpoint(items, lengths[1]):
+            recompute, note = "full", FUSED_ATTENTION_NOTE
         shared = sorted({_owner(o)[1] for i in items for o in i.also} - {owner})
         if offload is None:  # reached through another module that saved the same storage
             offload = next(

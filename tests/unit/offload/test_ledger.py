@@ -65,9 +65,29 @@ def test_every_dense_offload_module_covers_a_measured_entry(dense):
         "mlp.linear_fc2",
     }
     assert 0 < dense.offloadable_bytes() < dense.total_bytes()
-    attention = by_offload["core_attn"]
-    assert attention.recompute == "core_attn" and attention.recompute_flops_per_token > 0
+    # The fused attention saves q, k, v and its output, which its selective recompute keeps
+    # (the checkpoint's inputs; attn_proj's input): only full recompute frees them; its
+    # softmax statistics go with core_attn recompute (an entry of their own where their dtype
+    # differs from the activations', as in bf16).
+    attention = [e for e in layer.entries if e.owner == "self_attention.core_attention"]
+    kept = [e for e in attention if max(len(s) for s in e.shapes) >= 4]
+    stats = [e for e in attention if max(len(s) for s in e.shapes) == 3]
+    assert kept and all(e.recompute == "full" and e.offload == "core_attn" for e in kept)
+    assert all(e.note == ledger.FUSED_ATTENTION_NOTE for e in kept)
+    assert all(e.recompute == "core_attn" and e.recompute_flops_per_token > 0 for e in stats)
     assert all(e.bytes_per_token >= 0 for e in layer.entries)
+
+
+def test_an_unfused_attentions_probabilities_go_with_core_attn_recompute():
+    """Megatron's unfused attention saves its [batch, heads, s, s] probabilities: those are
+    what core_attn recompute frees; a fused kernel's 4-D tensors (q, k, v, output) are kept."""
+    from types import SimpleNamespace
+
+    fused = [SimpleNamespace(shape=(1, 24, 64, 128)), SimpleNamespace(shape=(1, 8, 64, 128))]
+    unfused = [*fused, SimpleNamespace(shape=(1, 24, 64, 64))]
+    assert ledger._kept_by_attention_checkpoint(fused, 64)
+    assert not ledger._kept_by_attention_checkpoint(unfused, 64)
+    assert not ledger._kept_by_attention_checkpoint([SimpleNamespace(shape=(1, 24, 64))], 64)
 
 
 @pytest.mark.parametrize(
