@@ -3,8 +3,8 @@
 tokens per micro-batch): calibrated as a plan run calibrates it (full recompute, the step
 without offloading where it ran, then the first offload plan measured), it must predict every
 other measured plan's peak within 5% and time within 10%, and put every plan that ran out of
-memory at what it needed when it failed (allocated and asked), within the same 5%. The ledger is measured on the CPU here,
-as the planner measures it."""
+memory at what it needed when it failed (allocated and asked), within the same 5%. The ledger
+is measured on the CPU here, as the planner measures it."""
 
 from __future__ import annotations
 
