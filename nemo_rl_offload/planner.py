@@ -43,8 +43,9 @@ fastest on the 1B step:
 benchmarks/results/2026-11-22_h100_benchmark_graphs_inflight_llama-1b_seq4096.md); the rules
 drop what graphs cannot hold.
 
-Each measurement starts the recipe's workers afresh (one Ray job per measurement): reusing
-them across settings would need the workers to rebuild their model under new settings.
+Each measurement starts the recipe's workers afresh (their model is built under the
+candidate's settings), on one Ray cluster that every measurement of a plan shares
+(:func:`.distributed.cluster.kept_open`): Ray starts once per plan, not once per measurement.
 """
 
 from __future__ import annotations
@@ -416,7 +417,31 @@ def plan(
 ) -> dict[str, Any]:
     """Profile once, then for every budget (GiB, or fractions of the no-offload peak, measured
     or predicted) measure the most promising candidates predicted to fit; returns everything
-    found."""
+    found. Every measurement runs on one Ray cluster, started by the first."""
+    from nemo_rl_offload.distributed import cluster
+
+    with cluster.kept_open():
+        return _plan(
+            config,
+            overrides,
+            budgets_gib=budgets_gib,
+            budget_fractions=budget_fractions,
+            steps=steps,
+            max_trials=max_trials,
+            err=err,
+        )
+
+
+def _plan(
+    config: str,
+    overrides: list[str],
+    *,
+    budgets_gib: list[float] | None,
+    budget_fractions: list[float] | None,
+    steps: int,
+    max_trials: int,
+    err: TextIO,
+) -> dict[str, Any]:
     from pathlib import Path
 
     from nemo_rl_offload.config.loader import load_recipe

@@ -9,9 +9,11 @@ address fails in seconds with one line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,9 @@ class ClusterInfo:
     num_cpus: float
     num_gpus: float
     started_here: bool
+    # Whether this call connected the driver to Ray (False: it was connected already, and the
+    # connection is its opener's to end).
+    connected_here: bool = True
 
 
 def requested_address(cluster_cfg: dict[str, Any]) -> tuple[str | None, str]:
@@ -97,7 +102,9 @@ def start_or_join(
     runtime_env = {"env_vars": dict(env_vars)} if env_vars else None
     if ray.is_initialized():
         resources = ray.cluster_resources()
-        return ClusterInfo(address, resources.get("CPU", 0), resources.get("GPU", 0), False)
+        return ClusterInfo(
+            address, resources.get("CPU", 0), resources.get("GPU", 0), False, connected_here=False
+        )
     if address is not None:
         check_reachable(address, where)
         try:
@@ -131,10 +138,41 @@ def start_or_join(
     return info
 
 
+# Connections made inside kept_open(), ended when it ends (None: not inside one).
+_KEPT: list[ClusterInfo] | None = None
+
+
+@contextlib.contextmanager
+def kept_open() -> Iterator[None]:
+    """Ray connections made inside the block outlive the calls that made them, to its end:
+    many short jobs in a row (the planner's measurements) share one Ray start instead of
+    starting and stopping an embedded cluster each."""
+    global _KEPT
+    outer, _KEPT = _KEPT, []
+    try:
+        yield
+    finally:
+        opened, _KEPT = _KEPT, outer
+        for info in opened:
+            shutdown(info)
+
+
+def keeping() -> bool:
+    """Whether a :func:`kept_open` block is active."""
+    return _KEPT is not None
+
+
 def shutdown(info: ClusterInfo) -> None:
-    """Stop Ray if this process started it; leave a joined cluster running."""
+    """Disconnect the driver if ``info``'s call connected it (which stops an embedded cluster
+    it started; a joined cluster keeps running); inside :func:`kept_open`, when the block
+    ends."""
     import ray
 
+    if not info.connected_here:
+        return
+    if _KEPT is not None:
+        _KEPT.append(info)
+        return
     if ray.is_initialized():
         ray.shutdown()
     if info.started_here:

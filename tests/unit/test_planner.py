@@ -557,3 +557,23 @@ def test_a_plan_under_the_optimizer_steps_peak_says_so(monkeypatch):
     notes = [line for line in text.splitlines() if line.startswith("note: the optimizer step")]
     assert len(notes) == 1 and "over 30.00 GiB" in notes[0]
     assert "optimizer_cpu_offload" in notes[0]
+
+
+def test_every_measurement_of_a_plan_shares_one_ray_cluster(monkeypatch):
+    """The measurements run inside cluster.kept_open(): Ray starts once per plan."""
+    from io import StringIO
+
+    from nemo_rl_offload.distributed import cluster
+
+    costs = small_costs()
+    simulated = Simulated(costs, capacity_gib=32.0)
+    kept: list[bool] = []
+
+    def measure(config, overrides, steps, err):
+        kept.append(cluster.keeping())
+        return simulated(config, overrides, steps, err)
+
+    monkeypatch.setattr(planner, "_measure", measure)
+    monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
+    planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0], steps=3, err=StringIO())
+    assert len(kept) >= 3 and all(kept) and not cluster.keeping()

@@ -64,3 +64,26 @@ def _newest_cluster_is_running() -> bool:
     from ray._private import services
 
     return services.find_bootstrap_address(None) is not None
+
+
+def test_connections_made_inside_kept_open_last_until_it_ends():
+    """The planner's measurements share one Ray start: a connection made inside the block
+    outlives its job's shutdown; a job that finds Ray connected leaves the connection alone;
+    the block's end disconnects (stopping the embedded cluster)."""
+    import ray
+
+    from nemo_rl_offload.distributed import cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    with cluster.kept_open():
+        assert cluster.keeping()
+        first = cluster.start_or_join({"address": None}, num_cpus=1, num_gpus=0)
+        assert first.connected_here and first.started_here
+        cluster.shutdown(first)
+        assert ray.is_initialized()
+        second = cluster.start_or_join({"address": None}, num_cpus=1, num_gpus=0)
+        assert not second.connected_here
+        cluster.shutdown(second)
+        assert ray.is_initialized()
+    assert not cluster.keeping() and not ray.is_initialized()
