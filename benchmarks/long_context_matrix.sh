@@ -24,7 +24,7 @@ GPUS=${GPUS:-1}
 # it, puts on the frontier (benchmarks/results/2026-11-25_h100x2_long_context_3b.md).
 default_cases() {
     case $1 in
-        8192) echo "recompute_full,fgo_all5,recompute_cheap,fgo:core_attn__rc:layernorm+mlp_act,fgo:attn_norm+core_attn__rc:layernorm+mlp_act,fgo:attn_norm+core_attn+mlp_norm__rc:layernorm+mlp_act,fgo_norm_inputs_attn+recompute_cheap,fgo:core_attn__rc:layernorm+mlp,recompute_full+layer_input" ;;
+        8192) echo "recompute_full,fgo_all5,fgo_all5_graph_inflight_4,recompute_cheap,fgo:core_attn__rc:layernorm+mlp_act,fgo:attn_norm+core_attn__rc:layernorm+mlp_act,fgo:attn_norm+core_attn+mlp_norm__rc:layernorm+mlp_act,fgo_norm_inputs_attn+recompute_cheap,fgo:core_attn__rc:layernorm+mlp,recompute_full+layer_input" ;;
         16384) echo "recompute_full,recompute_cheap,fgo:core_attn__rc:layernorm+mlp_act__frac:0.5,fgo:core_attn__rc:layernorm+mlp_act,fgo:attn_norm+core_attn__rc:layernorm+mlp_act,fgo:attn_norm+core_attn__rc:layernorm+mlp,recompute_full+layer_input" ;;
         32768) echo "recompute_full,fgo:core_attn__rc:layernorm+mlp,fgo:attn_norm+core_attn__rc:layernorm+mlp,fgo:attn_norm+core_attn+mlp_norm__rc:layernorm+mlp,recompute_full+layer_input" ;;
         *) echo "recompute_full,recompute_full+layer_input,recompute_cheap,fgo:attn_norm+core_attn__rc:layernorm+mlp_act,fgo:attn_norm+core_attn__rc:layernorm+mlp" ;;
