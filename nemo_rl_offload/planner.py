@@ -123,16 +123,6 @@ class Profile:
     step_peak_gib: float = 0.0
 
 
-def _leaves(patch: Patch, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
-    out = []
-    for key, value in patch.items():
-        if isinstance(value, dict):
-            out += _leaves(value, (*prefix, key))  # an empty mapping changes nothing
-        else:
-            out.append(((*prefix, key), value))
-    return out
-
-
 def _value_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -778,6 +768,11 @@ def _calibration_line(calibration: Calibration | None) -> str | None:
         f"the ledger's activations; {c.flops_per_s / 1e12:.0f} TFLOP/s; copies "
         f"{c.d2h_bytes_per_s / 1e9:.0f}/{c.h2d_bytes_per_s / 1e9:.0f} GB/s to/from the host; "
         f"{1e6 * c.host_s_per_hook:.0f} us of host time per offload hook"
+        + (
+            f"; offload plans peak {c.offload_peak_bytes / 2**30:+.2f} GiB beyond it"
+            if c.offload_peak_bytes
+            else ""
+        )
     )
 
 

@@ -577,3 +577,45 @@ def test_every_measurement_of_a_plan_shares_one_ray_cluster(monkeypatch):
     monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
     planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0], steps=3, err=StringIO())
     assert len(kept) >= 3 and all(kept) and not cluster.keeping()
+
+
+def test_the_offload_peak_is_fitted_from_offload_plans_and_applies_only_to_them():
+    """Offload plans peak beyond the line through the plain step and full recompute (as the
+    H100 matrix showed): after one is measured the model adds what it held beyond the line to
+    every offload plan, and nothing to the others; before, nothing."""
+    from dataclasses import replace
+
+    from nemo_rl_offload.offload import cost_model
+
+    costs = small_costs()
+    truth = replace(Simulated(costs, 32.0).truth, offload_peak_bytes=1.5 * 2**30)
+    simulated = Simulated(costs, capacity_gib=64.0, truth=truth)
+    calibrator = planner.Calibrator(costs)
+
+    def observe(candidate):
+        true = simulated.truth_of(candidate)
+        candidate.measured_peak_gib = true.peak_bytes / 2**30
+        candidate.measured_fwd_bwd_s = true.step_s
+        calibrator.observe(candidate, [])
+
+    plain = planner.Candidate((), 1.0, None)
+    full = planner.Candidate((), 1.0, None, full_recompute=True)
+    observe(plain)
+    observe(full)
+    calibrator.base_s, calibrator.recompute_s = plain.measured_fwd_bwd_s, full.measured_fwd_bwd_s
+    assert calibrator.calibration().offload_peak_bytes == 0.0
+    observe(planner.Candidate(("core_attn",), 1.0, None))
+    calibration = calibrator.calibration()
+    assert calibration.offload_peak_bytes == pytest.approx(1.5 * 2**30, rel=1e-3)
+    predict = planner.predictor(costs.layers, calibration)
+    for other in (
+        planner.Candidate(("attn_norm", "core_attn"), 1.0, None),
+        planner.Candidate((), 1.0, None, recompute_modules=("layernorm",)),
+        full,
+    ):
+        wanted = simulated.truth_of(other).peak_bytes / 2**30
+        assert predict(other)[0] == pytest.approx(wanted, rel=1e-3), other.name
+    assert cost_model.holds_offload_peak(planner.Candidate(("core_attn",), 1.0, None).settings())
+    assert not cost_model.holds_offload_peak(
+        planner.Candidate(("layer_input",), 1.0, None, full_recompute=True).settings()
+    )
