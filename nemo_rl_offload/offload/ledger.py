@@ -303,15 +303,32 @@ FUSED_ATTENTION_NOTE = (
 )
 
 
-def _kept_by_attention_checkpoint(items: list[Any], tokens: int) -> bool:
-    """Whether what the core attention saved is kept under its selective recompute: a fused
-    kernel (torch's SDPA, no [.., s, s] probabilities among its tensors) saves its inputs (q,
-    k, v: [batch, heads, s, head dim]), which the checkpoint keeps, and its output, which the
-    output projection saves; only its softmax statistics (3-D) go. Measured: a plan with
-    core_attn recompute held all of it (benchmarks/results/2026-11-25_h100x2_long_context_3b.md,
-    the two 8k plans with core_attn in their recompute_modules)."""
-    quadratic = any(sum(1 for d in i.shape if d == tokens) >= 2 for i in items)
-    return not quadratic and any(len(i.shape) >= 4 for i in items)
+def _kept_by_attention_checkpoint(
+    short: list[Any], long: list[Any], lengths: tuple[int, int]
+) -> bool:
+    """Whether what the core attention saved is kept under its selective recompute, from its
+    saved tensors at the two measuring lengths (in forward order): a fused kernel (torch's
+    SDPA) saves no [.., s, s] probabilities (a tensor with two dimensions that grow with the
+    length), only its inputs (q, k, v: [batch, heads, s, head dim]), which the checkpoint
+    keeps, its output, which the output projection saves, and its softmax statistics (3-D),
+    which go. Tensors that cannot be paired across the lengths count as kept (the estimate
+    then errs high, not low). Measured: plans with core_attn recompute held all of it
+    (benchmarks/results/2026-11-25_h100x2_long_context_3b.md, the two 8k plans with core_attn
+    in their recompute_modules)."""
+    if len(short) != len(long) or any(
+        len(a.shape) != len(b.shape) for a, b in zip(short, long, strict=True)
+    ):
+        return True
+
+    def growing(a: Any, b: Any) -> int:
+        return sum(
+            1
+            for x, y in zip(a.shape, b.shape, strict=True)
+            if x != y and y * lengths[0] == x * lengths[1]  # grows as the tokens do
+        )
+
+    quadratic = any(growing(a, b) >= 2 for a, b in zip(short, long, strict=True))
+    return not quadratic and any(len(b.shape) >= 4 for b in long)
 
 
 def entries(
@@ -337,7 +354,9 @@ def entries(
         per_token = (large - small) / (lengths[1] - lengths[0])
         offload, recompute, note = removal(owner, kind, chunked)
         items = b.get(key) or a[key]
-        if recompute == "core_attn" and _kept_by_attention_checkpoint(items, lengths[1]):
+        if recompute == "core_attn" and _kept_by_attention_checkpoint(
+            a.get(key, []), b.get(key, []), lengths
+        ):
             recompute, note = "full", FUSED_ATTENTION_NOTE
         shared = sorted({_owner(o)[1] for i in items for o in i.also} - {owner})
         if offload is None:  # reached through another module that saved the same storage

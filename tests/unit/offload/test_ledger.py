@@ -83,11 +83,19 @@ def test_an_unfused_attentions_probabilities_go_with_core_attn_recompute():
     what core_attn recompute frees; a fused kernel's 4-D tensors (q, k, v, output) are kept."""
     from types import SimpleNamespace
 
-    fused = [SimpleNamespace(shape=(1, 24, 64, 128)), SimpleNamespace(shape=(1, 8, 64, 128))]
-    unfused = [*fused, SimpleNamespace(shape=(1, 24, 64, 64))]
-    assert ledger._kept_by_attention_checkpoint(fused, 64)
-    assert not ledger._kept_by_attention_checkpoint(unfused, 64)
-    assert not ledger._kept_by_attention_checkpoint([SimpleNamespace(shape=(1, 24, 64))], 64)
+    def kept(short, long):
+        return ledger._kept_by_attention_checkpoint(
+            [SimpleNamespace(shape=x) for x in short],
+            [SimpleNamespace(shape=x) for x in long],
+            (32, 64),
+        )
+
+    assert kept([(1, 24, 32, 128), (1, 8, 32, 128)], [(1, 24, 64, 128), (1, 8, 64, 128)])
+    # 32 heads and a head dimension of 64 match the lengths: still q, k, v, not probabilities.
+    assert kept([(1, 32, 32, 64)], [(1, 32, 64, 64)])
+    assert not kept([(1, 24, 32, 128), (1, 24, 32, 32)], [(1, 24, 64, 128), (1, 24, 64, 64)])
+    assert not kept([(1, 24, 32)], [(1, 24, 64)])  # only the softmax statistics
+    assert kept([(1, 24, 32, 128)], [(1, 24, 64, 128), (1, 24, 64, 128)])  # unpaired: kept
 
 
 @pytest.mark.parametrize(
