@@ -201,3 +201,38 @@ def test_a_recipe_case_runs_with_the_recipes_worker_environment(monkeypatch):
         bench.run_case("no_offload", {}, args, [], on_gpu=False)
     assert seen["alloc"] == "x:y"
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+
+
+@pytest.mark.parametrize("tokens", [8192, 16384, 32768, 4096])
+def test_the_long_context_matrix_default_cases_are_accepted_by_the_rules(tokens):
+    """Every default case of benchmarks/long_context_matrix.sh at each length resolves to
+    settings that the offload rules accept on the matrix's recipe (the 3B shape on the 1B
+    Megatron recipe), so that a GPU run of the defaults measures every case it names."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "benchmarks" / "long_context_matrix.sh"
+    shown = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'source <(sed -n "/^default_cases()/,/^}}/p" {script}); default_cases {tokens}',
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    names = shown.split(",")
+    assert len(names) >= 4 and "recompute_full" in names
+    shape = {
+        "num_layers": 28,
+        "hidden_size": 3072,
+        "ffn_hidden_size": 8192,
+        "num_attention_heads": 24,
+        "num_query_groups": 8,
+    }
+    overrides = [f"++policy.megatron_cfg.model_overrides.{k}={v}" for k, v in shape.items()]
+    recipe = str(root / "examples" / "configs" / "grpo_math_1B_megatron.yaml")
+    for name, settings in bench.resolve_cases("llama-1b", names).items():
+        section = bench.recipe_section(recipe, overrides, "llama-1b", tokens, settings)
+        assert bench.check_section(section) == [], name
