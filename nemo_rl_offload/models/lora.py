@@ -93,6 +93,20 @@ class _Adapter:
                 return self.lora_dropout(x)  # type: ignore[attr-defined]
         return self.lora_dropout(x)  # type: ignore[attr-defined]
 
+    def _update(
+        self, input_: torch.Tensor, collective: Any, input_split: bool, output_split: bool
+    ) -> torch.Tensor:
+        """``scale * B(collective(A(x)))`` with the dropout on ``x`` or on the result: the
+        adapter's path beside the base linear. ``collective`` joins A's output over the
+        tensor-parallel group as the linear's split needs; ``input_split``/``output_split``:
+        whether ``x``/the result are this rank's part (dropout from the tensor-parallel
+        generator)."""
+        pre = self.lora.dropout_position == "pre"
+        x = self._dropout(input_, split=input_split) if pre else input_
+        low = collective(torch.nn.functional.linear(x, self.lora_a), group=self.tp_group)  # type: ignore[attr-defined]
+        update = torch.nn.functional.linear(low, self.lora_b) * self.lora.scale
+        return update if pre else self._dropout(update, split=output_split)
+
 
 def _init_device(config: Any) -> Any:
     return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
@@ -117,16 +131,11 @@ class LoraColumnParallelLinear(_Adapter, ColumnParallelLinear):
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         output, bias = super().forward(input_, *args, **kwargs)
-        pre = self.lora.dropout_position == "pre"
-        x = self._dropout(input_, split=self.sequence_parallel) if pre else input_
-        low = torch.nn.functional.linear(x, self.lora_a)
         if self.sequence_parallel:
-            low = mappings.gather_from_sequence_parallel_region(low, group=self.tp_group)
+            collective = mappings.gather_from_sequence_parallel_region
         else:
-            low = mappings.copy_to_tensor_model_parallel_region(low, group=self.tp_group)
-        update = torch.nn.functional.linear(low, self.lora_b) * self.lora.scale
-        if not pre:
-            update = self._dropout(update, split=True)
+            collective = mappings.copy_to_tensor_model_parallel_region
+        update = self._update(input_, collective, self.sequence_parallel, output_split=True)
         return output + update.to(output.dtype), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # noqa: ANN001, ANN201
@@ -170,16 +179,11 @@ class LoraRowParallelLinear(_Adapter, RowParallelLinear):
 
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         output, bias = super().forward(input_, *args, **kwargs)
-        pre = self.lora.dropout_position == "pre"
-        x = self._dropout(input_, split=True) if pre else input_
-        low = torch.nn.functional.linear(x, self.lora_a)
         if self.sequence_parallel:
-            low = mappings.reduce_scatter_to_sequence_parallel_region(low, group=self.tp_group)
+            collective = mappings.reduce_scatter_to_sequence_parallel_region
         else:
-            low = mappings.reduce_from_tensor_model_parallel_region(low, group=self.tp_group)
-        update = torch.nn.functional.linear(low, self.lora_b) * self.lora.scale
-        if not pre:
-            update = self._dropout(update, split=self.sequence_parallel)
+            collective = mappings.reduce_from_tensor_model_parallel_region
+        update = self._update(input_, collective, True, output_split=self.sequence_parallel)
         return output + update.to(output.dtype), bias
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):  # noqa: ANN001, ANN201

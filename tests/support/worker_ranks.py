@@ -96,6 +96,21 @@ def single_worker(policy: dict[str, Any]) -> Any:
     return make_worker(0, 1, _free_port(), policy)
 
 
+def resumes_exactly(trained: Any, policy: dict[str, Any], directory: Path, steps: Any) -> Any:
+    """Save ``trained``'s checkpoint to ``directory``, load it into a fresh in-process worker of
+    ``policy`` and train both on ``steps``: the same loss and gradient norm at each (asserted).
+    Returns the resumed worker (the caller closes both)."""
+    steps = list(steps)
+    trained.save_checkpoint(str(directory))
+    resumed = single_worker(policy)
+    assert resumed.load_checkpoint(str(directory)) == steps[0] - 1
+    for step in steps:
+        want = trained.train(step_batches(step), LOSS)
+        got = resumed.train(step_batches(step), LOSS)
+        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"]), step
+    return resumed
+
+
 def step_batches(step: int, count: int = 2, length: int = 24) -> list[dict[str, np.ndarray]]:
     """The micro-batches of one training step (the same on every layout)."""
     rng = np.random.default_rng(1000 + step)

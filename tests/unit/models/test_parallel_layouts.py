@@ -64,6 +64,13 @@ def _single(out: Path, policy: dict, **kwargs) -> tuple[dict, Path]:
     return result, ckpt
 
 
+def _every_pass(policy: dict, ckpt: Path, tmp_path: Path, **kwargs) -> list[dict]:
+    """Two ranks of ``policy``'s layout load the one-rank checkpoint and run every pass."""
+    return run_ranks(
+        worker_ranks.load_then_every_pass, 2, tmp_path, policy=policy, ckpt=str(ckpt), **kwargs
+    )
+
+
 @pytest.fixture(scope="module")
 def dense_single(tmp_path_factory) -> tuple[dict, Path]:
     return _single(tmp_path_factory.mktemp("dense_single"), section())
@@ -81,13 +88,7 @@ def dense_single(tmp_path_factory) -> tuple[dict, Path]:
 )
 def test_every_pass_agrees_on_a_dense_layout(dense_single, megatron_cfg, tmp_path):
     single, ckpt = dense_single
-    results = run_ranks(
-        worker_ranks.load_then_every_pass,
-        2,
-        tmp_path,
-        policy=section(**megatron_cfg),
-        ckpt=str(ckpt),
-    )
+    results = _every_pass(section(**megatron_cfg), ckpt, tmp_path)
     _assert_same_passes(single, _reported(results))
     # Every rank samples the same tokens (the last stage's logits reach all stages).
     assert all(r["sampled"] == results[0]["sampled"] for r in results)
@@ -119,14 +120,9 @@ def lora_single(tmp_path_factory) -> tuple[dict, Path]:
 )
 def test_every_pass_agrees_with_lora_adapters(lora_single, megatron_cfg, tmp_path):
     single, ckpt = lora_single
-    results = run_ranks(
-        worker_ranks.load_then_every_pass,
-        2,
-        tmp_path,
-        policy=section(**megatron_cfg, **LORA),
-        ckpt=str(ckpt),
+    _assert_same_passes(
+        single, _reported(_every_pass(section(**megatron_cfg, **LORA), ckpt, tmp_path))
     )
-    _assert_same_passes(single, _reported(results))
 
 
 # The MoE step trains on an even length: a padded position changes an MoE model's gradients in
@@ -154,12 +150,5 @@ def _moe(**megatron_cfg) -> dict:
 )
 def test_every_pass_agrees_on_expert_parallel_moe(moe_single, megatron_cfg, tmp_path):
     single, ckpt = moe_single
-    results = run_ranks(
-        worker_ranks.load_then_every_pass,
-        2,
-        tmp_path,
-        policy=_moe(**megatron_cfg),
-        ckpt=str(ckpt),
-        train_length=MOE_TRAIN_LENGTH,
-    )
+    results = _every_pass(_moe(**megatron_cfg), ckpt, tmp_path, train_length=MOE_TRAIN_LENGTH)
     _assert_same_passes(single, _reported(results))
