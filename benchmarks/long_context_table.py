@@ -24,21 +24,17 @@ sys.path.insert(0, str(REPO))
 
 
 def step_flops(payload: dict[str, Any]) -> float:
-    """Model FLOPs of one benchmark step (``microbatches`` x ``rows`` sequences of ``seq``)."""
-    from nemo_rl_offload.config.model_presets import architecture_for, section_architecture
-    from nemo_rl_offload.models.flops import training_flops
-    from nemo_rl_offload.offload.apply import effective_settings
+    """Model FLOPs of one benchmark step (``microbatches`` x ``rows`` sequences of ``seq``),
+    as the algorithms count them for their throughput metrics (:class:`StepMeter`)."""
+    from nemo_rl_offload.algorithms.throughput import StepMeter
     from nemo_rl_offload.preflight import load_and_check
 
     report = load_and_check(payload["recipe"], payload.get("recipe_overrides", []))
     if report.errors:
         raise SystemExit("\n".join(report.errors))
-    section = report.recipe["policy"]
-    architecture = section_architecture(section, base_dir=REPO)
-    effective = effective_settings(section, architecture, te_installed=False)
-    vocab = architecture_for(payload["model"]).vocab_size
     sequences = int(payload["microbatches"]) * int(payload.get("rows") or 1)
-    return training_flops(effective, vocab, [int(payload["seq"])] * sequences)
+    meter = StepMeter.for_policy(report.recipe["policy"], gpus=1)
+    return meter.training_flops([int(payload["seq"])] * sequences)
 
 
 def _later(record: dict[str, Any]) -> list[dict[str, Any]]:

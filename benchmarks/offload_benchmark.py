@@ -907,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
             shown = {k: v for k, v in record.items() if k not in ("steps", "settings", "losses")}
             print(json.dumps(shown), flush=True)
     # After the cases: this process's CUDA context and cached buffers would otherwise take GPU
-    # memory from every case (1.5 GiB on an H100: a case at the edge ran out of memory).
+    # memory from every case (benchmarks/results/2026-11-25_h100x2_long_context_3b.md, caveat).
     bandwidth = copy_bandwidth()
     records = [combine_processes(runs[name]) for name in cases]
     add_floors(records, bandwidth, args.microbatches)

@@ -649,10 +649,10 @@ def allocator_settings(
 ) -> Patch:
     """What every measurement of an eager Megatron recipe runs with when its workers' environment
     leaves the CUDA allocator's configuration to the default: expandable segments. Offloaded and
-    reloaded activations of many sizes otherwise leave GiBs reserved but unusable: at 16k tokens
-    on the 3B shape, plans that fit with expandable segments ran out of memory with 6.8-9.8 GiB
-    reserved but unallocated (benchmarks/results/2026-11-25_h100x2_long_context_3b.md). The plan
-    then carries the setting, so the job runs as measured. A recipe that sets
+    reloaded activations of many sizes otherwise leave memory reserved but unusable: at 16k
+    tokens on the 3B shape, plans that fit with expandable segments ran out of memory with
+    GiBs reserved but unallocated (benchmarks/results/2026-11-25_h100x2_long_context_3b.md).
+    The plan then carries the setting, so the job runs as measured. A recipe that sets
     PYTORCH_CUDA_ALLOC_CONF is measured as it is, as are graphed recipes (graphs capture from
     the allocator's private pools) and DTensor sections (their env_vars replace megatron_cfg's)."""
     if (
