@@ -131,7 +131,10 @@ def layer_spec(
             f"policy.megatron_cfg.transformer_impl: '{config.transformer_impl}' is not supported "
             "for training; use local or transformer_engine"
         )
+    from megatron.core.transformer.attention import SelfAttention
+
     from nemo_rl_offload.models.attention import SDPACoreAttention
+    from nemo_rl_offload.models.self_attention import CompactKVSelfAttention
 
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
@@ -140,6 +143,8 @@ def layer_spec(
         normalization=config.normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if spec.submodules.self_attention.module is SelfAttention:
+        spec.submodules.self_attention.module = CompactKVSelfAttention
     if lora is not None:
         from nemo_rl_offload.models.lora import with_lora
 
