@@ -77,7 +77,9 @@ SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_o
 MEGATRON_COPIES = "megatron_copies"
 MEGATRON_HOOKS = "megatron_hooks"
 RUNTIME_CHOICES = {MEGATRON_COPIES: "strided_copies", MEGATRON_HOOKS: "lean_hooks"}
-BENCHMARK_ONLY = (SAVE_ON_CPU, *RUNTIME_CHOICES)
+# A policy setting, not a megatron_cfg one: the section's own key (``mixed_case``'s ``lp:N``).
+LOGPROB_CHUNK = "logprob_chunk_size"
+BENCHMARK_ONLY = (SAVE_ON_CPU, LOGPROB_CHUNK, *RUNTIME_CHOICES)
 # Full-iteration CUDA graphs: 3 eager steps (the 2nd and 3rd time the copies), the 4th
 # captured, then replays (medians of those; a graph case runs that many more steps).
 GRAPHS = {"cuda_graph_impl": "full_iteration", "cuda_graph_warmup_steps": 3}
@@ -175,8 +177,9 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
 
 def mixed_case(name: str) -> dict[str, Any]:
     """The settings of a case written as its parts joined by ``__``: ``fgo:MOD+MOD`` (offload
-    modules), ``rc:MOD+MOD`` (selective recompute modules), ``frac:F`` (offload fraction).
-    Raises KeyError naming the case when a part is none of these."""
+    modules), ``rc:MOD+MOD`` (selective recompute modules), ``frac:F`` (offload fraction),
+    ``lp:N`` (``policy.logprob_chunk_size``: the loss's float32 softmax not kept, N positions
+    at a time). Raises KeyError naming the case when a part is none of these."""
     settings: dict[str, Any] = {}
     for part in name.split("__"):
         kind, _, value = part.partition(":")
@@ -184,9 +187,12 @@ def mixed_case(name: str) -> dict[str, Any]:
             settings.update(FGO, offload_modules=value.split("+"))
         elif kind == "rc" and value:
             settings.update(_selective(value.split("+")))
-        elif kind == "frac" and value:
+        elif kind in ("frac", "lp") and value:
             try:
-                settings["activation_offload_fraction"] = float(value)
+                if kind == "frac":
+                    settings["activation_offload_fraction"] = float(value)
+                else:
+                    settings[LOGPROB_CHUNK] = int(value)
             except ValueError:
                 raise KeyError(name) from None
         else:
@@ -229,7 +235,7 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
             base = resolve(name.removesuffix(f"_{left_out}"))
             if base.get("fine_grained_activation_offloading"):
                 return {**base, left_out: True}
-        elif name.startswith(("fgo:", "rc:")):
+        elif name.startswith(("fgo:", "rc:", "lp:")):
             return mixed_case(name)
         raise KeyError(name)
 
@@ -256,6 +262,7 @@ def section_for(
         "precision": precision,
         "max_total_sequence_length": seq,
         "make_sequence_length_divisible_by": seq,
+        **({LOGPROB_CHUNK: settings[LOGPROB_CHUNK]} if LOGPROB_CHUNK in settings else {}),
         "megatron_cfg": {
             "enabled": True,
             **megatron,
@@ -292,6 +299,8 @@ def recipe_section(
     megatron = section["megatron_cfg"]
     megatron["fine_grained_activation_offloading"] = False
     megatron.update({k: v for k, v in settings.items() if k not in BENCHMARK_ONLY})
+    if LOGPROB_CHUNK in settings:
+        section[LOGPROB_CHUNK] = settings[LOGPROB_CHUNK]
     return section
 
 

@@ -125,7 +125,18 @@ def test_mixed_cases_name_offload_recompute_and_fraction_and_unknown_parts_are_r
     assert bench.check_section(bench.section_for("llama-1b", 4096, settings)) == []
     alone = bench.resolve_cases("llama-1b", ["rc:layernorm"])["rc:layernorm"]
     assert alone["recompute_modules"] == ["layernorm"] and "offload_modules" not in alone
-    for bad in ("fgo:core_attn__frac:half", "fgo:core_attn__xx:1", "rc:"):
+    chunked = "fgo:core_attn__rc:layernorm__lp:2048"
+    settings = bench.resolve_cases("llama-1b", [chunked])[chunked]
+    section = bench.section_for("llama-1b", 4096, settings)
+    assert section["logprob_chunk_size"] == 2048
+    assert "logprob_chunk_size" not in section["megatron_cfg"]
+    assert bench.check_section(section) == []
+    plain = bench.section_for(
+        "llama-1b", 4096, bench.resolve_cases("llama-1b", ["lp:512"])["lp:512"]
+    )
+    assert plain["logprob_chunk_size"] == 512
+    assert "offload_modules" not in plain["megatron_cfg"]
+    for bad in ("fgo:core_attn__frac:half", "fgo:core_attn__xx:1", "rc:", "lp:half"):
         with pytest.raises(KeyError):
             bench.resolve_cases("llama-1b", [bad])
 
