@@ -51,6 +51,19 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 from nemo_rl_offload.offload import owned
 
 
+def same_layout(
+    tensor: torch.Tensor, device: torch.device, *, pin_memory: bool = False
+) -> torch.Tensor:
+    """An empty tensor with ``tensor``'s sizes, strides and dtype on ``device``. A segment input
+    of one sequence ([s, 1, h]) is contiguous whatever its batch dimension's stride, and the
+    block's input comes from a transpose (batch stride s * h) where a plain ``empty`` gives h:
+    the recompute, and the gradient it returns for the input, must see the layout the forward
+    saw, or kernels that read strides may take another path and change the gradient's bits."""
+    return torch.empty_strided(
+        tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device, pin_memory=pin_memory
+    )
+
+
 @dataclass
 class Counters:
     """What went through the offload path: tensors and bytes each way, since the last reset."""
@@ -154,13 +167,13 @@ class LayerInputOffloader:
             d2h, _ = self._cuda_streams()
             d2h.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(d2h):
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host = same_layout(tensor, torch.device("cpu"), pin_memory=True)
                 host.copy_(tensor, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(d2h)
             tensor.record_stream(d2h)
         else:
-            host = tensor.detach().clone()
+            host = same_layout(tensor, tensor.device).copy_(tensor.detach())
         handle = _Offloaded(host, tensor.device, event, chain, len(chain.handles))
         chain.handles.append(weakref.ref(handle))
         self.counters.offloaded_tensors += 1
@@ -170,11 +183,11 @@ class LayerInputOffloader:
     def _start_reload(self, handle: _Offloaded) -> None:
         """Begin ``handle``'s copy back to its device (on the host-to-device stream)."""
         if handle.offload_event is None:
-            handle.reloaded = handle.host.clone()
+            handle.reloaded = same_layout(handle.host, handle.device).copy_(handle.host)
             return
         _, h2d = self._cuda_streams()
         compute = torch.cuda.current_stream()
-        device = torch.empty(handle.host.shape, dtype=handle.host.dtype, device=handle.device)
+        device = same_layout(handle.host, handle.device)
         h2d.wait_stream(compute)  # the allocated memory's earlier users on the compute stream
         h2d.wait_event(handle.offload_event)  # the host copy is complete
         with torch.cuda.stream(h2d):

@@ -108,7 +108,12 @@ def test_the_ledger_matches_what_a_training_forward_holds_on_the_gpu(measured):
     assert measured["ledger_bytes"] == pytest.approx(measured["forward_held_bytes"], rel=0.05)
 
 
-def test_the_ledger_matches_the_steps_activation_peak(measured):
-    assert measured["ledger_bytes"] == pytest.approx(
-        measured["step_activation_peak_bytes"], rel=0.05
-    )
+def test_the_steps_activation_peak_is_the_ledger_and_the_backwards_first_transient(measured):
+    """The step peaks as its backward starts: everything the ledger counts is still held, and
+    the loss's backward adds the logits' gradient (of one micro-batch: at most its float32
+    logits, [tokens, vocab] x 4 bytes; the planner calibrates this offset from measured steps)."""
+    from nemo_rl_offload.config.model_presets import architecture_for
+
+    logits_float32 = TOKENS * architecture_for(MODEL).vocab_size * 4
+    excess = measured["step_activation_peak_bytes"] - measured["ledger_bytes"]
+    assert 0 <= excess <= logits_float32, (excess, logits_float32)

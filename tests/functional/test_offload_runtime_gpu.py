@@ -16,6 +16,11 @@ every step the gradients of the two are compared, and the offloading worker's me
 - pinned host memory (the shared pool and torch's caching host allocator) under the budget,
   within the pool's slack (1.25x) of the largest plan's need after every step however many
   shapes came (issue 19), and, dense, unchanged by any step whose shape was seen before;
+- offloading beside recompute (issue 20): ``dense_recompute`` offloads the attention block's
+  inputs with the norms and the MLP's activation recomputed, ``dense_layer_input`` offloads
+  full recompute's layer inputs; the plain twin recomputes the same (offloading is what is
+  compared: a full-recompute forward without gradients may pick another attention kernel than
+  a plain forward, so its gradients are not the plain model's bit for bit);
 - MoE: expert_fc1 and moe_act offload bytes (through the local grouped expert MLP); the same
   with Megatron's own hook code instead of the runtime's lean hooks (``moe_megatron_hooks``).
 
@@ -39,6 +44,7 @@ from support.offload_suite import (
     BUDGET_GIB,
     MEGATRON_HOOKS,
     MODELS,
+    RECOMPUTE,
     as_padded_by_the_runtime,
     check_records,
     gpu_worker,
@@ -65,13 +71,28 @@ def vocab() -> int:
     return architecture_for("llama-1b").vocab_size
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", MEGATRON_HOOKS, "dense_mlp"])
+@pytest.mark.parametrize(
+    "kind", ["dense", "moe", MEGATRON_HOOKS, "dense_mlp", "dense_recompute", "dense_layer_input"]
+)
 def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
     model, modules = MODELS["moe" if kind == MEGATRON_HOOKS else kind]
-    fgo = gpu_worker(policy_section(model, modules, offload=True, deterministic=True, lr=1e-5))
+    fgo = gpu_worker(
+        policy_section(
+            model, modules, offload=True, deterministic=True, lr=1e-5, recompute=RECOMPUTE.get(kind)
+        )
+    )
     if kind == MEGATRON_HOOKS:  # every plan's choices, before the first step records one
         fgo.runtime.choices = dataclasses.replace(fgo.runtime.choices, lean_hooks=False)
-    plain = gpu_worker(policy_section(model, modules, offload=False, deterministic=True, lr=1e-5))
+    plain = gpu_worker(
+        policy_section(
+            model,
+            modules,
+            offload=False,
+            deterministic=True,
+            lr=1e-5,
+            recompute=RECOMPUTE.get(kind),
+        )
+    )
     try:
         params = zip(fgo._unwrapped().parameters(), plain._unwrapped().parameters(), strict=True)
         assert all(torch.equal(a, b) for a, b in params), "same seed, same initial weights"

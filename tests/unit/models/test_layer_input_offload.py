@@ -137,3 +137,17 @@ def test_changed_checkpoint_code_is_refused(monkeypatch, megatron_cpu, effective
     plain, _ = _model(effective_for, False)
     with pytest.raises(UserInputError, match="checkpointed_forward, which changed"):
         offload_layer_inputs(plain)
+
+
+def test_a_segment_input_comes_back_with_the_layout_it_left_with():
+    """The block's input [s, 1, h] comes from a transpose (its batch stride s * h): contiguous,
+    yet not the strides a plain ``empty`` gives. It must come back with its own strides (the
+    recompute and the input's gradient then see what the forward saw), and its own values."""
+    hidden = torch.randn(1, 6, 4).transpose(0, 1).contiguous()  # [s, b, h], b == 1
+    leaving = hidden.as_strided(hidden.size(), (4, 24, 1))
+    assert leaving.is_contiguous() and leaving.stride() != torch.empty(6, 1, 4).stride()
+    offloader = layer_input.LayerInputOffloader()
+    handle = offloader._offload(leaving, layer_input._Chain())
+    back = offloader._reload(handle)
+    assert back.stride() == leaving.stride() and torch.equal(back, leaving)
+    assert back.untyped_storage().data_ptr() != leaving.untyped_storage().data_ptr()
