@@ -223,6 +223,15 @@ class ProfileFailed(RuntimeError):
     why (out of memory with its sizes, or the exception)."""
 
 
+def trial_order(fitting: list[Candidate], predict: Any, budget: float) -> list[Candidate]:
+    """The order to measure a budget's candidates in (``fitting``: fastest first, each
+    predicted within the budget or within the prediction's tolerance over it): those predicted
+    within the budget first, then the borderline ones, each group fastest first. With few
+    trials, plans predicted just over the budget (which mostly turn out over it: the 8k planner
+    run on the H100 spent both its trials so at 90% of the peak) must not use them all up."""
+    return sorted(fitting, key=lambda c: predict(c)[0] > budget)
+
+
 def measure_candidate(
     candidate: Candidate,
     measure: Any,
@@ -284,6 +293,9 @@ class Calibrator:
     # (ledger activation bytes, peak bytes) of offload plans without full recompute, whose
     # peak holds more than the line (cost_model.Calibration.offload_peak_bytes)
     offload_points: list[tuple[float, float]] = field(default_factory=list)
+    # (ledger activation bytes, bytes it had allocated and asked for when it failed) of offload
+    # plans that ran out of memory: their peak is at least that (a lower bound on the offset)
+    offload_failures: list[tuple[float, float]] = field(default_factory=list)
     d2h: list[float] = field(default_factory=list)
     h2d: list[float] = field(default_factory=list)
     offload_runs: list[tuple[cost_model.Removal, float]] = field(default_factory=list)
@@ -303,6 +315,19 @@ class Calibrator:
                     out.append(value * 1e9)
         if removed.hooks > 0:
             self.offload_runs.append((removed, candidate.measured_fwd_bwd_s or 0.0))
+
+    def observe_failure(self, candidate: Candidate) -> None:
+        """An offload plan that ran out of memory needed at least what it had allocated plus
+        what it asked for: the offload peak's offset is at least what puts it there (a planner
+        whose first offload trials fail learns from them instead of trying the next plan with
+        the same underestimate)."""
+        oom = (candidate.failure or {}).get("oom") or {}
+        if "allocated_gib" not in oom or "tried_gib" not in oom:
+            return
+        if not cost_model.holds_offload_peak(candidate.settings()):
+            return
+        needed = (oom["allocated_gib"] + oom["tried_gib"]) * 2**30
+        self.offload_failures.append((self.costs.removal(candidate).activation_bytes, needed))
 
     def calibration(self) -> Calibration:
         costs = self.costs
@@ -328,6 +353,11 @@ class Calibrator:
             if self.points and self.offload_points
             else 0.0
         )
+        if self.points and self.offload_failures:
+            offload_peak = max(
+                offload_peak,
+                *(needed - resident - scale * kept for kept, needed in self.offload_failures),
+            )
         calibration = Calibration(
             offload_peak_bytes=offload_peak,
             resident_bytes=resident,
@@ -516,6 +546,8 @@ def _plan(
         if records is not None:
             candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
             calibrator.observe(candidate, records)
+        else:
+            calibrator.observe_failure(candidate)
         return records
 
     # Full recompute first: at long context it is often the only setting that fits.
@@ -582,7 +614,12 @@ def _plan(
             ]
             fastest = min((c.measured_fwd_bwd_s or 0.0 for c in done), default=float("inf"))
             chosen = next(
-                (c for c in fitting if c.name not in measured and predict(c)[1] < fastest), None
+                (
+                    c
+                    for c in trial_order(fitting, predict, budget)
+                    if c.name not in measured and predict(c)[1] < fastest
+                ),
+                None,
             )
             if chosen is None:
                 break

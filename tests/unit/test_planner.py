@@ -619,3 +619,54 @@ def test_the_offload_peak_is_fitted_from_offload_plans_and_applies_only_to_them(
     assert not cost_model.holds_offload_peak(
         planner.Candidate(("layer_input",), 1.0, None, full_recompute=True).settings()
     )
+
+
+def test_an_offload_plan_out_of_memory_raises_the_offload_peak_to_what_it_needed():
+    """A first offload trial that runs out of memory (the planner's 16k run on the H100 tried
+    two plans it predicted at 73 GiB that needed over 79) puts every later offload plan's
+    prediction at least where the failed one was: its allocated bytes plus what it asked for.
+    A failure without sizes, or of a plan without offloading, teaches nothing."""
+    costs = small_costs()
+    simulated = Simulated(costs, capacity_gib=64.0)
+    calibrator = planner.Calibrator(costs)
+    for candidate in (
+        planner.Candidate((), 1.0, None),
+        planner.Candidate((), 1.0, None, full_recompute=True),
+    ):
+        true = simulated.truth_of(candidate)
+        candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = true.peak_bytes / 2**30, 1.0
+        calibrator.observe(candidate, [])
+    calibrator.base_s, calibrator.recompute_s = 1.0, 1.3
+    offload = planner.Candidate(("core_attn",), 1.0, None)
+    before = planner.predictor(costs.layers, calibrator.calibration())(offload)[0]
+    needed = before + 2.0
+    ignored = [
+        planner.Candidate(("attn_norm",), 1.0, None, failure={"type": "RuntimeError"}),
+        planner.Candidate(
+            (),
+            1.0,
+            None,
+            recompute_modules=("layernorm",),
+            failure={"oom": {"allocated_gib": needed + 5.0, "tried_gib": 0.5}},
+        ),
+    ]
+    for candidate in ignored:
+        calibrator.observe_failure(candidate)
+    assert calibrator.calibration().offload_peak_bytes == 0.0
+    offload.failure = {"oom": {"allocated_gib": needed - 0.5, "tried_gib": 0.5}}
+    calibrator.observe_failure(offload)
+    predict = planner.predictor(costs.layers, calibrator.calibration())
+    assert predict(offload)[0] == pytest.approx(needed, rel=1e-6)
+    plain_only = planner.Candidate((), 1.0, None, recompute_modules=("layernorm",))
+    assert predict(plain_only)[0] == pytest.approx(
+        simulated.truth_of(plain_only).peak_bytes / 2**30, rel=1e-3
+    )
+
+
+def test_trials_take_plans_predicted_within_the_budget_before_borderline_ones():
+    """Fastest first within each group: predicted within the budget, then predicted over it
+    but within the prediction's tolerance."""
+    peaks = {"a": 10.1, "b": 9.9, "c": 10.05, "d": 9.0}
+    fitting = [planner.Candidate((name,), 1.0, None) for name in "abcd"]  # fastest first
+    order = planner.trial_order(fitting, lambda c: (peaks[c.modules[0]], 1.0), budget=10.0)
+    assert [c.modules[0] for c in order] == ["b", "d", "a", "c"]
