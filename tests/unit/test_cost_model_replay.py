@@ -1,10 +1,11 @@
 """The planner's cost model replayed against the long-context matrix measured on an H100
-(benchmarks/results/2026-11-25_h100x2_long_context_3b_*.json, the 3B shape at 8k, 16k and 32k
-tokens per micro-batch): calibrated as a plan run calibrates it (full recompute, the step
-without offloading where it ran, then the first offload plan measured), it must predict every
-other measured plan's peak within 5% and time within 10%, and put every plan that ran out of
-memory at what it needed when it failed (allocated and asked), within the same 5%. The ledger
-is measured on the CPU here, as the planner measures it."""
+(benchmarks/results/2026-11-26_h100_long_context_3b_*.json, the 3B shape at 8k, 16k and 32k
+tokens per micro-batch, measured with this tree's attention: values that own their memory):
+calibrated as a plan run calibrates it (full recompute, the step without offloading where it
+ran, then the first offload plan measured), it must predict every other measured plan's peak
+within 5% and time within 10%, and put every plan that ran out of memory at what it needed when
+it failed (allocated and asked), within the same 5%. Graphed cases are left out: the planner's
+menu has none yet. The ledger is measured on the CPU here, as the planner measures it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from nemo_rl_offload.plan_menu import Candidate, predictor
 from nemo_rl_offload.preflight import check_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results" / "2026-11-25_h100x2_long_context_3b_{}.json"
+RESULTS = ROOT / "benchmarks" / "results" / "2026-11-26_h100_long_context_3b_{}.json"
 PEAK_TOLERANCE, TIME_TOLERANCE = 0.05, 0.10
 
 
@@ -60,7 +61,7 @@ def _observe(calibrator: planner.Calibrator, record: dict[str, Any], seq: int) -
     calibrator.observe(c, [{**step, "length": seq} for step in record["steps"]])
 
 
-@pytest.mark.parametrize("name", ["seq8192", "seq16384_expandable", "seq32768_expandable"])
+@pytest.mark.parametrize("name", ["seq8192", "seq16384", "seq32768"])
 def test_the_cost_model_predicts_the_measured_matrix(name):
     payload = json.loads(Path(str(RESULTS).format(name)).read_text())
     seq, records = payload["seq"], payload["cases"]
@@ -83,7 +84,10 @@ def test_the_cost_model_predicts_the_measured_matrix(name):
     predict = predictor(costs.layers, calibrator.calibration())
     checked = 0
     for record in records:
+        if record["settings"].get("cuda_graph_impl"):
+            continue  # the planner's menu has no graphed plans yet (README limitations)
         peak, seconds = predict(candidate(record["settings"]))
+        checked += 1
         if "peak_gib" not in record:
             oom = record["failure"]["oom"]
             needed = oom["allocated_gib"] + oom["tried_gib"]
@@ -91,5 +95,4 @@ def test_the_cost_model_predicts_the_measured_matrix(name):
             continue
         assert abs(peak / record["peak_gib"] - 1) <= PEAK_TOLERANCE, (record["case"], peak)
         assert abs(seconds / record["fwd_bwd_s"] - 1) <= TIME_TOLERANCE, (record["case"], seconds)
-        checked += 1
-    assert checked >= 4
+    assert checked >= 5
