@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,7 +201,7 @@ class Run:
     resume_from: Path | None = None
     max_steps: int = 0
     last_step: int = 0
-    last_position: int = 0
+    last_state: dict[str, Any] = field(default_factory=dict)  # the last step's driver state
     _saved_step: int = 0
     # What keep_top_k ranks checkpoints by (checkpointing.metric_name), and what the current
     # step has logged of each phase, which its checkpoint records.
@@ -424,13 +424,15 @@ class Run:
         validate: Callable[[], dict[str, Any]],
         data_done: bool = False,
         stop_when: Callable[[dict[str, Any]], str | None] | None = None,
+        state: Mapping[str, Any] | None = None,
     ) -> None:
         """After a training step: validate when :func:`validation_due` says so (the recipe's
         ``val_start_at`` and ``val_at_end``; ``data_done``: the data epochs are used up, so
         this is the last step), save every ``checkpointing.save_period`` steps and at the last
         step; and save and stop the run (:meth:`steps` yields no more) when ``stop_when``
         finds the validation metrics good enough (its line is printed), or when another step
-        would pass ``checkpointing.checkpoint_must_save_by`` (:class:`Deadline`)."""
+        would pass ``checkpointing.checkpoint_must_save_by`` (:class:`Deadline`). ``state``:
+        more of the driver's state to checkpoint beside the data position."""
         section = self.recipe.get(self.algorithm) or {}
         last = step == self.max_steps or data_done
         stop = None
@@ -445,20 +447,18 @@ class Run:
             self.logger.log(step, self._step_metrics["val"], phase="val")
             stop = stop_when(self._step_metrics["val"]) if stop_when is not None else None
         save_period = int(self.recipe["checkpointing"].get("save_period", 0) or 0)
+        self.last_step, self.last_state = step, {"position": position, **(state or {})}
         if last or stop is not None or (save_period and step % save_period == 0):
-            self.save(policy, step, {"position": position})
-        self.last_step, self.last_position = step, position
+            self.save(policy, step, self.last_state)
         self.deadline.mark_step()
         if stop is not None:
             print(stop, file=sys.stderr, flush=True)
             self.stopped_at = step
         elif not last and self.deadline.due():
-            self._stop_for_deadline(policy, step, position)
+            self._stop_for_deadline(policy, step)
 
-    def _stop_for_deadline(self, policy: Any, step: int, position: int) -> None:
-        saved = (
-            self.save(policy, step, {"position": position}) if step != self._saved_step else None
-        )
+    def _stop_for_deadline(self, policy: Any, step: int) -> None:
+        saved = self.save(policy, step, self.last_state) if step != self._saved_step else None
         ckpt = self.recipe["checkpointing"]
         if saved is None and ckpt.get("enabled", True):
             saved = Path(ckpt["checkpoint_dir"]) / f"step_{step:06d}"
@@ -480,7 +480,7 @@ class Run:
     def finish(self, policy: Any) -> None:
         """Save the last step when the loop ended early (data epochs used up)."""
         if self.last_step and self.last_step != self._saved_step:
-            self.save(policy, self.last_step, {"position": self.last_position})
+            self.save(policy, self.last_step, self.last_state)
 
     def restore(self, policy: Any) -> None:
         """Load the resume checkpoint (full state) or ``policy.init_checkpoint`` (weights).

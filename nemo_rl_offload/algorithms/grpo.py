@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from nemo_rl_offload import losses
-from nemo_rl_offload.algorithms import loop, loss_inputs, rewards, throughput
+from nemo_rl_offload.algorithms import async_rollouts, loop, loss_inputs, rewards, throughput
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     EpochSampler,
@@ -381,11 +381,35 @@ def start(run: Run) -> loop.Steps:
 
     loss_spec = loss_inputs.loss_spec(loss_cfg)
 
+    def collect(target: int) -> tuple[list[PromptGroup], dict[str, float]]:
+        """The groups step ``target`` trains on, sampled by the weights of now."""
+        return collect_groups(
+            run, policy, env, (train, train_raw), sampler, seed=seed * 1000003 + target
+        )
+
+    # grpo.async_grpo or async_rl: each step's rollouts sampled `lead` steps ahead
+    # (algorithms/async_rollouts.py); `steps` (the loop's view of the data) is set below.
+    lead = grpo_options.async_lead(run.recipe)
+    pipeline = (
+        async_rollouts.RolloutPipeline(
+            lead,
+            collect,
+            exhausted=lambda: steps.data_exhausted,
+            last_step=run.max_steps,
+            pending=async_rollouts.RolloutPipeline.restored(run.driver_state, PromptGroup),
+        )
+        if lead > 0
+        else None
+    )
+
     def train_step(step: int) -> loop.TrainResult:
         start = time.perf_counter()
-        groups, gathered = collect_groups(
-            run, policy, env, (train, train_raw), sampler, seed=seed * 1000003 + step
-        )
+        if pipeline is None:
+            groups, gathered = collect(step)
+        else:
+            taken = pipeline.take(step)
+            groups = taken.groups
+            gathered = {**taken.metrics, "avg_trajectory_age": float(async_rollouts.age(taken))}
         sequences, _ = training_sequences(groups, cfg)
         final_rewards = torch.cat([g.rewards for g in groups]).tolist()
         generation = loss_inputs.generation_rows(
@@ -447,11 +471,14 @@ def start(run: Run) -> loop.Steps:
             },
         )
 
-    return loop.Steps(
+    steps = loop.Steps(
         policy,
         sampler,
         train_step,
         validate=validate_at,
         section=cfg,
         stop_when=stop_when,
+        state=pipeline.state if pipeline is not None else None,
+        drawn_ahead=(lambda: len(pipeline.pending)) if pipeline is not None else None,
     )
+    return steps

@@ -48,6 +48,11 @@ class Steps:
     validate: Callable[[int], dict[str, float]]
     section: Mapping[str, Any]
     stop_when: Callable[[dict[str, Any]], str | None] | None = None
+    # More of the driver's state to checkpoint (JSON), e.g. async GRPO's waiting rollouts.
+    state: Callable[[], dict[str, Any]] | None = None
+    # Steps whose data was drawn ahead of them (async GRPO): the run goes on past the data
+    # epochs until they are trained.
+    drawn_ahead: Callable[[], int] | None = None
 
     @property
     def val_period(self) -> int:
@@ -63,8 +68,15 @@ class Steps:
         return bool(self.section.get("val_at_start"))
 
     @property
-    def data_done(self) -> bool:
+    def data_exhausted(self) -> bool:
+        """The sampler has drawn the last prompt of the data epochs."""
         return self.sampler.epoch >= self.max_epochs
+
+    @property
+    def data_done(self) -> bool:
+        """No step has data left: the epochs are drawn and no drawn-ahead step waits."""
+        ahead = self.drawn_ahead() if self.drawn_ahead is not None else 0
+        return self.data_exhausted and ahead == 0
 
 
 def drive(run: Run, start: Callable[[Run], Steps]) -> int:
@@ -95,6 +107,7 @@ def drive(run: Run, start: Callable[[Run], Steps]) -> int:
                 step,
                 steps.policy,
                 steps.sampler.position,
+                state=steps.state() if steps.state is not None else None,
                 val_period=steps.val_period,
                 data_done=steps.data_done,
                 validate=lambda step=step: steps.validate(step),

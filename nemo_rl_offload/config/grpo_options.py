@@ -52,6 +52,84 @@ def check(grpo: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def async_lead(recipe: Mapping[str, Any]) -> int:
+    """How many steps ahead of the step that trains on them GRPO samples rollouts
+    (algorithms/async_rollouts.py; 0: the synchronous loop): ``grpo.async_grpo``'s
+    ``max_trajectory_age_steps`` when it is enabled, else the single controller's in-order
+    sampler's ``max_lookahead_versions`` when ``async_rl`` is set (NeMo-RL's default
+    sampler, looking ahead 1), else 0."""
+    grpo = recipe.get("grpo") or {}
+    legacy = grpo.get("async_grpo") or {}
+    if legacy.get("enabled") is True:
+        return int(legacy.get("max_trajectory_age_steps", 1))
+    single_controller = recipe.get("async_rl")
+    if isinstance(single_controller, Mapping):
+        sampler = single_controller.get("sampler") or {}
+        return int(sampler.get("max_lookahead_versions", 1))
+    return 0
+
+
+def async_problems(recipe: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """Errors and warnings for ``grpo.async_grpo`` (algorithms/async_rollouts.py): NeMo-RL's
+    conditions on it, and its generation-engine switches, which have nothing to act on when
+    generation never overlaps training."""
+    grpo = recipe.get("grpo") or {}
+    cfg = grpo.get("async_grpo") if isinstance(grpo, Mapping) else None
+    if not isinstance(cfg, Mapping) or cfg.get("enabled") is not True:
+        return _lookahead_problems(recipe.get("async_rl")), []
+    errors, warnings = [], []
+    if recipe.get("async_rl") is not None:
+        errors.append(
+            "async_rl: NeMo-RL's single-controller trainer reads its asynchrony from async_rl "
+            "and its other entrypoint from grpo.async_grpo; set one of them (grpo.async_grpo."
+            "enabled: false, or async_rl: null)"
+        )
+    age = cfg.get("max_trajectory_age_steps", 1)
+    if not isinstance(age, int) or isinstance(age, bool) or age < 1:
+        errors.append(
+            f"grpo.async_grpo.max_trajectory_age_steps: {age!r} must be an integer >= 1 (how "
+            "many steps older than the step that trains on them rollouts may be)"
+        )
+    loss = recipe.get("loss_fn") or {}
+    if isinstance(loss, Mapping) and loss.get("use_importance_sampling_correction") is not True:
+        errors.append(
+            "grpo.async_grpo.enabled: asynchronous GRPO trains on rollouts of older weights "
+            "and needs loss_fn.use_importance_sampling_correction: true (NeMo-RL requires it "
+            "too); set it, or grpo.async_grpo.enabled: false"
+        )
+    inert = {
+        "in_flight_weight_updates": (
+            "generation never overlaps a weight update here (rollouts are sampled between "
+            "steps), so no update is ever in flight"
+        ),
+        "recompute_kv_cache_after_weight_updates": (
+            "the sampler's KV cache lives for one generation call, so none outlives a weight update"
+        ),
+    }
+    for key, why in inert.items():
+        if cfg.get(key) is True:
+            warnings.append(f"warning: grpo.async_grpo.{key}: ignored by this backend: {why}")
+    failures = cfg.get("max_generation_failures", 0)
+    if isinstance(failures, int) and failures > 0:
+        warnings.append(
+            "warning: grpo.async_grpo.max_generation_failures: ignored by this backend: "
+            "generation runs in the training workers here, and a failed generation ends the run "
+            "(as 0 does)"
+        )
+    return errors, warnings
+
+
+def _lookahead_problems(single_controller: Any) -> list[str]:
+    sampler = single_controller.get("sampler") if isinstance(single_controller, Mapping) else None
+    lookahead = sampler.get("max_lookahead_versions", 1) if isinstance(sampler, Mapping) else 1
+    if isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead < 0:
+        return [
+            f"async_rl.sampler.max_lookahead_versions: {lookahead} must be an integer >= 0 "
+            "(how many steps ahead of training rollouts are sampled; 0: synchronous)"
+        ]
+    return []
+
+
 def sampling_warnings(policy: Mapping[str, Any]) -> list[str]:
     """GRPO's log-probabilities are of the tempered distribution on both sides (sampler and
     training), but neither side applies top-k / top-p, where NeMo-RL filters the policy's

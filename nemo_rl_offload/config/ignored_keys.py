@@ -130,6 +130,11 @@ def _equals(*values: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
     return inert
 
 
+def _at_least_a_step(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """async_rl.min_groups_for_streaming_train: a step trains on all of its prompt groups."""
+    return value >= int(_at(recipe, "grpo.num_prompts_per_step") or 0)
+
+
 def _switched_off(value: Any, recipe: Mapping[str, Any]) -> bool:
     """A NeMo-RL feature section: inert when null, empty or ``enabled: false``."""
     return value is None or value == {} or (isinstance(value, Mapping) and not value.get("enabled"))
@@ -326,6 +331,14 @@ def _not_yet_section(key: str, what: str) -> Unused:
 
 
 _SPEED_ONLY = "a speed or memory setting of NeMo-RL's; it does not change what is trained"
+_ROLLOUT_PUMP = (
+    "the single controller's rollout pump capacity; rollouts are sampled between steps here, "
+    "each step's as one batch"
+)
+_GENERATION_FLEET = (
+    "the single controller's separate generation fleet (its failures, stalls, health and "
+    "router); generation runs in the training workers here"
+)
 _NO_REFIT = "generation uses the training weights in place; nothing is refit"
 _FILES_ONLY = "it shapes NeMo-RL's checkpoint files; this backend writes its own format"
 _KERNEL = "a kernel or communication choice of NeMo-RL's; results are the same up to rounding"
@@ -858,7 +871,38 @@ def _other_entries() -> dict[str, Unused]:
             "on_policy_distillation": _not_yet_section(
                 "on_policy_distillation", "distillation inside GRPO"
             ),
-            "async_rl": _not_yet("async_rl", None, "the single-controller async trainer"),
+            # async_rl: NeMo-RL's single-controller asynchronous trainer. Its in-order sampler
+            # is implemented (config/grpo_options.async_lead); what follows is the rest.
+            "async_rl.sampler.name": Unused(
+                f"{_NOT_YET} (the single controller's samplers that pick rollouts out of "
+                "order: windowed, ready_first, weight_fifo, custom)",
+                _one_of("in_order"),
+                refuse="set async_rl.sampler.name to in_order (each step's rollouts sampled "
+                "max_lookahead_versions steps ahead, in order)",
+            ),
+            "async_rl.sampler.max_staleness_versions": Unused(
+                "only the samplers that pick out of order read it", _always
+            ),
+            "async_rl.sampler.sample_freshest_first": Unused(
+                "only the windowed sampler reads it", _always
+            ),
+            "async_rl.min_groups_for_streaming_train": Unused(
+                f"{_NOT_YET} (training on fewer prompt groups than a step's as they stream in)",
+                _at_least_a_step,
+                refuse="set it to grpo.num_prompts_per_step or more",
+            ),
+            "async_rl.recompute_kv_cache_after_weight_updates": Unused(
+                "the sampler's KV cache lives for one generation call, so none outlives a "
+                "weight update",
+                _always,
+            ),
+            "async_rl.max_inflight_prompts": Unused(_ROLLOUT_PUMP, _always),
+            "async_rl.max_buffered_rollouts": Unused(_ROLLOUT_PUMP, _always),
+            "async_rl.diagnostics": Unused("NeMo-RL's per-rollout prints", _one_of(False)),
+            "async_rl.rollout_failure": Unused(_GENERATION_FLEET, _always),
+            "async_rl.stall_watchdog": Unused(_GENERATION_FLEET, _always),
+            "async_rl.generation_fleet_health": Unused(_GENERATION_FLEET, _always),
+            "async_rl.generation_router": Unused(_GENERATION_FLEET, _always),
             # algorithms
             "sft.only_unmask_final": Unused(
                 "every SFT example is one prompt and one response, so the final turn is the "
@@ -870,7 +914,6 @@ def _other_entries() -> dict[str, Unused]:
                 _any_inert(_one_of(False), _zero_kl_penalty),
                 refuse="set it to false (or remove it)",
             ),
-            "grpo.async_grpo": _not_yet_section("grpo.async_grpo", "asynchronous GRPO"),
             "grpo.calculate_advantages_on_gpu": Unused(_SPEED_ONLY, _one_of(False)),
             "grpo.invalid_tool_call_advantage": _not_yet(
                 "grpo.invalid_tool_call_advantage", None, "tool calls"

@@ -617,6 +617,35 @@ class DPOConfig(TypedDict):
 
 
 @with_config(_STRICT)
+class AsyncRLSamplerConfig(TypedDict):
+    """``async_rl.sampler``: which rollouts a step trains on (only ``in_order`` is
+    implemented: config/grpo_options.async_lead)."""
+
+    name: NotRequired[str]
+    max_lookahead_versions: NotRequired[int]
+    max_staleness_versions: NotRequired[int]
+    sample_freshest_first: NotRequired[bool]
+    target: NotRequired[str]
+
+
+@with_config(_STRICT)
+class AsyncRLConfig(TypedDict):
+    """NeMo-RL's single-controller asynchronous trainer (algorithms/async_rollouts.py for the
+    in-order sampler; config/ignored_keys.py for the rest)."""
+
+    sampler: NotRequired[AsyncRLSamplerConfig]
+    recompute_kv_cache_after_weight_updates: NotRequired[bool]
+    min_groups_for_streaming_train: NotRequired[int]
+    max_inflight_prompts: NotRequired[int]
+    max_buffered_rollouts: NotRequired[int]
+    diagnostics: NotRequired[bool]
+    rollout_failure: NotRequired[OpenSection]
+    stall_watchdog: NotRequired[OpenSection]
+    generation_fleet_health: NotRequired[OpenSection]
+    generation_router: NotRequired[OpenSection]
+
+
+@with_config(_STRICT)
 class AsyncGRPOConfig(TypedDict):
     enabled: bool
     max_trajectory_age_steps: NotRequired[int]
@@ -788,7 +817,7 @@ class GRPOMasterConfig(TypedDict):
     reward_penalties: NotRequired[OpenSection | None]
     data_plane: NotRequired[OpenSection | None]
     on_policy_distillation: NotRequired[OpenSection | None]
-    async_rl: NotRequired[OpenSection | None]
+    async_rl: NotRequired[AsyncRLConfig | None]
 
 
 @with_config(_STRICT)

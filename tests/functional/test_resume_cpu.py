@@ -162,3 +162,41 @@ def test_sft_stopped_by_its_deadline_resumes_to_the_same_losses(sft_done, tmp_pa
         for key in EXACT_KEYS:
             assert got[key] == want[key], (got["step"], key, got[key], want[key])
     assert all(r["examples_truncated"] == 0 for r in resumed)
+
+
+def test_async_grpo_trains_on_older_rollouts_and_resumes_bitwise(sft_done, tmp_path):
+    """grpo.async_grpo with max_trajectory_age_steps 1 (algorithms/async_rollouts.py): step 1
+    trains on rollouts of the first weights, as the synchronous loop does; every later step on
+    rollouts sampled by the weights of the step before (NeMo-RL's avg_trajectory_age 0, 1, 1),
+    so step 2 differs from the synchronous run's. A run stopped while saving step 3 resumes
+    from step 2 with the rollouts that waited for step 3, and logs bitwise what the
+    uninterrupted run logged. (DAPO's overlong penalty gives the tiny model's responses
+    rewards that vary with their length, so that step 1 changes the weights.)"""
+    grpo = [
+        f"policy.init_checkpoint={sft_done / 'ckpt' / 'step_000003'}",
+        "+grpo.reward_shaping={enabled: true, overlong_buffer_length: 6, "
+        "overlong_buffer_penalty: 1, max_response_length: 8}",
+        "grpo.max_num_steps=3",
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "grpo.val_period=0",
+        "grpo.val_at_start=false",
+        "policy.train_global_batch_size=16",
+        "policy.train_micro_batch_size=8",
+        "checkpointing.save_period=2",
+        "checkpointing.keep_top_k=2",
+        "++loss_fn.use_importance_sampling_correction=true",
+    ]
+    synchronous = tmp_path / "synchronous"
+    run("grpo", [*grpo, "grpo.max_num_steps=2"], synchronous)
+    asynchronous = [*grpo, "++grpo.async_grpo.enabled=true"]
+    done = tmp_path / "uninterrupted"
+    run("grpo", asynchronous, done)
+    records, synced = train_records(done), train_records(synchronous)
+    assert [r["avg_trajectory_age"] for r in records] == [0.0, 1.0, 1.0]
+    assert records[0]["grad_norm"] == synced[0]["grad_norm"] > 0
+    for key in ("grad_norm", "token_mult_prob_error"):
+        assert records[1][key] != synced[1][key], key
+    state = json.loads((done / "ckpt" / "step_000002" / "state.json").read_text())
+    assert [(r["target"], r["generated_at"]) for r in state["async_rollouts"]] == [(3, 2)]
+    assert_resumes_exactly("grpo", asynchronous, done, tmp_path / "stopped", saved=2, steps=3)

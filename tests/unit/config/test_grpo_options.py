@@ -121,3 +121,62 @@ def test_top_k_and_top_p_are_said_to_stay_out_of_the_ratios():
         "policy.generation.top_k",
         "policy.generation.top_p",
     ]
+
+
+def test_async_grpo_needs_importance_sampling_and_an_age_of_one_or_more():
+    """grpo.async_grpo (algorithms/async_rollouts.py): NeMo-RL's condition on the loss, its age
+    as an integer >= 1, and the generation-engine switches said to have nothing to act on."""
+    on = ["++grpo.async_grpo.enabled=true"]
+    corrected = ["++loss_fn.use_importance_sampling_correction=true"]
+    assert report_for("++grpo.async_grpo.enabled=false").errors == []
+    (error,) = report_for(*on).errors
+    assert error.startswith("grpo.async_grpo.enabled: ") and "use_importance_sampling" in error
+    report = report_for(*on, *corrected, "++grpo.async_grpo.max_trajectory_age_steps=2")
+    assert report.errors == [] and report.warnings == []
+    (error,) = report_for(*on, *corrected, "++grpo.async_grpo.max_trajectory_age_steps=0").errors
+    assert error.startswith("grpo.async_grpo.max_trajectory_age_steps: 0 must be")
+    warned = report_for(
+        *on,
+        *corrected,
+        "++grpo.async_grpo.in_flight_weight_updates=true",
+        "++grpo.async_grpo.recompute_kv_cache_after_weight_updates=true",
+        "++grpo.async_grpo.max_generation_failures=3",
+    ).warnings
+    assert [w.split(":")[1].strip() for w in warned] == [
+        "grpo.async_grpo.in_flight_weight_updates",
+        "grpo.async_grpo.recompute_kv_cache_after_weight_updates",
+        "grpo.async_grpo.max_generation_failures",
+    ]
+
+
+def test_the_lead_comes_from_async_grpo_or_the_single_controllers_in_order_sampler():
+    assert grpo_options.async_lead({"grpo": {}}) == 0
+    assert grpo_options.async_lead({"grpo": {"async_grpo": {"enabled": False}}}) == 0
+    assert grpo_options.async_lead({"grpo": {"async_grpo": {"enabled": True}}}) == 1
+    legacy = {"enabled": True, "max_trajectory_age_steps": 3}
+    assert grpo_options.async_lead({"grpo": {"async_grpo": legacy}}) == 3
+    assert grpo_options.async_lead({"grpo": {}, "async_rl": None}) == 0
+    assert grpo_options.async_lead({"grpo": {}, "async_rl": {}}) == 1  # NeMo-RL's default
+    in_order = {"sampler": {"name": "in_order", "max_lookahead_versions": 0}}
+    assert grpo_options.async_lead({"grpo": {}, "async_rl": in_order}) == 0
+
+
+def test_the_single_controllers_in_order_sampler_passes_and_the_others_are_refused():
+    sync = ["++async_rl={sampler: {name: in_order, max_lookahead_versions: 0}}"]
+    assert report_for(*sync).errors == []
+    ahead = ["++async_rl={sampler: {name: in_order, max_lookahead_versions: 2}}"]
+    assert report_for(*ahead).errors == []
+    (error,) = report_for("++async_rl={sampler: {name: windowed}}").errors
+    assert error.startswith("async_rl.sampler.name: 'windowed' is not supported")
+    (error,) = report_for(
+        "++async_rl={sampler: {name: in_order, max_lookahead_versions: -1}}"
+    ).errors
+    assert error.startswith("async_rl.sampler.max_lookahead_versions: -1 must be")
+    (error,) = report_for("++async_rl={min_groups_for_streaming_train: 1}").errors
+    assert error.startswith("async_rl.min_groups_for_streaming_train: 1 is not supported")
+    (error,) = report_for(
+        "++async_rl={}",
+        "++grpo.async_grpo.enabled=true",
+        "++loss_fn.use_importance_sampling_correction=true",
+    ).errors
+    assert error.startswith("async_rl: NeMo-RL's single-controller trainer")

@@ -27,7 +27,7 @@ def _nest(dotted: str, value: object) -> dict:
 
 # (key, NeMo-RL's default, another value): not implemented yet, refused unless the default.
 NOT_YET = [
-    ("grpo.async_grpo", {"enabled": False, "max_trajectory_age_steps": 1}, {"enabled": True}),
+    ("on_policy_distillation", {"enabled": False}, {"enabled": True}),
     ("grpo.adv_estimator", {"name": "grpo"}, {"name": "reinforce_plus_plus"}),
 ]
 
