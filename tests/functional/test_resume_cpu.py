@@ -110,6 +110,20 @@ def test_sft_stopped_mid_save_resumes_bitwise(sft_done, tmp_path):
     assert_resumes_exactly("sft", SFT, sft_done, tmp_path / "stopped", saved=3, steps=6)
 
 
+# The GRPO resume tests' step: 4 prompts x 4 generations in 2 micro-batches, checkpoints every
+# 2 steps, no validation.
+GRPO_STEPS = [
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "grpo.val_period=0",
+    "grpo.val_at_start=false",
+    "policy.train_global_batch_size=16",
+    "policy.train_micro_batch_size=8",
+    "checkpointing.save_period=2",
+    "checkpointing.keep_top_k=2",
+]
+
+
 def test_grpo_with_distributed_optimizer_resumes_bitwise(sft_done, tmp_path):
     """GRPO samples (its seeds derive from the step number) and holds a reference model for
     its KL penalty, which a resume gives back the init_checkpoint's weights; its workers use
@@ -120,14 +134,7 @@ def test_grpo_with_distributed_optimizer_resumes_bitwise(sft_done, tmp_path):
         f"policy.init_checkpoint={sft_done / 'ckpt' / 'step_000003'}",
         "policy.megatron_cfg.optimizer.use_distributed_optimizer=true",
         "grpo.max_num_steps=4",
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_generations_per_prompt=4",
-        "grpo.val_period=0",
-        "grpo.val_at_start=false",
-        "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=8",
-        "checkpointing.save_period=2",
-        "checkpointing.keep_top_k=2",
+        *GRPO_STEPS,
         "policy.logprob_batch_size=4",
         "data.max_input_seq_length=14",
     ]
@@ -177,14 +184,7 @@ def test_async_grpo_trains_on_older_rollouts_and_resumes_bitwise(sft_done, tmp_p
         "+grpo.reward_shaping={enabled: true, overlong_buffer_length: 6, "
         "overlong_buffer_penalty: 1, max_response_length: 8}",
         "grpo.max_num_steps=3",
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_generations_per_prompt=4",
-        "grpo.val_period=0",
-        "grpo.val_at_start=false",
-        "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=8",
-        "checkpointing.save_period=2",
-        "checkpointing.keep_top_k=2",
+        *GRPO_STEPS,
         "++loss_fn.use_importance_sampling_correction=true",
     ]
     synchronous = tmp_path / "synchronous"
