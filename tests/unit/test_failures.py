@@ -135,6 +135,14 @@ def test_the_benchmark_child_reports_why_it_failed(child):
 GRAPHS_RECIPE = str(REPO / "examples" / "configs" / "grpo_math_1B_megatron_fgo_graphs.yaml")
 
 
+# An out-of-memory of this process on a shared GPU: what it had allocated (16 GiB) plus what
+# it asked for is in scale with the planner tests' simulated plans (planner.Calibrator learns
+# from it), while the GPU's other users hold the rest.
+SHARED_GPU_OOM = OOM.replace(
+    "75.02 GiB is allocated by PyTorch", "16.00 GiB is allocated by PyTorch"
+)
+
+
 def test_a_planner_trial_that_fails_is_reported_and_the_plan_goes_on(monkeypatch):
     offloaded: list[str] = []
 
@@ -142,7 +150,7 @@ def test_a_planner_trial_that_fails_is_reported_and_the_plan_goes_on(monkeypatch
         modules = next((line for line in overrides if "offload_modules=[" in line), "")
         if modules and not offloaded:  # the first offload trial runs out of memory
             offloaded.append(modules)
-            raise WorkerError("policy", 0, f"OutOfMemoryError: {OOM} (at a.py:1 in f)")
+            raise WorkerError("policy", 0, f"OutOfMemoryError: {SHARED_GPU_OOM} (at a.py:1 in f)")
         if any("activation_checkpointing=true" in line for line in overrides):
             raise WorkerError("policy", 0, "ValueError: recompute said no (at b.py:2 in g)")
         return graphed_records(overrides, steps)
