@@ -175,7 +175,8 @@ def test_async_grpo_trains_on_older_rollouts_and_resumes_bitwise(sft_done, tmp_p
     """grpo.async_grpo with max_trajectory_age_steps 1 (algorithms/async_rollouts.py): step 1
     trains on rollouts of the first weights, as the synchronous loop does; every later step on
     rollouts sampled by the weights of the step before (NeMo-RL's avg_trajectory_age 0, 1, 1),
-    so step 2 differs from the synchronous run's. A run stopped while saving step 3 resumes
+    so from step 2 the sampler's log-probabilities are not the training pass's (the
+    synchronous loop's agree to float rounding). A run stopped while saving step 3 resumes
     from step 2 with the rollouts that waited for step 3, and logs bitwise what the
     uninterrupted run logged. (DAPO's overlong penalty gives the tiny model's responses
     rewards that vary with their length, so that step 1 changes the weights.)"""
@@ -187,16 +188,16 @@ def test_async_grpo_trains_on_older_rollouts_and_resumes_bitwise(sft_done, tmp_p
         *GRPO_STEPS,
         "++loss_fn.use_importance_sampling_correction=true",
     ]
-    synchronous = tmp_path / "synchronous"
-    run("grpo", [*grpo, "grpo.max_num_steps=2"], synchronous)
     asynchronous = [*grpo, "++grpo.async_grpo.enabled=true"]
     done = tmp_path / "uninterrupted"
     run("grpo", asynchronous, done)
-    records, synced = train_records(done), train_records(synchronous)
+    records = train_records(done)
     assert [r["avg_trajectory_age"] for r in records] == [0.0, 1.0, 1.0]
-    assert records[0]["grad_norm"] == synced[0]["grad_norm"] > 0
-    for key in ("grad_norm", "token_mult_prob_error"):
-        assert records[1][key] != synced[1][key], key
+    assert records[0]["grad_norm"] > 0
+    # sampler against training log-probabilities: the same weights at step 1 (rounding only),
+    # the weights of the step before after it
+    errors = [r["token_mult_prob_error"] for r in records]
+    assert abs(errors[0] - 1) < 1e-5 and all(e > 1.001 for e in errors[1:]), errors
     state = json.loads((done / "ckpt" / "step_000002" / "state.json").read_text())
     assert [(r["target"], r["generated_at"]) for r in state["async_rollouts"]] == [(3, 2)]
     assert_resumes_exactly("grpo", asynchronous, done, tmp_path / "stopped", saved=2, steps=3)
