@@ -175,6 +175,13 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
     return cases
 
 
+# mixed_case's parts that take a number: the setting each sets and how its value reads.
+NUMBER_PARTS: dict[str, tuple[str, Any]] = {
+    "frac": ("activation_offload_fraction", float),
+    "lp": (LOGPROB_CHUNK, int),
+}
+
+
 def mixed_case(name: str) -> dict[str, Any]:
     """The settings of a case written as its parts joined by ``__``: ``fgo:MOD+MOD`` (offload
     modules), ``rc:MOD+MOD`` (selective recompute modules), ``frac:F`` (offload fraction),
@@ -187,12 +194,10 @@ def mixed_case(name: str) -> dict[str, Any]:
             settings.update(FGO, offload_modules=value.split("+"))
         elif kind == "rc" and value:
             settings.update(_selective(value.split("+")))
-        elif kind in ("frac", "lp") and value:
+        elif kind in NUMBER_PARTS and value:
+            key, parse = NUMBER_PARTS[kind]
             try:
-                if kind == "frac":
-                    settings["activation_offload_fraction"] = float(value)
-                else:
-                    settings[LOGPROB_CHUNK] = int(value)
+                settings[key] = parse(value)
             except ValueError:
                 raise KeyError(name) from None
         else:

@@ -227,8 +227,8 @@ def trial_order(fitting: list[Candidate], predict: Any, budget: float) -> list[C
     """The order to measure a budget's candidates in (``fitting``: fastest first, each
     predicted within the budget or within the prediction's tolerance over it): those predicted
     within the budget first, then the borderline ones, each group fastest first. With few
-    trials, plans predicted just over the budget (which mostly turn out over it: the 8k planner
-    run on the H100 spent both its trials so at 90% of the peak) must not use them all up."""
+    trials, plans predicted just over the budget, which mostly turn out over it, must not use
+    them all up (benchmarks/results/2026-11-26_h100_plan_3b_seq8192_before_trial_order.txt)."""
     return sorted(fitting, key=lambda c: predict(c)[0] > budget)
 
 

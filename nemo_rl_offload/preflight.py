@@ -408,9 +408,7 @@ def check_recipe(
         report.warnings += loss_warnings
     if algorithm == "grpo" and isinstance(recipe.get("grpo"), dict):
         report.errors += grpo_options.check(recipe["grpo"])
-        async_errors, async_warnings = grpo_options.async_problems(recipe)
-        report.errors += async_errors
-        report.warnings += async_warnings
+        report.errors += grpo_options.async_problems(recipe)
         if isinstance(recipe.get("policy"), dict):
             report.warnings += grpo_options.sampling_warnings(recipe["policy"])
     unused_errors, unused_warnings = ignored_keys.check(recipe, starting=starting)

@@ -52,32 +52,46 @@ def check(grpo: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _in_order_lookahead(recipe: Mapping[str, Any]) -> Any:
+    """``async_rl``'s in-order sampler's ``max_lookahead_versions`` as written (NeMo-RL's
+    default sampler looks ahead 1), or None when ``async_rl`` is not set."""
+    single_controller = recipe.get("async_rl")
+    if not isinstance(single_controller, Mapping):
+        return None
+    sampler = single_controller.get("sampler")
+    return sampler.get("max_lookahead_versions", 1) if isinstance(sampler, Mapping) else 1
+
+
 def async_lead(recipe: Mapping[str, Any]) -> int:
     """How many steps ahead of the step that trains on them GRPO samples rollouts
     (algorithms/async_rollouts.py; 0: the synchronous loop): ``grpo.async_grpo``'s
-    ``max_trajectory_age_steps`` when it is enabled, else the single controller's in-order
-    sampler's ``max_lookahead_versions`` when ``async_rl`` is set (NeMo-RL's default
-    sampler, looking ahead 1), else 0."""
-    grpo = recipe.get("grpo") or {}
-    legacy = grpo.get("async_grpo") or {}
+    ``max_trajectory_age_steps`` when it is enabled, else ``async_rl``'s in-order lookahead
+    when it is set, else 0."""
+    legacy = (recipe.get("grpo") or {}).get("async_grpo") or {}
     if legacy.get("enabled") is True:
         return int(legacy.get("max_trajectory_age_steps", 1))
-    single_controller = recipe.get("async_rl")
-    if isinstance(single_controller, Mapping):
-        sampler = single_controller.get("sampler") or {}
-        return int(sampler.get("max_lookahead_versions", 1))
-    return 0
+    lookahead = _in_order_lookahead(recipe)
+    return 0 if lookahead is None else int(lookahead)
 
 
-def async_problems(recipe: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-    """Errors and warnings for ``grpo.async_grpo`` (algorithms/async_rollouts.py): NeMo-RL's
-    conditions on it, and its generation-engine switches, which have nothing to act on when
-    generation never overlaps training."""
-    grpo = recipe.get("grpo") or {}
-    cfg = grpo.get("async_grpo") if isinstance(grpo, Mapping) else None
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def async_problems(recipe: Mapping[str, Any]) -> list[str]:
+    """Errors for asynchronous GRPO (algorithms/async_rollouts.py): the two ways to ask for it
+    at once, ages and lookaheads that are not whole steps, and NeMo-RL's condition on the loss.
+    Its engine switches are config/ignored_keys.py's."""
+    errors = []
+    lookahead = _in_order_lookahead(recipe)
+    if _whole(lookahead) and lookahead < 0:
+        errors.append(
+            f"async_rl.sampler.max_lookahead_versions: {lookahead} must be an integer >= 0 "
+            "(how many steps ahead of training rollouts are sampled; 0: synchronous)"
+        )
+    cfg = (recipe.get("grpo") or {}).get("async_grpo")
     if not isinstance(cfg, Mapping) or cfg.get("enabled") is not True:
-        return _lookahead_problems(recipe.get("async_rl")), []
-    errors, warnings = [], []
+        return errors
     if recipe.get("async_rl") is not None:
         errors.append(
             "async_rl: NeMo-RL's single-controller trainer reads its asynchrony from async_rl "
@@ -85,7 +99,7 @@ def async_problems(recipe: Mapping[str, Any]) -> tuple[list[str], list[str]]:
             "enabled: false, or async_rl: null)"
         )
     age = cfg.get("max_trajectory_age_steps", 1)
-    if not isinstance(age, int) or isinstance(age, bool) or age < 1:
+    if not _whole(age) or age < 1:
         errors.append(
             f"grpo.async_grpo.max_trajectory_age_steps: {age!r} must be an integer >= 1 (how "
             "many steps older than the step that trains on them rollouts may be)"
@@ -97,37 +111,7 @@ def async_problems(recipe: Mapping[str, Any]) -> tuple[list[str], list[str]]:
             "and needs loss_fn.use_importance_sampling_correction: true (NeMo-RL requires it "
             "too); set it, or grpo.async_grpo.enabled: false"
         )
-    inert = {
-        "in_flight_weight_updates": (
-            "generation never overlaps a weight update here (rollouts are sampled between "
-            "steps), so no update is ever in flight"
-        ),
-        "recompute_kv_cache_after_weight_updates": (
-            "the sampler's KV cache lives for one generation call, so none outlives a weight update"
-        ),
-    }
-    for key, why in inert.items():
-        if cfg.get(key) is True:
-            warnings.append(f"warning: grpo.async_grpo.{key}: ignored by this backend: {why}")
-    failures = cfg.get("max_generation_failures", 0)
-    if isinstance(failures, int) and failures > 0:
-        warnings.append(
-            "warning: grpo.async_grpo.max_generation_failures: ignored by this backend: "
-            "generation runs in the training workers here, and a failed generation ends the run "
-            "(as 0 does)"
-        )
-    return errors, warnings
-
-
-def _lookahead_problems(single_controller: Any) -> list[str]:
-    sampler = single_controller.get("sampler") if isinstance(single_controller, Mapping) else None
-    lookahead = sampler.get("max_lookahead_versions", 1) if isinstance(sampler, Mapping) else 1
-    if isinstance(lookahead, int) and not isinstance(lookahead, bool) and lookahead < 0:
-        return [
-            f"async_rl.sampler.max_lookahead_versions: {lookahead} must be an integer >= 0 "
-            "(how many steps ahead of training rollouts are sampled; 0: synchronous)"
-        ]
-    return []
+    return errors
 
 
 def sampling_warnings(policy: Mapping[str, Any]) -> list[str]:

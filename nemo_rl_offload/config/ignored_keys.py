@@ -340,6 +340,9 @@ _GENERATION_FLEET = (
     "router); generation runs in the training workers here"
 )
 _NO_REFIT = "generation uses the training weights in place; nothing is refit"
+_NO_KV_TO_RECOMPUTE = (
+    "the sampler's KV cache lives for one generation call, so none outlives a weight update"
+)
 _FILES_ONLY = "it shapes NeMo-RL's checkpoint files; this backend writes its own format"
 _KERNEL = "a kernel or communication choice of NeMo-RL's; results are the same up to rounding"
 _GLOBAL_LOSS = (
@@ -892,9 +895,7 @@ def _other_entries() -> dict[str, Unused]:
                 refuse="set it to grpo.num_prompts_per_step or more",
             ),
             "async_rl.recompute_kv_cache_after_weight_updates": Unused(
-                "the sampler's KV cache lives for one generation call, so none outlives a "
-                "weight update",
-                _always,
+                _NO_KV_TO_RECOMPUTE, _one_of(False)
             ),
             "async_rl.max_inflight_prompts": Unused(_ROLLOUT_PUMP, _always),
             "async_rl.max_buffered_rollouts": Unused(_ROLLOUT_PUMP, _always),
@@ -913,6 +914,21 @@ def _other_entries() -> dict[str, Unused]:
                 _NOT_YET,
                 _any_inert(_one_of(False), _zero_kl_penalty),
                 refuse="set it to false (or remove it)",
+            ),
+            # grpo.async_grpo itself is implemented (config/grpo_options.async_lead); these are
+            # its generation engine's switches.
+            "grpo.async_grpo.in_flight_weight_updates": Unused(
+                "generation never overlaps a weight update here (rollouts are sampled between "
+                "steps), so no update is ever in flight",
+                _one_of(False),
+            ),
+            "grpo.async_grpo.recompute_kv_cache_after_weight_updates": Unused(
+                _NO_KV_TO_RECOMPUTE, _one_of(False)
+            ),
+            "grpo.async_grpo.max_generation_failures": Unused(
+                "generation runs in the training workers here, and a failed generation ends "
+                "the run (as 0 does)",
+                _one_of(0),
             ),
             "grpo.calculate_advantages_on_gpu": Unused(_SPEED_ONLY, _one_of(False)),
             "grpo.invalid_tool_call_advantage": _not_yet(

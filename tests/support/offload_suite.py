@@ -51,6 +51,15 @@ RECOMPUTE: dict[str, dict[str, Any]] = {
     "dense_layer_input": {"activation_checkpointing": True},
 }
 DENSE = ("dense", "dense_mlp", *RECOMPUTE)
+
+
+def through_the_runtime(modules: list[str]) -> bool:
+    """Whether a kind's offloading goes through the runtime's plans and pinned pool: all but
+    full recompute's layer inputs alone, which move through this package's own hooks
+    (offload/layer_input.py)."""
+    return modules != ["layer_input"]
+
+
 # The MoE model again with Megatron's own hook code (the runtime's lean hooks off), which
 # failed this suite twice before the offload layer was owned (issue 19 part 4).
 MEGATRON_HOOKS = "moe_megatron_hooks"
@@ -183,7 +192,10 @@ def peaks_by_shape(records: list[dict[str, Any]], key: str) -> dict[str, dict[st
     return peaks
 
 
-def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(records: list[dict[str, Any]], *, runtime: bool = True) -> dict[str, Any]:
+    """The suite's figures of one worker pair's records; ``runtime``: the offloading went
+    through the runtime (:func:`through_the_runtime`), whose pool, plans and copy rates
+    follow."""
     peaks = peaks_by_shape(records, "activation_peak_gib")
     summary = {
         "steps": len(records),
@@ -203,7 +215,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
             1 - r["activation_peak_gib"] / r["plain_activation_peak_gib"] for r in records
         ),
     }
-    if "offload_pool_gib" not in records[0]:  # layer_input alone: no runtime plans or pool
+    if not runtime:
         return summary
     return {
         **summary,
@@ -286,9 +298,7 @@ def check_records(
     assert all(r["activation_peak_gib"] < r["plain_activation_peak_gib"] for r in records)
     for module in modules:
         assert all(r.get(f"offloaded_gib_{module}", 0) > 0 for r in records), module
-    if modules == ["layer_input"]:
-        # Full recompute's layer inputs move through this package's own hooks
-        # (offload/layer_input.py), not the runtime's plans and pool: what follows is theirs.
+    if not through_the_runtime(modules):  # what follows is the runtime's plans and pool
         return
     if kind in DENSE:  # MoE expert sizes follow the routing: its pool may still adjust
         for before, after in zip(records, records[1:], strict=False):

@@ -82,7 +82,7 @@ def test_the_cost_model_predicts_the_measured_matrix(name):
     )
     _observe(calibrator, first, seq)
     predict = predictor(costs.layers, calibrator.calibration())
-    checked = 0
+    checked = fits = 0
     for record in records:
         if record["settings"].get("cuda_graph_impl"):
             continue  # the planner's menu has no graphed plans yet (README limitations)
@@ -95,4 +95,7 @@ def test_the_cost_model_predicts_the_measured_matrix(name):
             continue
         assert abs(peak / record["peak_gib"] - 1) <= PEAK_TOLERANCE, (record["case"], peak)
         assert abs(seconds / record["fwd_bwd_s"] - 1) <= TIME_TOLERANCE, (record["case"], seconds)
-    assert checked >= 5
+        fits += 1
+    # at least one fitting plan besides the two that calibrate (full recompute, the first
+    # offload plan), among at least five plans predicted (fitting or out of memory)
+    assert fits >= 3 and checked >= 5, (fits, checked)

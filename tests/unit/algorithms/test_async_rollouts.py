@@ -26,25 +26,20 @@ class Trainer:
         return [target], {"reward": float(target)}
 
 
-def _run(lead: int, steps: int, *, exhausted_after: int | None = None) -> tuple[list, Trainer]:
+def _run(lead: int, steps: int, *, data_steps: int | None = None) -> tuple[list, Trainer]:
+    """``steps`` training steps over data for ``data_steps`` steps (None: endless), stopping
+    as the loop does (loop.Steps.data_done: the data drawn and nothing waiting)."""
     trainer = Trainer()
-    pipeline = RolloutPipeline(
-        lead,
-        trainer.collect,
-        exhausted=lambda: (
-            exhausted_after is not None and len(trainer.sampled_by) >= exhausted_after
-        ),
-        last_step=steps,
-    )
+
+    def exhausted() -> bool:
+        return data_steps is not None and len(trainer.sampled_by) >= data_steps
+
+    pipeline = RolloutPipeline(lead, trainer.collect, exhausted=exhausted, last_step=steps)
     taken = []
     for step in range(1, steps + 1):
-        trainer.step = step
-        if (
-            exhausted_after is not None
-            and not pipeline.pending
-            and len(trainer.sampled_by) >= exhausted_after
-        ):
+        if exhausted() and not pipeline.pending:
             break
+        trainer.step = step
         taken.append(pipeline.take(step))
     return taken, trainer
 
@@ -61,7 +56,7 @@ def test_each_step_trains_on_rollouts_of_the_weights_lead_steps_before(lead):
 
 
 def test_nothing_is_sampled_past_the_data_and_the_drawn_steps_still_train():
-    taken, trainer = _run(2, 10, exhausted_after=4)
+    taken, trainer = _run(2, 10, data_steps=4)
     assert sorted(trainer.sampled_by) == [1, 2, 3, 4]
     assert [r.target for r in taken] == [1, 2, 3, 4]
 

@@ -125,7 +125,8 @@ def test_top_k_and_top_p_are_said_to_stay_out_of_the_ratios():
 
 def test_async_grpo_needs_importance_sampling_and_an_age_of_one_or_more():
     """grpo.async_grpo (algorithms/async_rollouts.py): NeMo-RL's condition on the loss, its age
-    as an integer >= 1, and the generation-engine switches said to have nothing to act on."""
+    as an integer >= 1, and the generation-engine switches said to have nothing to act on
+    (config/ignored_keys.py's lines)."""
     on = ["++grpo.async_grpo.enabled=true"]
     corrected = ["++loss_fn.use_importance_sampling_correction=true"]
     assert report_for("++grpo.async_grpo.enabled=false").errors == []
@@ -142,10 +143,10 @@ def test_async_grpo_needs_importance_sampling_and_an_age_of_one_or_more():
         "++grpo.async_grpo.recompute_kv_cache_after_weight_updates=true",
         "++grpo.async_grpo.max_generation_failures=3",
     ).warnings
-    assert [w.split(":")[1].strip() for w in warned] == [
+    assert sorted(w.split(":")[1].strip() for w in warned) == [
         "grpo.async_grpo.in_flight_weight_updates",
-        "grpo.async_grpo.recompute_kv_cache_after_weight_updates",
         "grpo.async_grpo.max_generation_failures",
+        "grpo.async_grpo.recompute_kv_cache_after_weight_updates",
     ]
 
 
