@@ -603,15 +603,37 @@ class PolicyWorker:
         weights, optimizer, scheduler, generators and step (``models.checkpoint``)."""
         from nemo_rl_offload.models import checkpoint
 
-        checkpoint.save(
-            directory,
-            model=self._unwrapped(),
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            step=self.step,
-            distributed_optimizer=self._distributed_optimizer,
-            on_gpu=self.on_gpu,
-        )
+        with self._parameters_gathered():
+            checkpoint.save(
+                directory,
+                model=self._unwrapped(),
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                step=self.step,
+                distributed_optimizer=self._distributed_optimizer,
+                on_gpu=self.on_gpu,
+            )
+
+    @contextlib.contextmanager
+    def _parameters_gathered(self) -> Any:
+        """Every parameter as the last optimizer step left it, for the duration.
+
+        With the distributed optimizer and ``overlap_param_gather`` (the exemplar recipes'
+        setting), a step updates each rank's own shard only; Megatron's DDP gathers the other
+        shards in the next forward's pre-hooks. Until then this rank's copy of every other
+        shard is the weights before the step, so a checkpoint saved right after a step would
+        hold them (a resumed run then trained on partly older weights). Megatron's own
+        training loop turns the hooks off around a save, which gathers the parameters at once;
+        so does this."""
+        model = self.model
+        if not getattr(model, "use_forward_hook", False):
+            yield
+            return
+        model.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            model.enable_forward_pre_hook()
 
     def load_checkpoint(self, directory: str, *, weights_only: bool = False) -> int:
         """Load a checkpoint (either format). ``weights_only`` (``init_checkpoint``): the

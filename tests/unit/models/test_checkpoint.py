@@ -61,8 +61,21 @@ def test_plain_optimizer_checkpoint_resumes_on_other_tensor_and_data_parallel_si
     _assert_same_step(saved, resumed)
 
 
-def test_distributed_optimizer_checkpoint_resumes_on_another_data_parallel_size(tmp_path):
-    policy = section(optimizer={"use_distributed_optimizer": True})
+@pytest.mark.parametrize("overlap_param_gather", [False, True], ids=["gathered", "overlapped"])
+def test_distributed_optimizer_checkpoint_resumes_on_another_data_parallel_size(
+    tmp_path, overlap_param_gather
+):
+    """``overlap_param_gather`` (the exemplar recipes' setting, in bfloat16 as they are) leaves
+    each rank's copy of the other ranks' shards as they were before the last step until the
+    next forward gathers them; the checkpoint saved right after a step must hold the stepped
+    weights anyway (in float32 the optimizer's loaded shards are the weights themselves, so
+    only mixed precision shows it)."""
+    policy = section(
+        optimizer={"use_distributed_optimizer": True},
+        distributed_data_parallel_config={"overlap_param_gather": overlap_param_gather},
+    )
+    if overlap_param_gather:
+        policy["precision"] = "bfloat16"
     saved = run_ranks(worker_ranks.train_save_and_step, 2, tmp_path / "dp2", policy=policy)
     meta = json.loads((tmp_path / "dp2" / "ckpt" / checkpoint.LAYOUT_FILE).read_text())
     assert meta["layout"]["distributed_optimizer"] and meta["layout"]["data_parallel"] == 2
