@@ -1,29 +1,50 @@
-"""``policy.logprob_chunk_size``: label log-probabilities in chunks of the sequence; and
-GRPO's sampling temperature on the logits they come from (:func:`install`).
+"""``policy.logprob_chunk_size``: label log-probabilities in chunks of the sequence, from the
+output layer on; and GRPO's sampling temperature on the logits they come from (:func:`install`).
 
 Why: the model's per-token loss (minus each label's log-probability, what every algorithm's
-token log-probs and the SFT, GRPO and DPO losses come from) is Megatron's vocab-parallel cross
-entropy, which upcasts the whole logits tensor [seq, batch, vocab] to float32 and keeps its
-float32 softmax for the backward pass: at long context and a large vocabulary that copy is the
-largest tensor of the step. With a chunk size, :func:`install` replaces the model's
-``compute_language_model_loss`` with one that takes the float32 log-softmax ``chunk`` positions
-at a time and keeps only each position's log-sum-exp; the backward pass recomputes each chunk's
-softmax from the logits. The output layer still materialises the logits themselves (in the
-model's precision): they are the output layer's result, which this does not change.
+token log-probs and the SFT, GRPO and DPO losses come from) is, in Megatron's plain path, the
+output layer's logits [seq, batch, vocab] (in the model's precision) followed by the
+vocab-parallel cross entropy, which upcasts them to float32 and keeps its float32 softmax for
+the backward pass. So the whole sequence's logits exist at once in the forward, a tensor over
+the vocabulary for every position is kept until the backward, and the backward makes the
+logits' gradient for the whole sequence: at long context and a large vocabulary those are the
+largest tensors of the step. Chunking only the log-softmax (the model's replaced
+``compute_language_model_loss`` below) keeps the logits instead of the float32 softmax, and
+leaves the rest.
 
-Exact: the same log-sum-exp and label logit per position, reduced over the tensor-parallel
-vocabulary shards as Megatron does. Teacher top-k scores take their float32 log-softmax in the
-same chunks (``PolicyWorker.topk_logprobs``); the distillation loss's log-softmax over the
-student's logits is not chunked.
+With a chunk size, :func:`install` registers an output processor (:class:`ChunkedOutputLogprobs`,
+handed to ``GPTModel.forward`` as ``output_processor`` by :func:`forward_kwargs`, which the
+training and log-probability passes and the activation ledger's measurement use) that takes the
+final hidden states ``chunk`` sequence positions at a time through the output layer, its
+optional MuP scaling and the temperature to the labels' log-probabilities, each chunk under a
+non-reentrant activation checkpoint. What the backward keeps is the final hidden states (which
+the plain output layer keeps too) and the labels; each chunk's logits, their float32
+log-softmax and their gradient exist one chunk at a time, in the forward and again in the
+backward. Cost: the output layer's forward runs twice per micro-batch (once more in the
+backward, chunk by chunk); forward-only passes run it once, chunked, without checkpoints.
+Under sequence parallelism a chunk of this rank's slice of the sequence is gathered into the
+same chunk of every rank's slice (the output layer's all-gather), whose labels are taken from
+the whole sequence and whose log-probabilities are put back at their positions.
+
+Exact: the same logits, log-sum-exp and label logit per position as the plain path, reduced
+over the tensor-parallel vocabulary shards as Megatron does; the gradients equal the plain
+path's up to the order in which the output weight's gradient is summed over chunks. The
+model's ``compute_language_model_loss`` is replaced too (the temperature, and the float32
+log-softmax in chunks) for any caller that does not pass the processor. Teacher top-k scores
+take their float32 log-softmax in the same chunks (``PolicyWorker.topk_logprobs``); the
+distillation loss's log-softmax over the student's logits is not chunked.
 """
 
 from __future__ import annotations
 
+import functools
 import types
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 
 def _all_reduce(tensor: Tensor, op: Any, group: Any) -> None:
@@ -92,12 +113,125 @@ def chunked_label_loss(labels: Tensor, logits: Tensor, chunk: int) -> Tensor:
     return (-logprobs).transpose(0, 1).contiguous()
 
 
+def _tp_group(output_layer: Any) -> Any:
+    """The output layer's tensor-parallel group when it has more than one rank, else None."""
+    group = getattr(output_layer, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+    return group if group is not None and group.size() > 1 else None
+
+
+def _chunk_logprobs(
+    hidden: Tensor,
+    output_weight: Tensor | None,
+    labels: Tensor,
+    *,
+    lo: int,
+    output_layer: Any,
+    scale_logits: Any,
+    temperature: float,
+    group: Any,
+    ranks: int,
+) -> Tensor:
+    """log p(label) of one chunk of hidden states [n, b, h] (positions ``lo`` to ``lo + n`` of
+    each of ``ranks`` equal slices of the sequence, in rank order: the output layer's
+    sequence-parallel gather; ``ranks`` 1 without it) -> [ranks * n, b] float32."""
+    logits, _ = output_layer(hidden, weight=output_weight, runtime_gather_output=False)
+    if scale_logits is not None:
+        logits = scale_logits(logits)
+    if temperature != 1.0:
+        logits = logits / temperature
+    rows, n = labels.size(0), hidden.size(0)
+    target = labels.reshape(rows, ranks, -1)[:, :, lo : lo + n]  # [b, ranks, n]
+    target = target.permute(1, 2, 0).reshape(ranks * n, rows)
+    return ChunkedVocabParallelLogprob.apply(logits, target, logits.size(0), group)
+
+
+class ChunkedOutputLogprobs:
+    """``GPTModel.forward``'s ``output_processor`` for the labels path: the final hidden states
+    [s_local, b, h] -> minus the labels' log-probabilities [b, s] in float32 (what Megatron's
+    plain path returns), ``chunk`` positions of the local sequence at a time, each chunk's
+    logits recomputed in the backward (module docstring)."""
+
+    def __init__(self, chunk: int, temperature: float = 1.0) -> None:
+        self.chunk, self.temperature = int(chunk), float(temperature)
+
+    def __call__(
+        self,
+        *,
+        hidden_states: Tensor,
+        output_layer: Any,
+        output_weight: Tensor | None,
+        labels: Tensor | None,
+        config: Any,
+        scale_logits: Any,
+        **_: Any,
+    ) -> Tensor:
+        if labels is None:
+            raise ValueError("policy.logprob_chunk_size: the output processor needs labels")
+        if getattr(config, "defer_embedding_wgrad_compute", False):
+            raise ValueError(
+                "policy.logprob_chunk_size: not with defer_embedding_wgrad_compute (the output "
+                "layer would buffer each chunk's input, and again in the backward)"
+            )
+        group = _tp_group(output_layer)
+        ranks = group.size() if group is not None and output_layer.sequence_parallel else 1
+        local, rows = hidden_states.size(0), hidden_states.size(1)
+        if labels.shape != (rows, ranks * local):
+            raise ValueError(
+                f"policy.logprob_chunk_size: labels {tuple(labels.shape)} do not match hidden "
+                f"states {tuple(hidden_states.shape)} over {ranks} sequence-parallel rank(s)"
+            )
+        step = functools.partial(
+            _chunk_logprobs,
+            output_layer=output_layer,
+            scale_logits=scale_logits if getattr(config, "use_mup", False) else None,
+            temperature=self.temperature,
+            group=group,
+            ranks=ranks,
+        )
+        checkpointed = torch.is_grad_enabled()
+        pieces = []
+        lo = 0
+        # One split (one node in the backward) rather than a slice per chunk, whose gradients
+        # would each be a zero-padded copy of the whole hidden states.
+        for hidden in torch.split(hidden_states, self.chunk, dim=0):
+            if checkpointed:
+                piece = checkpoint(
+                    functools.partial(step, lo=lo),
+                    hidden,
+                    output_weight,
+                    labels,
+                    use_reentrant=False,
+                    preserve_rng_state=False,
+                )
+            else:
+                piece = step(hidden, output_weight, labels, lo=lo)
+            pieces.append(piece.view(ranks, hidden.size(0), rows))
+            lo += hidden.size(0)
+        logprobs = torch.cat(pieces, dim=1).reshape(ranks * local, rows)
+        return (-logprobs).transpose(0, 1).contiguous()
+
+
+# The chunked output processor of each model that has a chunk size (:func:`install`), keyed by
+# the unwrapped GPTModel; :func:`forward_kwargs` hands it to the model's forward.
+_PROCESSORS: weakref.WeakKeyDictionary[Any, ChunkedOutputLogprobs] = weakref.WeakKeyDictionary()
+
+
 def install(model: Any, chunk: int | None, temperature: float = 1.0) -> None:
     """Make ``model`` (a GPTModel, or a wrapper around one) compute its per-token loss in
     chunks of ``chunk`` positions, and of the logits divided by ``temperature``: the
     distribution GRPO's sampler draws from, whose log-probabilities NeMo-RL's training, old
     and reference passes take (its ``apply_temperature_scaling``). None or 0 and 1.0 leave the
-    model as it is."""
+    model as it is.
+
+    With a chunk size, the output layer is chunked too when the forward is given
+    :func:`forward_kwargs` (the training, log-probability and ledger passes do); the model's
+    ``compute_language_model_loss`` (the temperature; the float32 log-softmax in chunks) serves
+    any other caller."""
     if not chunk and temperature == 1.0:
         return
     from megatron.core.utils import unwrap_model
@@ -113,6 +247,25 @@ def install(model: Any, chunk: int | None, temperature: float = 1.0) -> None:
         return plain(labels, logits)
 
     inner.compute_language_model_loss = types.MethodType(compute_language_model_loss, inner)
+    if chunk:
+        _PROCESSORS[inner] = ChunkedOutputLogprobs(int(chunk), temperature)
+    else:
+        _PROCESSORS.pop(inner, None)
+
+
+def forward_kwargs(model: Any, has_labels: bool) -> dict[str, Any]:
+    """The keyword arguments of ``model``'s forward (a GPTModel or a wrapper around one) that
+    chunk its output layer: the output processor when :func:`install` gave the model a chunk
+    size and the forward has labels, else none."""
+    if not has_labels or not _PROCESSORS:
+        return {}
+    from megatron.core.utils import unwrap_model
+
+    try:
+        processor = _PROCESSORS.get(unwrap_model(model))
+    except TypeError:  # not a module (no weak reference to it): nothing was installed on it
+        return {}
+    return {} if processor is None else {"output_processor": processor}
 
 
 def topk_logprobs(logits: Tensor, k: int | None, chunk: int | None) -> dict[str, Tensor]:

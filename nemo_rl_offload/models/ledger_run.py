@@ -50,12 +50,15 @@ def measure(model: Any, tokens: int, vocab: int) -> Any:
     """What a training forward of one sequence of ``tokens`` tokens saves (a Recorder)."""
     import torch
 
+    from nemo_rl_offload.models.chunked_logprobs import forward_kwargs
     from nemo_rl_offload.offload.saved_tensors import saved_bytes
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, tokens), generator=generator)
     positions = torch.arange(tokens).unsqueeze(0)
-    return saved_bytes(model, lambda: model(ids, positions, None, labels=ids).sum())
+    # As training calls it: with the chunked output layer when the recipe has a chunk size.
+    kwargs = forward_kwargs(model, has_labels=True)
+    return saved_bytes(model, lambda: model(ids, positions, None, labels=ids, **kwargs).sum())
 
 
 def build_ledger(

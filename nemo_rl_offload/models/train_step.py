@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nemo_rl_offload.models import context_parallel
+from nemo_rl_offload.models import chunked_logprobs, context_parallel
 
 LossFn = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor | int, dict[str, Tensor]]]
 
@@ -142,6 +142,8 @@ def _forward_step(
         position_ids = _default_position_ids(inputs["input_ids"])
     packed = packed_seq_params(inputs)
     kwargs = {} if packed is None else {"packed_seq_params": packed}
+    # policy.logprob_chunk_size: the output layer in chunks (chunked_logprobs.install).
+    kwargs.update(chunked_logprobs.forward_kwargs(model, inputs.get("labels") is not None))
     output = model(
         inputs["input_ids"],
         position_ids,
@@ -189,7 +191,9 @@ def _forward_step_cp(
         kwargs["packed_seq_params"] = packed_seq_params(
             {"cu_seqlens": layout.padded_cu_seqlens.to(batch["input_ids"].device)}
         )
-    output = model(local["input_ids"], position_ids, None, labels=local.get("labels"), **kwargs)
+    labels = local.get("labels")
+    kwargs.update(chunked_logprobs.forward_kwargs(model, labels is not None))
+    output = model(local["input_ids"], position_ids, None, labels=labels, **kwargs)
     return output, functools.partial(_reduce_cp, loss_fn, batch, layout, cp, local_outputs)
 
 

@@ -172,7 +172,9 @@ def removal(owner: str, kind: str, chunked: bool) -> tuple[str | None, str | Non
     if kind == MODEL:
         note = ""
         if owner == "<model>" and not chunked:
-            note = "policy.logprob_chunk_size keeps only a log-sum-exp per token"
+            # The loss's float32 softmax and its masks (the chunked output layer
+            # keeps only the final hidden states and the labels).
+            note = "policy.logprob_chunk_size recomputes it in the backward, a chunk at a time"
         return None, None, note
     offload = _first(OFFLOAD_BY_OWNER, owner)
     recompute = _first(RECOMPUTE_BY_OWNER, owner)

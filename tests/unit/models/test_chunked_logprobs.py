@@ -116,3 +116,130 @@ def test_validate_refuses_a_chunk_size_that_is_not_a_positive_integer(chunk):
         policy, where="policy", architecture=architecture_for("tiny-dense"), caps=detect()
     )
     assert not [e for e in findings.errors if "logprob_chunk_size" in e]
+
+
+# The output layer in chunks (ChunkedOutputLogprobs, handed to GPTModel.forward by
+# forward_kwargs): a length the chunk size does not divide.
+LENGTH, CHUNK = 23, 5
+
+
+def _ids_and_labels(seed: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 384, (2, LENGTH), generator=g)
+    labels = torch.randint(1, 384, (2, LENGTH), generator=g)
+    return ids, labels, torch.arange(LENGTH).unsqueeze(0).expand(2, LENGTH)
+
+
+def _loss_and_grads(model, forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    weights = torch.rand(2, LENGTH, generator=torch.Generator().manual_seed(6))
+    model.zero_grad(set_to_none=True)
+    loss = forward()
+    (loss * weights).sum().backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_chunked_output_layer_equals_the_plain_path(build_tiny, temperature):
+    """Per-token losses and every parameter's gradient (the output layer's included) equal
+    those of the plain path's logits, divided by the temperature, and their log-softmax."""
+    model, _ = build_tiny()
+    ids, labels, positions = _ids_and_labels()
+
+    def plain() -> torch.Tensor:
+        logits = model(ids, positions, None).float() / temperature  # [b, s, v]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        return -logprobs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+    expected, expected_grads = _loss_and_grads(model, plain)
+    assert chunked_logprobs.forward_kwargs(model, True) == {}  # nothing installed yet
+    chunked_logprobs.install(model, CHUNK, temperature)
+    assert chunked_logprobs.forward_kwargs(model, False) == {}  # no labels: the logits
+    kwargs = chunked_logprobs.forward_kwargs(model, True)
+    assert isinstance(kwargs["output_processor"], chunked_logprobs.ChunkedOutputLogprobs)
+    loss, grads = _loss_and_grads(
+        model, lambda: model(ids, positions, None, labels=labels, **kwargs)
+    )
+    assert loss.shape == labels.shape and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    assert "output_layer.weight" in grads and grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    with torch.no_grad():  # forward-only passes: the same chunks, without checkpoints
+        torch.testing.assert_close(model(ids, positions, None, labels=labels, **kwargs), loss)
+
+
+def _saved_shapes(forward) -> list[tuple[int, ...]]:
+    """The shapes of the tensors autograd saves during ``forward()`` for the backward."""
+    shapes = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward().sum().backward()
+    return shapes
+
+
+def test_the_chunked_output_layer_keeps_no_logits_for_the_backward(build_tiny):
+    """Plain, the loss keeps tensors over the vocabulary (the logits' softmax) for the
+    backward; chunked, only the final hidden states and the labels: each chunk's logits are
+    recomputed in the backward."""
+    model, _ = build_tiny()
+    vocab = model.output_layer.weight.shape[0]
+    ids, labels, positions = _ids_and_labels()
+    plain = _saved_shapes(lambda: model(ids, positions, None, labels=labels))
+    assert [s for s in plain if s[-1] == vocab]
+    chunked_logprobs.install(model, CHUNK)
+    kwargs = chunked_logprobs.forward_kwargs(model, True)
+    chunked = _saved_shapes(lambda: model(ids, positions, None, labels=labels, **kwargs))
+    assert chunked and not [s for s in chunked if s[-1] == vocab]
+    # ... and without the processor, the installed chunked log-softmax keeps the logits.
+    loss_only = _saved_shapes(lambda: model(ids, positions, None, labels=labels))
+    assert [s for s in loss_only if s[-1] == vocab]
+
+
+@pytest.fixture(scope="module")
+def one_rank_passes(tmp_path_factory) -> tuple[dict, str]:
+    """Every pass of one rank without chunking, from a checkpoint after one step."""
+    from support.worker_ranks import load_then_every_pass, run_ranks, save_after_one_step, section
+
+    out = tmp_path_factory.mktemp("one_rank")
+    run_ranks(save_after_one_step, 1, out, policy=section())
+    ckpt = str(out / "ckpt")
+    (single,) = run_ranks(load_then_every_pass, 1, out / "single", policy=section(), ckpt=ckpt)
+    return single, ckpt
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"tensor_model_parallel_size": 2},
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+        {"context_parallel_size": 2},
+    ],
+    ids=["tp2", "tp2_sp", "cp2"],
+)
+def test_chunked_log_probabilities_agree_on_two_ranks(one_rank_passes, layout, tmp_path):
+    """Two gloo ranks of tensor parallelism (with and without sequence parallelism, where the
+    sequence is padded to even lengths and each rank chunks its half) or of context
+    parallelism (each rank chunks its share of the positions) with a chunk size: the label
+    log-probabilities, a packed micro-batch's, one training step's loss, gradient norm and
+    update agree with one rank's unchunked model."""
+    import numpy as np
+    from support.worker_ranks import load_then_every_pass, run_ranks, section
+
+    single, ckpt = one_rank_passes
+    policy = {**section(**layout), "logprob_chunk_size": CHUNK}
+    results = run_ranks(load_then_every_pass, 2, tmp_path, policy=policy, ckpt=ckpt)
+    reporting = [result for result in results if result["reports"]]
+    assert reporting
+    for result in reporting:
+        for key in ("logprobs", "packed_logprobs"):
+            for got, expected in zip(result[key], single[key], strict=True):
+                np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5)
+        assert result["loss"] == pytest.approx(single["loss"], rel=1e-5)
+        assert result["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+        np.testing.assert_allclose(
+            result["probe_after_step"], single["probe_after_step"], rtol=0, atol=2e-5
+        )
