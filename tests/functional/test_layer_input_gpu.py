@@ -59,8 +59,12 @@ def _run(**cfg: Any) -> dict[str, Any]:
     for _ in range(STEPS):
         ids = torch.randint(0, arch.vocab_size, (1, TOKENS), generator=generator).cuda()
         position = torch.arange(TOKENS, device="cuda").unsqueeze(0)
+        # Gradients stay allocated after the first step (zeroed, accumulated into in place),
+        # so the step's peak is the activations': otherwise the backward's last layers, where
+        # every gradient has been allocated and no layer input is left, set it for both runs.
         for param in model.parameters():
-            param.grad = None
+            if param.grad is not None:
+                param.grad.zero_()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.gpu_results import write_results
@@ -47,7 +48,7 @@ def _needs_gpus(count: int) -> None:
         pytest.skip(f"needs {count} CUDA GPUs")
 
 
-def _sft(root: Path, steps: int, *overrides: str) -> None:
+def _sft(root: Path, steps: int, *overrides: str, expect: int = 0) -> Any:
     done = subprocess.run(
         [
             sys.executable,
@@ -71,7 +72,8 @@ def _sft(root: Path, steps: int, *overrides: str) -> None:
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.returncode == expect, done.stderr[-4000:]
+    return done
 
 
 def _losses(root: Path) -> dict[int, float]:
@@ -100,20 +102,32 @@ def test_distributed_optimizer_resume_within_the_spread_of_identical_runs(gpus, 
 
 
 def test_a_tensor_parallel_checkpoint_resumes_at_tensor_parallel_one(tmp_path):
-    """Saved at TP 2 after 3 steps, resumed at TP 1 (weights and the distributed optimizer's
-    state resharded by dist_checkpointing): steps 4-6 follow the uninterrupted TP 2 run."""
+    """Saved at TP 2 after 3 steps with the plain optimizer, resumed at TP 1 (weights and Adam's
+    state resharded by dist_checkpointing): steps 4-6 follow the uninterrupted TP 2 run. With
+    the distributed optimizer (its ``dp_reshardable`` state reshards over data-parallel sizes
+    only) the same resume is refused in one line naming the setting, exit 2."""
     _needs_gpus(2)
     tp2 = ["cluster.gpus_per_node=2", "policy.megatron_cfg.tensor_model_parallel_size=2"]
     tp1 = ["cluster.gpus_per_node=1", "policy.megatron_cfg.tensor_model_parallel_size=1"]
-    uninterrupted, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
-    _sft(uninterrupted, 6, *tp2)
-    _sft(stopped, 3, *tp2)
-    _sft(stopped, 6, *tp1)  # resumes from step 3 at TP 1
+    plain = ["policy.megatron_cfg.optimizer.use_distributed_optimizer=false"]
+    uninterrupted, stopped, refused = (tmp_path / n for n in ("uninterrupted", "stopped", "dist"))
+    _sft(uninterrupted, 6, *tp2, *plain)
+    _sft(stopped, 3, *tp2, *plain)
+    _sft(stopped, 6, *tp1, *plain)  # resumes from step 3 at TP 1
     a, resumed = _losses(uninterrupted), _losses(stopped)
     assert sorted(resumed) == sorted(a) == list(range(1, 7))
     gaps = {step: abs(resumed[step] - a[step]) / abs(a[step]) for step in (4, 5, 6)}
+    _sft(refused, 3, *tp2)
+    done = _sft(refused, 6, *tp1, expect=2)
+    message = [line for line in done.stderr.splitlines() if "tensor_model_parallel_size" in line]
     write_results(
         "resume_tp2_at_tp1",
-        {"uninterrupted_tp2": a, "stopped_tp2_resumed_tp1": resumed, "relative_gaps": gaps},
+        {
+            "uninterrupted_tp2": a,
+            "stopped_tp2_resumed_tp1": resumed,
+            "relative_gaps": gaps,
+            "distributed_optimizer_refusal": message,
+        },
     )
     assert max(gaps.values()) <= TP_CHANGE_RELATIVE_GAP, gaps
+    assert len(message) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
