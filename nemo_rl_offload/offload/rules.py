@@ -985,6 +985,15 @@ def _logprob_chunk(ctx: _Context) -> None:
             f"{ctx.where}.logprob_chunk_size: must be an integer >= 1 (positions per chunk) or "
             f"null for no chunking (got: {chunk})"
         )
+    overrides = ctx.megatron_cfg.get("model_overrides")
+    if chunk and isinstance(overrides, dict) and overrides.get("defer_embedding_wgrad_compute"):
+        # The chunked output layer runs the output layer once per chunk (and again in the
+        # backward); Megatron's deferred weight gradient would buffer every chunk's input.
+        ctx.error(
+            f"{ctx.where}.logprob_chunk_size: not with {ctx.prefix}.model_overrides."
+            "defer_embedding_wgrad_compute (the chunked output layer would buffer each chunk's "
+            "input); set one of them off"
+        )
 
 
 _RULES = (

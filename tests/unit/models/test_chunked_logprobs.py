@@ -118,6 +118,25 @@ def test_validate_refuses_a_chunk_size_that_is_not_a_positive_integer(chunk):
     assert not [e for e in findings.errors if "logprob_chunk_size" in e]
 
 
+@pytest.mark.parametrize("chunk", [None, 1024])
+def test_validate_refuses_the_chunked_output_layer_with_a_deferred_embedding_gradient(chunk):
+    from support.policies import make_policy
+
+    from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.offload.capabilities import detect
+    from nemo_rl_offload.offload.rules import check_policy
+
+    policy = {
+        **make_policy(model_overrides={"defer_embedding_wgrad_compute": True}),
+        "logprob_chunk_size": chunk,
+    }
+    findings = check_policy(
+        policy, where="policy", architecture=architecture_for("tiny-dense"), caps=detect()
+    )
+    refused = [e for e in findings.errors if "defer_embedding_wgrad_compute (the chunked" in e]
+    assert len(refused) == (1 if chunk else 0), findings.errors
+
+
 # The output layer in chunks (ChunkedOutputLogprobs, handed to GPTModel.forward by
 # forward_kwargs): a length the chunk size does not divide.
 LENGTH, CHUNK = 23, 5
