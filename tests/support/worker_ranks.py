@@ -40,7 +40,20 @@ def run_ranks(function: Any, world: int, out: Path, **kwargs: Any) -> list[dict[
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
+def _die_with_parent() -> None:
+    """Linux: end this rank when the test process that spawned it dies (a test run killed by a
+    timeout otherwise leaves its ranks waiting in a collective, each holding its memory)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _rank_main(rank: int, function: Any, world: int, port: int, out: str, kwargs: dict) -> None:
+    _die_with_parent()
     try:
         result = function(rank, world, port, Path(out), **kwargs)
     except Exception:
@@ -63,6 +76,12 @@ def _leave() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # the other ranks have written theirs too
         dist.destroy_process_group()
+    # os._exit runs no exit handler: a process this rank started would outlive it (Megatron's
+    # checkpoint writer serves its results from a spawned Manager, about half a GiB each).
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
