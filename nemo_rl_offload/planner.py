@@ -548,6 +548,8 @@ def _plan(
             calibrator.observe(candidate, records)
         else:
             calibrator.observe_failure(candidate)
+        # As each trial ends: a plan stopped by a time limit has still said what it measured.
+        print(f"plan: {candidate.name}: {_outcome(candidate)}", file=err)
         return records
 
     # Full recompute first: at long context it is often the only setting that fits.
@@ -644,6 +646,7 @@ def _plan(
                 candidate.measured_peak_gib = candidate.measured_fwd_bwd_s = None
             else:
                 remeasured(candidate, records)
+            print(f"plan: {candidate.name} again: {_outcome(again)}", file=err)
             rechecked.add(candidate.name)
         chosen = best(options, budget)
         predict = predictor(costs.layers, calibrator.calibration())
@@ -813,6 +816,13 @@ def _calibration_line(calibration: Calibration | None) -> str | None:
     )
 
 
+def _outcome(c: Candidate) -> str:
+    """What a trial measured, or why it failed."""
+    if c.failed:
+        return f"failed: {c.failed}"
+    return f"measured {c.measured_peak_gib or 0:6.2f} GiB  {c.measured_fwd_bwd_s or 0:.3f} s"
+
+
 def _predicted(c: Candidate) -> str:
     peak = "     -" if c.predicted_peak_gib is None else f"{c.predicted_peak_gib:6.2f}"
     seconds = "" if c.predicted_fwd_bwd_s is None else f" {c.predicted_fwd_bwd_s:.3f} s"
@@ -838,13 +848,11 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
         )
         for c in entry["tried"]:
             if c.failed:
-                print(f"  {c.name:<48} {_predicted(c)}  failed: {c.failed}", file=out)
+                print(f"  {c.name:<48} {_predicted(c)}  {_outcome(c)}", file=out)
                 continue
             change = (c.measured_fwd_bwd_s or 0.0) / profile.fwd_bwd_s - 1
             print(
-                f"  {c.name:<48} {_predicted(c)}  measured "
-                f"{c.measured_peak_gib or 0:6.2f} GiB  {c.measured_fwd_bwd_s or 0:.3f} s "
-                f"({100 * change:+.1f}%)"
+                f"  {c.name:<48} {_predicted(c)}  {_outcome(c)} ({100 * change:+.1f}%)"
                 + (f", best of {c.measurements}" if c.measurements > 1 else ""),
                 file=out,
             )

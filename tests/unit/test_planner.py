@@ -385,7 +385,8 @@ def test_one_slow_measurement_does_not_decide_between_close_plans(monkeypatch):
 
     monkeypatch.setattr(planner, "_measure", measure)
     monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
-    result = planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0], steps=3, err=StringIO())
+    progress = StringIO()
+    result = planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0], steps=3, err=progress)
     (entry,) = result["plans"]
     chosen = entry["chosen"]
     assert (
@@ -393,6 +394,11 @@ def test_one_slow_measurement_does_not_decide_between_close_plans(monkeypatch):
         and chosen.measurements == 2
         and simulated.calls.count(chosen.name) == 2
     )
+    # Each trial says what it measured as it ends (a run cut by a time limit keeps them).
+    said = progress.getvalue().splitlines()
+    for name in set(simulated.calls):
+        assert [line for line in said if line.startswith(f"plan: {name}: ")], (name, said)
+    assert [line for line in said if line.startswith(f"plan: {chosen.name} again: measured")]
     assert chosen.measured_fwd_bwd_s == pytest.approx(simulated.truth_of(chosen).step_s)
     out = StringIO()
     planner.format_plan(result, out)
