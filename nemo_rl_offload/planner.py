@@ -645,6 +645,7 @@ def _plan(
                 candidate.failure = again.failure
                 candidate.measured_peak_gib = candidate.measured_fwd_bwd_s = None
             else:
+                again.measured_peak_gib, again.measured_fwd_bwd_s = _measured(records)
                 remeasured(candidate, records)
             print(f"plan: {candidate.name} again: {_outcome(again)}", file=err)
             rechecked.add(candidate.name)

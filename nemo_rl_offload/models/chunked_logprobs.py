@@ -101,20 +101,14 @@ class ChunkedVocabParallelLogprob(torch.autograd.Function):
 def chunked_label_loss(labels: Tensor, logits: Tensor, chunk: int) -> Tensor:
     """Megatron's ``compute_language_model_loss`` contract: labels [b, s], logits [s, b, v/tp]
     -> minus the labels' log-probabilities [b, s], in float32."""
-    from megatron.core import parallel_state
-
-    group = (
-        parallel_state.get_tensor_model_parallel_group()
-        if parallel_state.get_tensor_model_parallel_world_size() > 1
-        else None
-    )
     target = labels.transpose(0, 1).contiguous()
-    logprobs = ChunkedVocabParallelLogprob.apply(logits, target, int(chunk), group)
+    logprobs = ChunkedVocabParallelLogprob.apply(logits, target, int(chunk), _tp_group(None))
     return (-logprobs).transpose(0, 1).contiguous()
 
 
 def _tp_group(output_layer: Any) -> Any:
-    """The output layer's tensor-parallel group when it has more than one rank, else None."""
+    """The tensor-parallel group the vocabulary is split over when it has more than one rank,
+    else None: the output layer's own group, or (None, or a layer without one) Megatron's."""
     group = getattr(output_layer, "tp_group", None)
     if group is None:
         from megatron.core import parallel_state
@@ -172,11 +166,6 @@ class ChunkedOutputLogprobs:
     ) -> Tensor:
         if labels is None:
             raise ValueError("policy.logprob_chunk_size: the output processor needs labels")
-        if getattr(config, "defer_embedding_wgrad_compute", False):
-            raise ValueError(
-                "policy.logprob_chunk_size: not with defer_embedding_wgrad_compute (the output "
-                "layer would buffer each chunk's input, and again in the backward)"
-            )
         group = _tp_group(output_layer)
         ranks = group.size() if group is not None and output_layer.sequence_parallel else 1
         local, rows = hidden_states.size(0), hidden_states.size(1)

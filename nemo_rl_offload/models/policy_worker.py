@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -615,7 +616,7 @@ class PolicyWorker:
             )
 
     @contextlib.contextmanager
-    def _parameters_gathered(self) -> Any:
+    def _parameters_gathered(self) -> Iterator[None]:
         """Every parameter as the last optimizer step left it, for the duration.
 
         With the distributed optimizer and ``overlap_param_gather`` (the exemplar recipes'

@@ -40,20 +40,7 @@ def run_ranks(function: Any, world: int, out: Path, **kwargs: Any) -> list[dict[
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-def _die_with_parent() -> None:
-    """Linux: end this rank when the test process that spawned it dies (a test run killed by a
-    timeout otherwise leaves its ranks waiting in a collective, each holding its memory)."""
-    import ctypes
-    import signal
-    import sys
-
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _rank_main(rank: int, function: Any, world: int, port: int, out: str, kwargs: dict) -> None:
-    _die_with_parent()
     try:
         result = function(rank, world, port, Path(out), **kwargs)
     except Exception:
