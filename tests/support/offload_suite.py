@@ -246,9 +246,15 @@ def run_steps(
         if step % 10 == 0:
             fgo.generate([[1, 2, 3, 4]], {"max_new_tokens": 4}, seed=step, pad_id=0)
         metrics = fgo.train(batch, {"name": "nll"})
-        plain_metrics = plain.train(as_padded_by_the_runtime(batch), {"name": "nll"})
-        # The runtime's padded length; layer_input alone (no runtime plan) pads nothing.
-        shape = (count, int(metrics.get("offload_step_length", length)))
+        # The plain twin gets the inputs the offloading worker computed on: padded to the
+        # runtime's length bucket where a runtime plan ran; as given where none did
+        # (layer_input alone pads nothing), else the two differ by their padding's tiling.
+        from nemo_rl_offload.offload.runtime import pad_microbatches
+
+        padded_to = metrics.get("offload_step_length")
+        plain_batch = batch if padded_to is None else pad_microbatches(batch, int(padded_to))
+        plain_metrics = plain.train(plain_batch, {"name": "nll"})
+        shape = (count, int(padded_to or length))
         records.append(
             {
                 "step": step,
