@@ -132,7 +132,11 @@ def export(
 ) -> list[str]:
     """Write the checkpoint (a step directory, or a checkpoint_dir: its latest step) as a
     Hugging Face directory ``out``; returns the files written."""
-    from nemo_rl_offload.models.hf_checkpoint import merge_pipeline_stages, write_hf_checkpoint
+    from nemo_rl_offload.models.hf_checkpoint import (
+        MTP_PREFIX,
+        merge_pipeline_stages,
+        write_hf_checkpoint,
+    )
     from nemo_rl_offload.models.hf_convert import megatron_to_hf
 
     if model_type is not None and model_type not in MODEL_TYPES:
@@ -148,6 +152,16 @@ def export(
         shards = [merge_pipeline_stages(stages) for stages in _read_shards(policy_dir)]
     else:
         shards = [_read_dist_checkpoint(policy_dir, policy, architecture)]
+    if any(key.startswith(MTP_PREFIX) for key in shards[0]):
+        shards = [
+            {k: v for k, v in shard.items() if not k.startswith(MTP_PREFIX)} for shard in shards
+        ]
+        print(
+            "note: the multi-token prediction block (policy.megatron_cfg.mtp_num_layers) has no "
+            "place in a Hugging Face checkpoint of this model type: left out of the export "
+            "(the checkpoint keeps it)",
+            file=sys.stderr,
+        )
     keys = shards[0].keys()
     grouped = any(".experts.linear_fc1.weight" in key for key in keys)
     fused = any(key.endswith("linear_qkv.layer_norm_weight") for key in keys)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nemo_rl_offload.config import multi_token_prediction
 from nemo_rl_offload.config.validate import show_value
 
 
@@ -455,18 +456,12 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             _is_none,
             refuse=f"set {m}.model_overrides.moe_router_group_topk instead",
         ),
-        f"{m}.mtp_num_layers": train_only(
-            _not_yet(f"{m}.mtp_num_layers", 0, "multi-token prediction")
-        ),
-        f"{m}.mtp_loss_scaling_factor": Unused(
-            "multi-token prediction is not implemented (mtp_num_layers is refused)", _always
-        ),
-        f"{m}.mtp_detach_heads": Unused(
-            "multi-token prediction is not implemented (mtp_num_layers is refused)", _always
-        ),
-        f"{m}.mtp_use_repeated_layer": Unused(
-            "multi-token prediction is not implemented (mtp_num_layers is refused)", _always
-        ),
+        # Multi-token prediction: the policy's MTP block trains (config.multi_token_prediction).
+        **{
+            f"{m}.{key}": Unused(_TEACHER_TRAINS_NOT, _always)
+            for key in multi_token_prediction.MTP_KEYS
+            if not multi_token_prediction.applies_to(where)
+        },
         f"{m}.train_iters": train_only(
             Unused(
                 "the schedule's length is scheduler.lr_decay_iters and the run's the "

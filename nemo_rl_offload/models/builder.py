@@ -198,6 +198,27 @@ def _with_local_norms(spec: Any, config: Any) -> Any:
     )
 
 
+def mtp_block_spec(config: Any, spec: Any) -> Any:
+    """The multi-token prediction block of ``config.mtp_num_layers`` layers (Megatron's MTP
+    block spec for this stage, None where the stage has none): each MTP layer's transformer
+    layer is the decoder's (``spec``, with this package's offload points, recompute and LoRA),
+    its norms this package's :class:`models.norms.LocalNorm` where Megatron's local backend
+    would build ``WrappedTorchNorm`` (which refuses sequence parallelism), as in the decoder."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from nemo_rl_offload.models.norms import LocalNorm
+
+    block = get_gpt_mtp_block_spec(
+        config, spec, use_transformer_engine=config.transformer_impl == "transformer_engine"
+    )
+    for layer in block.layer_specs if block is not None else []:
+        for name in ("enorm", "hnorm", "layer_norm"):
+            if getattr(layer.submodules, name) is WrappedTorchNorm:
+                setattr(layer.submodules, name, LocalNorm)
+    return block
+
+
 def build_gpt_model(
     effective: EffectiveSettings, architecture: Architecture, *, on_gpu: bool
 ) -> tuple[GPTModel, list[str]]:
@@ -250,9 +271,11 @@ def gpt_model_for(
     adapters ``lora`` (initialised by ``models.lora.prepare``, which freezes the rest)."""
     from megatron.core import parallel_state
 
+    spec = layer_spec(config, mlp_offload_modules, recompute_modules, lora)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config, mlp_offload_modules, recompute_modules, lora),
+        transformer_layer_spec=spec,
+        mtp_block_spec=mtp_block_spec(config, spec) if config.mtp_num_layers else None,
         vocab_size=architecture.vocab_size,
         max_sequence_length=architecture.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

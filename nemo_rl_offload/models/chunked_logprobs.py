@@ -148,10 +148,12 @@ class ChunkedOutputLogprobs:
     """``GPTModel.forward``'s ``output_processor`` for the labels path: the final hidden states
     [s_local, b, h] -> minus the labels' log-probabilities [b, s] in float32 (what Megatron's
     plain path returns), ``chunk`` positions of the local sequence at a time, each chunk's
-    logits recomputed in the backward (module docstring)."""
+    logits recomputed in the backward (module docstring). ``chunk`` None: the whole sequence
+    at once and nothing recomputed (the processor then only carries the temperature)."""
 
-    def __init__(self, chunk: int, temperature: float = 1.0) -> None:
-        self.chunk, self.temperature = int(chunk), float(temperature)
+    def __init__(self, chunk: int | None, temperature: float = 1.0) -> None:
+        self.chunk = int(chunk) if chunk else None
+        self.temperature = float(temperature)
 
     def __call__(
         self,
@@ -182,12 +184,12 @@ class ChunkedOutputLogprobs:
             group=group,
             ranks=ranks,
         )
-        checkpointed = torch.is_grad_enabled()
+        checkpointed = torch.is_grad_enabled() and self.chunk is not None
         pieces = []
         lo = 0
         # One split (one node in the backward) rather than a slice per chunk, whose gradients
         # would each be a zero-padded copy of the whole hidden states.
-        for hidden in torch.split(hidden_states, self.chunk, dim=0):
+        for hidden in torch.split(hidden_states, self.chunk or local, dim=0):
             if checkpointed:
                 piece = checkpoint(
                     functools.partial(step, lo=lo),
@@ -220,24 +222,32 @@ def install(model: Any, chunk: int | None, temperature: float = 1.0) -> None:
     With a chunk size, the output layer is chunked too when the forward is given
     :func:`forward_kwargs` (the training, log-probability and ledger passes do); the model's
     ``compute_language_model_loss`` (the temperature; the float32 log-softmax in chunks) serves
-    any other caller."""
+    any other caller.
+
+    A model with multi-token prediction (``mtp_num_layers``) computes its MTP losses with that
+    same method before the main loss; they are Megatron's, on the logits as they are (NeMo-RL
+    applies the sampling temperature to the policy's log-probabilities only). So for such a
+    model the temperature goes to the output processor alone (registered, whole-sequence when
+    there is no chunk size), which only the main loss runs."""
     if not chunk and temperature == 1.0:
         return
     from megatron.core.utils import unwrap_model
 
     inner = unwrap_model(model)
     plain = inner.compute_language_model_loss  # Megatron's, bound to this model
+    has_mtp = bool(getattr(inner.config, "mtp_num_layers", None))
+    tempered = temperature != 1.0 and not has_mtp
 
     def compute_language_model_loss(self: Any, labels: Tensor, logits: Tensor) -> Tensor:
-        if temperature != 1.0:
+        if tempered:
             logits = logits / temperature
         if chunk:
             return chunked_label_loss(labels, logits, chunk)
         return plain(labels, logits)
 
     inner.compute_language_model_loss = types.MethodType(compute_language_model_loss, inner)
-    if chunk:
-        _PROCESSORS[inner] = ChunkedOutputLogprobs(int(chunk), temperature)
+    if chunk or has_mtp:
+        _PROCESSORS[inner] = ChunkedOutputLogprobs(chunk, temperature)
     else:
         _PROCESSORS.pop(inner, None)
 

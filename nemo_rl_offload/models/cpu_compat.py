@@ -92,6 +92,8 @@ _ROTARY_MODULES = (
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
 )
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+# Megatron modules a schedule call runs that allocate on "cuda" by name (cpu_schedule_allocations).
+_SCHEDULE_CALL_MODULES = (_SCHEDULES, "megatron.core.transformer.multi_token_prediction")
 
 # (module or class, attribute) -> the original value, while the patches are on.
 _saved: dict[tuple[Any, str], Any] = {}
@@ -327,20 +329,26 @@ def disable_cpu_execution() -> None:
 
 @contextlib.contextmanager
 def cpu_schedule_allocations() -> Iterator[None]:
-    """While active, Megatron's pipeline schedules see a ``torch`` whose ``zeros`` puts
-    ``device="cuda"`` tensors on the CPU (and whose ``torch.cuda`` is the CPU stand-in).
+    """While active, Megatron's pipeline schedules and its multi-token prediction see a
+    ``torch`` whose ``zeros`` puts ``device="cuda"`` tensors on the CPU (and whose
+    ``torch.cuda`` is the CPU stand-in).
 
     The schedules allocate their token counter (``total_num_tokens``) on "cuda"
-    unconditionally; nothing else in the no-pipelining schedule needs a GPU. Scoped to one call
-    so that a GPU run in the same process never sees it.
+    unconditionally; nothing else in the no-pipelining schedule needs a GPU. Multi-token
+    prediction (``mtp_num_layers``) makes its metrics' buffers and, under context parallelism,
+    the boundary tokens it exchanges between ranks on the current CUDA device. Scoped to one
+    call so that a GPU run in the same process never sees it.
     """
-    schedules = importlib.import_module(_SCHEDULES)
-    previous = schedules.torch
-    schedules.torch = _CpuAllocTorch()
+    modules = [importlib.import_module(name) for name in _SCHEDULE_CALL_MODULES]
+    previous = [module.torch for module in modules]
+    stand_in = _CpuAllocTorch()
+    for module in modules:
+        module.torch = stand_in
     try:
         yield
     finally:
-        schedules.torch = previous
+        for module, torch_module in zip(modules, previous, strict=True):
+            module.torch = torch_module
 
 
 _CHECKPOINT_IO_MODULES: tuple[str, ...] = (

@@ -153,8 +153,10 @@ def load_into_model(model: Any, architecture: Architecture) -> None:
     offsets = {local: layer.layer_number - 1 for local, layer in enumerate(model.decoder.layers)}
     state = {}
     for key, current in own.items():
-        if key.endswith("_extra_state") or is_adapter_key(key):
-            state[key] = current  # LoRA adapters start from their initialisation
+        if key.endswith("_extra_state") or is_adapter_key(key) or key.startswith(MTP_PREFIX):
+            # LoRA adapters and the multi-token prediction block (none of the Hugging Face
+            # formats read here has one) start from their initialisation.
+            state[key] = current
             continue
         source = _global_key(key, offsets)
         if source not in converted and key == "output_layer.weight":
@@ -175,6 +177,8 @@ def load_into_model(model: Any, architecture: Architecture) -> None:
 
 
 _LAYERS = "decoder.layers."
+# The multi-token prediction block's keys (policy.megatron_cfg.mtp_num_layers).
+MTP_PREFIX = "mtp."
 
 
 def _layer_number(key: str) -> int | None:

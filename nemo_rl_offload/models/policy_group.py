@@ -17,8 +17,9 @@ from nemo_rl_offload.distributed.worker_group import WorkerGroup
 from nemo_rl_offload.models import checkpoint
 from nemo_rl_offload.models.policy_worker import PolicyWorker
 
-# Metrics that describe one rank (its memory, time, learning rate): the step's value is the
-# largest over ranks, not the sum.
+# Metrics that describe one rank (its memory, time, learning rate), or that every rank already
+# holds reduced over the data-parallel ranks (the multi-token prediction losses, models.mtp):
+# the step's value is the largest over ranks, not the sum.
 _PER_RANK_KEYS = (
     "peak_",
     "gpu_memory",
@@ -32,6 +33,7 @@ _PER_RANK_KEYS = (
     "h2d",
     "cuda_graph",
     "device_",
+    "mtp_",
 )
 
 

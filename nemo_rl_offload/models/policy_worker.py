@@ -312,6 +312,9 @@ class PolicyWorker:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from nemo_rl_offload.offload import apply
+        from nemo_rl_offload.offload.capabilities import detect
+
         opt_cfg = dict(megatron_cfg.get("optimizer") or {})
         ddp_cfg = dict(megatron_cfg.get("distributed_data_parallel_config") or {})
         # On CPU workers too: its reduce-scatter and all-gather run on gloo.
@@ -346,8 +349,8 @@ class PolicyWorker:
         precision = self.section.get("precision", "float32")
         kwargs = {k: opt_cfg[k] for k in OPTIMIZER_KEYS_FROM_RECIPE if k in opt_cfg}
         kwargs["use_distributed_optimizer"] = use_distributed
-        kwargs["use_precision_aware_optimizer"] = bool(
-            kwargs.get("use_precision_aware_optimizer", False) and self.on_gpu
+        kwargs["use_precision_aware_optimizer"] = apply.precision_aware_optimizer(
+            opt_cfg, te_installed=detect().has_transformer_engine, on_gpu=self.on_gpu
         )
         kwargs["clip_grad"] = float(kwargs.get("clip_grad") or 0.0)
         with self._optimizer_construction():
@@ -386,6 +389,7 @@ class PolicyWorker:
         import torch
 
         from nemo_rl_offload import losses
+        from nemo_rl_offload.models import mtp
         from nemo_rl_offload.models.train_step import run_microbatches
         from nemo_rl_offload.offload.runtime import pad_microbatches
 
@@ -405,6 +409,7 @@ class PolicyWorker:
             microbatches = pad_microbatches(microbatches, longest)
         microbatches = self.runtime.prepare_step(microbatches, sync_length=self._dp_max)
         loss_fn = losses.make_loss_fn(loss)
+        mtp.start_step(self.model, self.device)
 
         def forward_backward(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return run_microbatches(self.model, tensors, loss_fn, forward_only=False)
@@ -426,6 +431,7 @@ class PolicyWorker:
             # captured step's peak, which every replay of it reaches again.
             fwd_bwd_peak = at_start + self.graphs.activation_peak_bytes(key) / 2**30
         metrics = self._sum_outputs(outputs)  # read before any other step reuses the buffers
+        metrics.update(mtp.step_metrics(self.model, len(microbatches)))
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)

@@ -108,6 +108,21 @@ def _padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
+def _mtp_kwargs(model: Any, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The model's ``loss_mask`` keyword for multi-token prediction (``mtp_num_layers``): the
+    labels' own mask (``loss_mask``, aligned with ``labels``), so the MTP losses count the
+    tokens the algorithm's loss counts (NeMo-RL's token mask times its sample mask, which this
+    package's ``loss_mask`` already is) and no prompt or padding. Megatron rolls it with the
+    labels for each MTP depth. Without MTP, or without labels, nothing."""
+    if inputs.get("labels") is None or "loss_mask" not in inputs:
+        return {}
+    from megatron.core.utils import unwrap_model
+
+    if not getattr(unwrap_model(model).config, "mtp_num_layers", None):
+        return {}
+    return {"loss_mask": inputs["loss_mask"]}
+
+
 def _forward_step(
     loss_fn: LossFn,
     multiple: int,
@@ -144,6 +159,7 @@ def _forward_step(
     kwargs = {} if packed is None else {"packed_seq_params": packed}
     # policy.logprob_chunk_size: the output layer in chunks (chunked_logprobs.install).
     kwargs.update(chunked_logprobs.forward_kwargs(model, inputs.get("labels") is not None))
+    kwargs.update(_mtp_kwargs(model, inputs))
     output = model(
         inputs["input_ids"],
         position_ids,
@@ -182,7 +198,7 @@ def _forward_step_cp(
         positions = _default_position_ids(batch["input_ids"])
     local = {
         key: context_parallel.to_local(batch[key], layout, cp, cp_rank)
-        for key in ("input_ids", "labels")
+        for key in ("input_ids", "labels", "loss_mask")
         if key in batch
     }
     position_ids = context_parallel.to_local(positions, layout, cp, cp_rank)
@@ -193,6 +209,7 @@ def _forward_step_cp(
         )
     labels = local.get("labels")
     kwargs.update(chunked_logprobs.forward_kwargs(model, labels is not None))
+    kwargs.update(_mtp_kwargs(model, local))
     output = model(local["input_ids"], position_ids, None, labels=labels, **kwargs)
     return output, functools.partial(_reduce_cp, loss_fn, batch, layout, cp, local_outputs)
 
@@ -387,6 +404,10 @@ def _pad_to(batch: dict[str, Tensor], rows: int, length: int) -> dict[str, Tenso
         grown = value.new_zeros((rows, length))
         grown[: value.shape[0], : value.shape[1]] = value
         padded[key] = grown
+    if "loss_mask" in batch:  # multi-token prediction's mask (_mtp_kwargs): none on padding
+        mask = batch["loss_mask"]
+        padded["loss_mask"] = mask.new_zeros((rows, length))
+        padded["loss_mask"][: mask.shape[0], : mask.shape[1]] = mask
     if "cu_seqlens" in batch:
         cu_seqlens = batch["cu_seqlens"]
         if int(cu_seqlens[-1]) < length:

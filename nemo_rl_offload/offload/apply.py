@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl_offload.config import peft
+from nemo_rl_offload.config import multi_token_prediction, peft
 from nemo_rl_offload.config.model_presets import Architecture, has_experts
 from nemo_rl_offload.config.peft import LoraSettings
 from nemo_rl_offload.offload.capabilities import (
@@ -72,6 +72,7 @@ DIRECT_TRANSFORMER_KEYS = (
     "bias_activation_fusion",
     *FGO_KEYS,
     *CUDA_GRAPH_KEYS,
+    *multi_token_prediction.MTP_KEYS,
 )
 # NeMo-RL's defaults for the recompute keys once activation_checkpointing is on.
 RECOMPUTE_DEFAULTS: dict[str, Any] = {
@@ -233,7 +234,9 @@ def effective_settings(
                     megatron_cfg.get(name) or RECOMPUTE_DEFAULTS[name], f"{prefix}.{name}"
                 )
     for name in DIRECT_TRANSFORMER_KEYS:
-        if name not in megatron_cfg:
+        if name not in megatron_cfg or (
+            name in multi_token_prediction.MTP_KEYS and not multi_token_prediction.applies_to(where)
+        ):
             continue
         value = megatron_cfg[name]
         if isinstance(overrides, dict) and name in overrides and overrides[name] != value:
@@ -297,11 +300,28 @@ def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:
         kwargs["recompute_modules"] = [
             name for name in recompute if name not in PROJECT_RECOMPUTE_MODULES
         ]
+    if not kwargs.get("mtp_num_layers"):
+        # NeMo-RL writes 0 for "no MTP"; Megatron's off is None (its schedules set an MTP loss
+        # scale whenever the field is not None).
+        kwargs["mtp_num_layers"] = None
     if kwargs.get("sequence_parallel") and (kwargs.get("tensor_model_parallel_size") or 1) == 1:
         # Megatron's config refuses sequence parallelism without tensor parallelism; with one
         # tensor-parallel rank it would split nothing, so it is off (validate warns).
         kwargs["sequence_parallel"] = False
     return kwargs
+
+
+def precision_aware_optimizer(opt_cfg: dict[str, Any], *, te_installed: bool, on_gpu: bool) -> bool:
+    """Whether megatron-core's precision-aware optimizer runs for ``optimizer`` settings
+    ``opt_cfg`` (NeMo-RL's ``use_precision_aware_optimizer``, true in its base recipes). It
+    steps through Transformer Engine's FusedAdam, or, with ``optimizer_cpu_offload``, through
+    the hybrid CPU optimizer; without either (and on CPU workers) the distributed optimizer
+    runs instead. This backend's optimizer state is float32 either way (the schema has no
+    lower-precision state dtypes), so the step is the same up to rounding; ``validate``
+    warns (rules._optimizer_offload)."""
+    if not (on_gpu and opt_cfg.get("use_precision_aware_optimizer") is True):
+        return False
+    return te_installed or opt_cfg.get("optimizer_cpu_offload") is True
 
 
 def project_offload_modules(effective: EffectiveSettings) -> frozenset[str]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_rl_offload.config.model_presets import Architecture
+from nemo_rl_offload.offload import apply
 from nemo_rl_offload.offload.activation_bytes import (
     ActivationEstimate,
     activations,
@@ -180,12 +181,21 @@ def parameter_counts(effective: EffectiveSettings, architecture: Architecture) -
     ffn = int(v("ffn_hidden_size") or 4 * hidden)
     dense = weights.dense_mlp + (ffn * gated + hidden) * bias
     counts = stage_layer_counts(effective)
-    layers = counts.get(DENSE, 0) * ((attention + dense) / tp + replicated)
+    dense_layer = (attention + dense) / tp + replicated
+    layers = counts.get(DENSE, 0) * dense_layer
+    moe_layer = 0.0
     if counts.get(MOE):
         experts = int(v("num_moe_experts"))
         split = sizes["expert_model_parallel_size"] * sizes["expert_tensor_parallel_size"]
         moe = (attention + weights.shared_experts) / tp + experts * weights.expert / split
-        layers += counts[MOE] * (moe + replicated + weights.router)
+        moe_layer = moe + replicated + weights.router
+        layers += counts[MOE] * moe_layer
+    mtp = int(v("mtp_num_layers") or 0)
+    if mtp:
+        # Each MTP depth: a layer like the decoder's last, the projection of [embedding;
+        # hidden] back to hidden, and three norms (one layer for every depth when repeated).
+        copies = 1 if v("mtp_use_repeated_layer") else mtp
+        layers += copies * ((moe_layer or dense_layer) + 2 * hidden * hidden / tp + 3 * norm)
     embedding = vocab_size * hidden / tp
     output = 0.0 if shared and pp == 1 else vocab_size * hidden / tp
     if pp > 1:  # the first stage holds the embedding, the last the output layer
@@ -221,7 +231,8 @@ def _optimizer(
     float32 temporary of their size during the step."""
     opt = megatron_cfg.get("optimizer") or {}
     sixteen_bit = param_bytes == 2
-    aware = bool(opt.get("use_precision_aware_optimizer"))
+    # Whether the precision-aware optimizer runs (its fused Adam, or the hybrid CPU one).
+    aware = apply.precision_aware_optimizer(opt, te_installed=fused_adam, on_gpu=True)
     master = (dtype_bytes(opt.get("main_params_dtype")) if aware else 4) if sixteen_bit else 0
     if opt.get("optimizer", "adam") == "sgd":
         states = 4 if opt.get("sgd_momentum") else 0

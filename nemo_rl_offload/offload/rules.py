@@ -656,6 +656,19 @@ def _optimizer_offload(ctx: _Context) -> None:
     if not isinstance(optimizer, dict):
         return
     path = f"{ctx.prefix}.optimizer"
+    if (
+        optimizer.get("use_precision_aware_optimizer") is True
+        and ctx.gpus_per_node != 0
+        and not apply.precision_aware_optimizer(
+            optimizer, te_installed=ctx.caps.has_transformer_engine, on_gpu=True
+        )
+    ):
+        ctx.warn(
+            f"warning: {path}.use_precision_aware_optimizer: ignored: megatron-core runs it "
+            "through Transformer Engine's FusedAdam, which is not installed (or, with "
+            "optimizer_cpu_offload, its hybrid CPU optimizer); the distributed optimizer takes "
+            "the same float32 step instead (same results up to rounding)"
+        )
     fraction = optimizer.get("optimizer_offload_fraction")
     if optimizer.get("optimizer_cpu_offload") is not True:
         if _is_number(fraction) and fraction > 0:
@@ -996,6 +1009,38 @@ def _logprob_chunk(ctx: _Context) -> None:
         )
 
 
+def _multi_token_prediction(ctx: _Context) -> None:
+    """``mtp_num_layers`` (Megatron's MTP block: ``models.builder.mtp_block_spec``, its loss
+    mask from ``models.train_step``, its metrics from ``models.mtp``): what it runs beside."""
+    depth = ctx.value("mtp_num_layers")
+    path = ctx.path("mtp_num_layers")
+    if depth is not None and not (_is_int(depth) and depth >= 0):
+        ctx.error(f"{path}: must be an integer >= 0 (0 or null: no MTP) (got: {depth})")
+        return
+    scale = ctx.value("mtp_loss_scaling_factor")
+    if scale is not None and not (_is_number(scale) and scale >= 0):
+        ctx.error(
+            f"{ctx.path('mtp_loss_scaling_factor')}: must be a number >= 0 (the MTP losses' "
+            f"weight beside the policy's loss) (got: {scale})"
+        )
+    if not depth:
+        return
+    pp = ctx.value("pipeline_model_parallel_size", 1)
+    if _is_int(pp) and pp > 1:
+        # Megatron puts the MTP block on the last stage with its own copy of the embedding,
+        # which this package's pipeline schedule does not tie or checkpoint yet.
+        ctx.error(
+            f"{path}: multi-token prediction is not implemented with pipeline parallelism "
+            f"yet; set {ctx.path('pipeline_model_parallel_size')} to 1 or {path} to 0"
+        )
+    if ctx.value("cuda_graph_impl") == "full_iteration":
+        # The MTP metrics' buffers are new each step (models.mtp), which a replay would miss.
+        ctx.error(
+            f"{path}: multi-token prediction cannot run in full_iteration CUDA graphs yet; "
+            f"set {ctx.path('cuda_graph_impl')} to none or {path} to 0"
+        )
+
+
 _RULES = (
     _backend,
     _overrides,
@@ -1018,4 +1063,5 @@ _RULES = (
     _tensor_sizes,
     _token_batching,
     _logprob_chunk,
+    _multi_token_prediction,
 )

@@ -88,16 +88,31 @@ def model_dir(tmp_path_factory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("hf") / "tiny-llama", layers=2, hidden=64)
 
 
-def test_sft_starts_from_the_directory_and_exports_back(model_dir, tmp_path):
+# Multi-token prediction on: its block starts from its initialisation (the directory has none),
+# trains beside the policy, and is left out of the export, whose logits are the policy's.
+MTP = [
+    "++policy.megatron_cfg.mtp_num_layers=1",
+    "++policy.megatron_cfg.mtp_loss_scaling_factor=0.3",
+]
+
+
+@pytest.mark.parametrize("extra", [[], MTP], ids=["plain", "mtp"])
+def test_sft_starts_from_the_directory_and_exports_back(model_dir, tmp_path, extra):
     overrides = [
         f"policy.model_name={model_dir}",
         "sft.max_num_steps=4",
         "sft.val_period=4",
         f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
         f"logger.log_dir={tmp_path / 'logs'}",
+        *extra,
     ]
     done = cli("sft", "--config", str(TINY_SFT), *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
+    if extra:
+        logged = [
+            json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert any("mtp_1_loss" in record for record in logged)
     (first_step, first), *_, (last_step, last) = _val_losses(tmp_path / "logs")
     assert (first_step, last_step) == (0, 4)
     microbatches = _val_microbatches(model_dir, overrides)
@@ -115,6 +130,7 @@ def test_sft_starts_from_the_directory_and_exports_back(model_dir, tmp_path):
         *overrides,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert ("multi-token prediction block" in done.stderr) == bool(extra)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     exported = _hf_nll(out, microbatches)

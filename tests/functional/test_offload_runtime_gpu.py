@@ -19,7 +19,8 @@ every step the gradients of the two are compared, and the offloading worker's me
 - offloading beside recompute (issue 20): ``dense_recompute`` offloads the attention block's
   inputs with the norms and the MLP's activation recomputed, ``dense_layer_input`` offloads
   full recompute's layer inputs; the plain twin recomputes the same, so that offloading is
-  what the comparison isolates;
+  what the comparison isolates; ``dense_mtp`` offloads the five beside multi-token prediction
+  (one MTP depth, on both workers);
 - MoE: expert_fc1 and moe_act offload bytes (through the local grouped expert MLP); the same
   with Megatron's own hook code instead of the runtime's lean hooks (``moe_megatron_hooks``).
 
@@ -41,9 +42,9 @@ import torch
 from support.gpu_results import write_results
 from support.offload_suite import (
     BUDGET_GIB,
+    KIND_SETTINGS,
     MEGATRON_HOOKS,
     MODELS,
-    RECOMPUTE,
     as_padded_by_the_runtime,
     check_records,
     gpu_worker,
@@ -72,27 +73,36 @@ def vocab() -> int:
 
 
 @pytest.mark.parametrize(
-    "kind", ["dense", "moe", MEGATRON_HOOKS, "dense_mlp", "dense_recompute", "dense_layer_input"]
+    "kind",
+    [
+        "dense",
+        "moe",
+        MEGATRON_HOOKS,
+        "dense_mlp",
+        "dense_recompute",
+        "dense_layer_input",
+        "dense_mtp",
+    ],
 )
 def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
     model, modules = MODELS["moe" if kind == MEGATRON_HOOKS else kind]
-    fgo = gpu_worker(
-        policy_section(
-            model, modules, offload=True, deterministic=True, lr=1e-5, recompute=RECOMPUTE.get(kind)
+
+    def worker(offload: bool):
+        return gpu_worker(
+            policy_section(
+                model,
+                modules,
+                offload=offload,
+                deterministic=True,
+                lr=1e-5,
+                settings=KIND_SETTINGS.get(kind),
+            )
         )
-    )
+
+    fgo = worker(offload=True)
     if kind == MEGATRON_HOOKS:  # every plan's choices, before the first step records one
         fgo.runtime.choices = dataclasses.replace(fgo.runtime.choices, lean_hooks=False)
-    plain = gpu_worker(
-        policy_section(
-            model,
-            modules,
-            offload=False,
-            deterministic=True,
-            lr=1e-5,
-            recompute=RECOMPUTE.get(kind),
-        )
-    )
+    plain = worker(offload=False)
     try:
         params = zip(fgo._unwrapped().parameters(), plain._unwrapped().parameters(), strict=True)
         assert all(torch.equal(a, b) for a, b in params), "same seed, same initial weights"

@@ -40,17 +40,21 @@ MODELS = {
     # norms and the MLP's activation recomputed; full recompute with its layer inputs offloaded.
     "dense_recompute": ("llama-1b", ["attn_norm", "core_attn", "mlp_norm"]),
     "dense_layer_input": ("llama-1b", ["layer_input"]),
+    # The five with multi-token prediction on: the MTP block's layer offloads too.
+    "dense_mtp": ("llama-1b", ["attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"]),
 }
-# The recompute settings of a kind's two workers (the offloading one and its plain twin).
-RECOMPUTE: dict[str, dict[str, Any]] = {
+# The settings beside offloading of a kind's two workers (the offloading one and its plain
+# twin): recompute, multi-token prediction.
+KIND_SETTINGS: dict[str, dict[str, Any]] = {
     "dense_recompute": {
         "activation_checkpointing": True,
         "recompute_granularity": "selective",
         "recompute_modules": ["layernorm", "mlp_act"],
     },
     "dense_layer_input": {"activation_checkpointing": True},
+    "dense_mtp": {"mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3},
 }
-DENSE = ("dense", "dense_mlp", *RECOMPUTE)
+DENSE = ("dense", "dense_mlp", *KIND_SETTINGS)
 
 
 def through_the_runtime(modules: list[str]) -> bool:
@@ -72,7 +76,7 @@ def policy_section(
     offload: bool,
     deterministic: bool,
     lr: float,
-    recompute: dict[str, Any] | None = None,
+    settings: dict[str, Any] | None = None,
 ):
     section = {
         "model_name": model,
@@ -97,7 +101,7 @@ def policy_section(
             },
         },
     }
-    section["megatron_cfg"].update(recompute or {})
+    section["megatron_cfg"].update(settings or {})
     return section
 
 

@@ -216,6 +216,8 @@ def every_pass(worker: Any, train_length: int = 23) -> dict[str, Any]:
         "loss": step["loss"] if reports else None,
         "grad_norm": step["grad_norm"],
         "probe_after_step": after,
+        # Multi-token prediction's per-depth losses and acceptance rates (models.mtp).
+        "mtp": {key: value for key, value in step.items() if key.startswith("mtp_")},
     }
 
 

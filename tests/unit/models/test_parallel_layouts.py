@@ -125,6 +125,52 @@ def test_every_pass_agrees_with_lora_adapters(lora_single, megatron_cfg, tmp_pat
     )
 
 
+# Multi-token prediction: two depths whose losses weigh half the policy's; the checkpoint holds
+# the MTP block trained one step.
+MTP = {"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.5}
+
+
+@pytest.fixture(scope="module")
+def mtp_single(tmp_path_factory) -> tuple[dict, Path]:
+    return _single(tmp_path_factory.mktemp("mtp_single"), section(**MTP))
+
+
+@pytest.mark.parametrize(
+    "megatron_cfg",
+    [
+        {},
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+        {"context_parallel_size": 2},
+    ],
+    ids=["dp2", "tp2_sp", "cp2"],
+)
+def test_every_pass_agrees_with_multi_token_prediction(mtp_single, megatron_cfg, tmp_path):
+    single, ckpt = mtp_single
+    results = _every_pass(section(**megatron_cfg, **MTP), ckpt, tmp_path)
+    assert set(single["mtp"]) == {
+        f"mtp_{depth}_{name}" for depth in (1, 2) for name in ("loss", "acceptance_rate")
+    }
+    if not megatron_cfg.get("context_parallel_size"):
+        _assert_same_passes(single, _reported(results))
+        for result in results:  # every rank holds the values reduced over the layout's ranks
+            assert result["mtp"] == pytest.approx(single["mtp"], rel=1e-4)
+        return
+    # Under context parallelism Megatron's MTP loss normalises each rank's positions by that
+    # rank's own count of rolled tokens (process_mtp_loss), so the MTP part of the gradient
+    # and the logged MTP losses differ from one rank's by the share of tokens the roll drops at
+    # each rank's chunk ends (here 2 of 22 on one rank, 0 of 24 on the other); everything the
+    # policy's own loss computes is exact.
+    layout = _reported(results)
+    for got, expected in zip(layout["logprobs"], single["logprobs"], strict=True):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+    assert layout["greedy"] == single["greedy"]
+    assert layout["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    assert layout["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-2)
+    assert layout["grad_norm"] != pytest.approx(single["grad_norm"], rel=1e-5)
+    for result in results:
+        assert result["mtp"] == pytest.approx(single["mtp"], rel=5e-2)
+
+
 # The MoE step trains on an even length: a padded position changes an MoE model's gradients in
 # their last digits even on one rank (its tokens reach the experts), and a fresh Adam's first
 # step turns that into more than ATOL. Its forward passes still run odd lengths.

@@ -24,6 +24,7 @@ from nemo_rl_offload.offload.memory_estimate import (
     MemoryEstimate,
     estimate_peak,
     gpu_peak,
+    parameter_counts,
 )
 
 STORED = json.loads((Path(__file__).parent / "ledger_llama3b_shape.json").read_text())
@@ -275,3 +276,24 @@ def test_the_planners_prediction_for_a_candidate_is_validates_estimate_of_its_se
     assert predicted.activation_bytes == pytest.approx(estimated.total, rel=1e-12), case
     assert predicted.offloaded_bytes == pytest.approx(estimated.offloaded, rel=1e-12), case
     assert estimated.total < estimated.saved, case  # each candidate removes something
+
+
+def test_multi_token_prediction_adds_a_layer_and_its_projection_per_depth():
+    architecture = architecture_for("llama-1b")
+
+    def params(**cfg: Any) -> float:
+        effective = apply.effective_settings(
+            make_policy("llama-1b", **cfg), architecture, te_installed=False
+        )
+        counts = parameter_counts(effective, architecture)
+        return counts.layers + counts.embedding + counts.output
+
+    plain = params()
+    hidden, layers = architecture.transformer["hidden_size"], architecture.transformer["num_layers"]
+    assert params(mtp_num_layers=0) == plain  # NeMo-RL's "off"
+    one = params(mtp_num_layers=1) - plain
+    # One decoder layer's parameters, the [embedding; hidden] -> hidden projection, three norms.
+    decoder_layer = plain - params(model_overrides={"num_layers": layers - 1})
+    assert one == pytest.approx(decoder_layer + 2 * hidden * hidden + 3 * hidden)
+    assert params(mtp_num_layers=3) - plain == pytest.approx(3 * one)
+    assert params(mtp_num_layers=3, mtp_use_repeated_layer=True) - plain == pytest.approx(one)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.policies import NO_TE, P, make_policy
+from support.policies import NO_TE, TE_2_10, P, check, make_policy
 
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.offload.rules import check_policy
@@ -77,3 +77,44 @@ def test_fraction_without_offload_warns_and_nemo_rl_defaults_pass():
         }
     )
     assert defaults.errors == [] and defaults.warnings == []
+
+
+@pytest.mark.parametrize(
+    "caps,gpus,optimizer,warned",
+    [
+        (NO_TE, 1, {}, True),
+        (TE_2_10, 1, {}, False),
+        (NO_TE, 0, {}, False),  # CPU workers: the distributed optimizer, as always there
+        (
+            NO_TE,
+            1,
+            {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0},
+            False,
+        ),
+    ],
+    ids=["no_te", "te", "cpu_workers", "hybrid_cpu_optimizer"],
+)
+def test_the_precision_aware_optimizer_without_its_fused_adam_is_a_warning(
+    caps, gpus, optimizer, warned
+):
+    """NeMo-RL's base recipes set use_precision_aware_optimizer: true; megatron-core refuses it
+    at the optimizer's construction without Transformer Engine's FusedAdam (unless the hybrid
+    CPU optimizer runs it), so the workers run the distributed optimizer (apply.
+    precision_aware_optimizer) and validate says so."""
+    from nemo_rl_offload.offload import apply
+
+    opt = {
+        "use_distributed_optimizer": True,
+        "use_precision_aware_optimizer": True,
+        **optimizer,
+    }
+    findings = check(
+        "tiny-dense", caps, gpus=gpus, optimizer={"optimizer": "adam", "lr": 1e-5, **opt}
+    )
+    assert findings.errors == []
+    lines = [w for w in findings.warnings if "use_precision_aware_optimizer: ignored" in w]
+    assert bool(lines) == warned
+    runs = apply.precision_aware_optimizer(
+        opt, te_installed=caps.has_transformer_engine, on_gpu=gpus > 0
+    )
+    assert runs == (not warned and gpus > 0)

@@ -482,3 +482,52 @@ def test_offload_code_that_changed_upstream_is_refused_where_offloading_runs(gpu
     else:  # CPU workers do not offload (a warning says so)
         assert refused == []
     assert check("tiny-dense", caps, gpus=gpus).errors == []  # offloading off: nothing to refuse
+
+
+@pytest.mark.parametrize(
+    "settings,path,fragment",
+    [
+        ({"mtp_num_layers": -1}, "mtp_num_layers", "must be an integer >= 0"),
+        (
+            {"mtp_num_layers": 1, "mtp_loss_scaling_factor": -0.1},
+            "mtp_loss_scaling_factor",
+            "must be a number >= 0",
+        ),
+        (
+            {"mtp_num_layers": 1, **PIPELINE_2},
+            "mtp_num_layers",
+            "not implemented with pipeline parallelism",
+        ),
+        (
+            {"model_overrides": {"mtp_num_layers": 2}, **PIPELINE_2},
+            "model_overrides.mtp_num_layers",
+            "not implemented with pipeline parallelism",
+        ),
+        (
+            {"mtp_num_layers": 1, "cuda_graph_impl": "full_iteration"},
+            "mtp_num_layers",
+            "full_iteration CUDA graphs",
+        ),
+    ],
+    ids=["negative", "negative_scale", "pp2", "pp2_override", "graphs"],
+)
+def test_multi_token_prediction_settings_that_cannot_run_are_refused(settings, path, fragment):
+    findings = check("tiny-dense", NO_TE, workers=2, **settings)
+    assert any(line.startswith(f"{P}.{path}: ") and fragment in line for line in findings.errors), (
+        findings.errors
+    )
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.0, **PIPELINE_2},  # NeMo-RL's off
+        {"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3, "mtp_detach_heads": True},
+        {"mtp_num_layers": 5, "mtp_use_repeated_layer": True, "tensor_model_parallel_size": 2},
+        {"mtp_num_layers": 1, "context_parallel_size": 2},
+    ],
+    ids=["off_with_pp2", "two_depths", "repeated_tp2", "cp2"],
+)
+def test_multi_token_prediction_settings_that_run_are_accepted(settings):
+    findings = check("tiny-dense", NO_TE, workers=2, **settings)
+    assert findings.errors == []
