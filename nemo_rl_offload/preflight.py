@@ -241,6 +241,18 @@ def _workers(cluster: Any) -> int | None:
         return None
 
 
+def _check_tokenizer(recipe: dict[str, Any], report: Report) -> None:
+    """The policy's tokenizer name, as the run will load it (data.tokenizer)."""
+    from nemo_rl_offload.data.tokenizer import tokenizer_problem
+
+    policy = recipe.get("policy")
+    tokenizer = policy.get("tokenizer") if isinstance(policy, dict) else None
+    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("name"), str | None):
+        problem = tokenizer_problem(tokenizer.get("name"), policy.get("model_name"))
+        if problem is not None:
+            report.errors.append(problem)
+
+
 def _check_deadline(recipe: dict[str, Any], report: Report) -> None:
     """checkpointing.checkpoint_must_save_by is DD:HH:MM:SS; without checkpointing the run
     stops at the deadline with nothing saved, which a user is told."""
@@ -399,6 +411,7 @@ def check_recipe(
             "an optimizer section, e.g. {optimizer: adam, lr: 5.0e-6})"
         )
     _check_checkpointing(recipe, algorithm, report)
+    _check_tokenizer(recipe, report)
     _check_deadline(recipe, report)
     _check_logger_and_batches(recipe, algorithm, report)
     _check_data_source(recipe, report)

@@ -572,7 +572,9 @@ def prepare(
     policy = recipe["policy"]
     architecture = section_architecture(policy, base_dir=Path.cwd())
     tokenizer_cfg = policy.get("tokenizer") or {}
-    tokenizer = load_tokenizer(tokenizer_cfg.get("name"), architecture.hf_directory)
+    tokenizer = load_tokenizer(
+        tokenizer_cfg.get("name"), architecture.hf_directory, policy.get("model_name")
+    )
     if tokenizer.vocab_size > architecture.vocab_size:
         raise UserInputError(
             f"policy.tokenizer.name: the tokenizer has {tokenizer.vocab_size} tokens but "

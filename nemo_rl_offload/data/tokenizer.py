@@ -166,21 +166,34 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
-def load_tokenizer(name: str | None, hf_directory: str | None) -> Tokenizer:
-    """The tokenizer for ``policy.tokenizer.name`` given the model's HF directory, if any.
+def tokenizer_problem(name: str | None, model_name: str | None) -> str | None:
+    """What is wrong with ``policy.tokenizer.name`` (None: nothing), without loading it.
 
-    ``None`` means "the model's own": the byte tokenizer for presets, the directory's tokenizer
-    for a Hugging Face model. ``"byte"`` forces the byte tokenizer; a local directory loads the
-    Hugging Face tokenizer stored there.
-    """
-    if name is None:
+    ``None``, or the policy's own ``model_name`` (NeMo-RL's recipes write
+    ``${policy.model_name}``), means "the model's own": the byte tokenizer for presets, the
+    directory's tokenizer for a Hugging Face model. ``"byte"`` forces the byte tokenizer; a
+    local directory holds a Hugging Face tokenizer. Anything else would need a model hub."""
+    if name is None or name == "byte" or name == model_name:
+        return None
+    if Path(name).expanduser().is_dir():
+        return None
+    return (
+        f"policy.tokenizer.name: '{name}' is neither 'byte', the policy's model_name, nor a "
+        "local directory; use null (the model's own tokenizer), 'byte', or the path of a "
+        "Hugging Face tokenizer directory (model hubs are not reached)"
+    )
+
+
+def load_tokenizer(
+    name: str | None, hf_directory: str | None, model_name: str | None = None
+) -> Tokenizer:
+    """The tokenizer for ``policy.tokenizer.name`` given the model's HF directory, if any, and
+    the policy's ``model_name`` (:func:`tokenizer_problem` says which names are accepted)."""
+    problem = tokenizer_problem(name, model_name)
+    if problem is not None:
+        raise UserInputError(problem)
+    if name is None or name == model_name:
         return ByteTokenizer() if hf_directory is None else HFTokenizer(hf_directory)
     if name == "byte":
         return ByteTokenizer()
-    if Path(name).expanduser().is_dir():
-        return HFTokenizer(str(Path(name).expanduser()))
-    raise UserInputError(
-        f"policy.tokenizer.name: '{name}' is neither 'byte' nor a local directory; use null "
-        "(the model's own tokenizer), 'byte', or the path of a Hugging Face tokenizer directory "
-        "(model hubs are not reached)"
-    )
+    return HFTokenizer(str(Path(name).expanduser()))

@@ -18,7 +18,7 @@ elsewhere (model_overrides) survives it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_rl_offload.config import multi_token_prediction, peft
@@ -74,6 +74,10 @@ DIRECT_TRANSFORMER_KEYS = (
     *CUDA_GRAPH_KEYS,
     *multi_token_prediction.MTP_KEYS,
 )
+# Fusion switches whose kernels megatron-core takes from Transformer Engine (its config refuses
+# them without TE). NeMo-RL's recipes turn apply_rope_fusion on; unfused, the same arithmetic
+# runs (up to rounding), so without TE they are turned off with a warning.
+TE_KERNEL_FUSIONS = ("apply_rope_fusion", "moe_permute_fusion")
 # NeMo-RL's defaults for the recompute keys once activation_checkpointing is on.
 RECOMPUTE_DEFAULTS: dict[str, Any] = {
     "recompute_granularity": "full",
@@ -104,6 +108,9 @@ class EffectiveSettings:
     ignored_recompute_keys: list[str]
     # The LoRA adapters the layer spec places (megatron_cfg.peft), None without.
     lora: LoraSettings | None = None
+    # Fusions the recipe turned on whose kernels come from Transformer Engine, which is not
+    # installed: the paths that asked for them (each runs unfused; validate warns).
+    unavailable_fusions: list[str] = field(default_factory=list)
 
     def value(self, name: str, default: Any = None) -> Any:
         setting = self.settings.get(name)
@@ -253,12 +260,24 @@ def effective_settings(
         source = graph_modules.source if graph_modules else "nemo_rl_offload default"
         settings["cuda_graph_modules"] = Setting([], source)
 
+    unavailable: list[str] = []
+    if not te_installed:
+        for name in TE_KERNEL_FUSIONS:
+            if name in settings and settings[name].value is True:
+                # A dense model has no permutation to fuse: off, and nothing to say.
+                if name != "moe_permute_fusion" or has_experts(
+                    settings["num_moe_experts"].value if "num_moe_experts" in settings else None
+                ):
+                    unavailable.append(settings[name].source)
+                settings[name] = Setting(False, settings[name].source)
     impl_source = f"{prefix}.transformer_impl"
     settings["transformer_impl"] = Setting(
         resolve_transformer_impl(megatron_cfg.get("transformer_impl"), te_installed),
         impl_source,
     )
-    return EffectiveSettings(settings, conflicts, ignored, peft.lora_settings(policy_cfg))
+    return EffectiveSettings(
+        settings, conflicts, ignored, peft.lora_settings(policy_cfg), unavailable
+    )
 
 
 def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:

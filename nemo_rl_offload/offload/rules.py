@@ -583,6 +583,16 @@ def _moe_in_full_iteration_graphs(ctx: _Context, impl_path: str) -> None:
         )
 
 
+def _fusions(ctx: _Context) -> None:
+    """Fusions whose kernels come from Transformer Engine, asked for without it
+    (:data:`.apply.TE_KERNEL_FUSIONS`): they run unfused."""
+    for path in ctx.effective.unavailable_fusions:
+        ctx.warn(
+            f"warning: {path}: ignored: its fused kernel comes from Transformer Engine, which is "
+            "not installed; the unfused path runs (same results up to rounding)"
+        )
+
+
 def _recompute(ctx: _Context) -> None:
     for name in ctx.effective.ignored_recompute_keys:
         value = ctx.megatron_cfg.get(name)
@@ -1053,6 +1063,7 @@ _RULES = (
     _plan_budget,
     _sequence_buckets,
     _cuda_graphs,
+    _fusions,
     _recompute,
     _local_recompute,
     _pipeline,

@@ -161,6 +161,10 @@ def test_load_tokenizer_choices(fake_transformers, tmp_path: Path) -> None:
     tok_dir.mkdir()
     assert load_tokenizer(str(tok_dir), str(model_dir)).name == str(tok_dir)
     assert [c[0] for c in calls] == [str(model_dir), str(tok_dir)]
+    # NeMo-RL's recipes write tokenizer.name: ${policy.model_name}: the model's own tokenizer.
+    hub_name = "Qwen/Qwen2.5-1.5B"
+    assert load_tokenizer(hub_name, str(model_dir), hub_name).name == str(model_dir)
+    assert isinstance(load_tokenizer("llama-1b", None, "llama-1b"), ByteTokenizer)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "meta-llama/Llama-3.2-1B", "/no/such/dir"])
@@ -168,4 +172,10 @@ def test_load_tokenizer_unknown_name(name: str) -> None:
     with pytest.raises(UserInputError) as info:
         load_tokenizer(name, None)
     (line,) = info.value.problems
-    assert line.startswith(f"policy.tokenizer.name: '{name}' is neither 'byte' nor a local dir")
+    assert line.startswith(f"policy.tokenizer.name: '{name}' is neither 'byte', the policy's")
+    # validate reports the same line before a run starts.
+    from nemo_rl_offload.preflight import load_and_check
+
+    tiny = Path(__file__).resolve().parents[3] / "examples" / "configs" / "tiny" / "sft.yaml"
+    assert line in load_and_check(str(tiny), [f"++policy.tokenizer.name={name}"]).errors
+    assert load_and_check(str(tiny), ["++policy.tokenizer.name=${policy.model_name}"]).ok

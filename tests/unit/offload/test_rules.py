@@ -531,3 +531,40 @@ def test_multi_token_prediction_settings_that_cannot_run_are_refused(settings, p
 def test_multi_token_prediction_settings_that_run_are_accepted(settings):
     findings = check("tiny-dense", NO_TE, workers=2, **settings)
     assert findings.errors == []
+
+
+@pytest.mark.parametrize(
+    "model,caps,settings,warned",
+    [
+        ("tiny-dense", NO_TE, {"apply_rope_fusion": True}, ["apply_rope_fusion"]),
+        ("tiny-dense", TE_2_10, {"apply_rope_fusion": True}, []),
+        (
+            "tiny-dense",
+            NO_TE,
+            {"model_overrides": {"apply_rope_fusion": True}},
+            ["apply_rope_fusion"],
+        ),
+        ("tiny-moe", NO_TE, {"moe_permute_fusion": True}, ["moe_permute_fusion"]),
+        ("tiny-dense", NO_TE, {"moe_permute_fusion": True}, []),  # nothing to permute
+        ("tiny-dense", NO_TE, {"apply_rope_fusion": False}, []),
+    ],
+    ids=["rope_no_te", "rope_te", "rope_override", "permute_moe", "permute_dense", "off"],
+)
+def test_fusions_whose_kernels_need_transformer_engine_run_unfused_without_it(
+    model, caps, settings, warned
+):
+    from nemo_rl_offload.offload import apply
+
+    findings = check(model, caps, **settings)
+    assert findings.errors == []
+    said = [w for w in findings.warnings if "fused kernel comes from Transformer Engine" in w]
+    assert [w.split(": ")[1].rsplit(".", 1)[-1] for w in said] == warned
+    effective = apply.effective_settings(
+        make_policy(model, **settings),
+        architecture_for(model),
+        te_installed=caps.has_transformer_engine,
+    )
+    for name in ("apply_rope_fusion", "moe_permute_fusion"):
+        asked = settings.get(name, (settings.get("model_overrides") or {}).get(name))
+        if asked is not None:
+            assert effective.value(name) is (asked and caps.has_transformer_engine)

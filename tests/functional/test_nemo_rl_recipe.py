@@ -1,0 +1,79 @@
+"""NeMo-RL's own GRPO recipe runs here as written (tests/functional/nemo_rl_grpo_recipe.yaml:
+NeMo-RL's grpo_math_1B_megatron.yaml with a preset model, built-in data and two steps).
+
+Its base recipe turns on settings that validated but stopped a run at its start: the
+precision-aware optimizer and RoPE fusion (both need Transformer Engine here: the distributed
+optimizer and the unfused path run instead, with a warning each), and ``tokenizer.name:
+${policy.model_name}`` (the model's own tokenizer). On CPU workers (CI) with the tiny model;
+on a GPU with llama-1b as written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "tests" / "functional" / "nemo_rl_grpo_recipe.yaml"
+
+
+def _run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "nemo_rl_offload.cli", "grpo", "--config", str(RECIPE),
+            f"logger.log_dir={tmp_path / 'logs'}", *overrides,
+        ],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    metrics = tmp_path / "logs" / "metrics.jsonl"
+    records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    return done, records
+
+
+def _check(
+    done: subprocess.CompletedProcess, records: list[dict], steps: int, warned: tuple[str, ...]
+) -> None:
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    for key in warned:
+        assert f"{key}: ignored" in done.stderr  # said once, before the run
+    trained = [r for r in records if "loss" in r]
+    assert [r["step"] for r in trained] == list(range(1, steps + 1))
+    assert all(abs(r["loss"]) < 1e3 for r in trained)
+
+
+def test_nemo_rls_grpo_recipe_runs_on_cpu_workers(tmp_path):
+    done, records = _run(
+        tmp_path,
+        "policy.model_name=tiny-dense",
+        "policy.precision=float32",
+        "policy.max_total_sequence_length=64",
+        "policy.generation.max_new_tokens=8",
+        "policy.train_global_batch_size=8",
+        "policy.train_micro_batch_size=4",
+        "policy.logprob_batch_size=4",
+        "grpo.num_prompts_per_step=2",
+        "grpo.max_num_steps=1",
+        "++policy.megatron_cfg.pipeline_dtype=null",
+        "++policy.megatron_cfg.optimizer.bf16=false",
+        "cluster.gpus_per_node=0",
+        "++cluster.num_cpu_workers=1",
+        "++data.max_operand=30",
+    )
+    # CPU workers always run the distributed optimizer: nothing to say about precision.
+    _check(done, records, steps=1, warned=("apply_rope_fusion",))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nemo_rls_grpo_recipe_runs_on_a_gpu(tmp_path):
+    done, records = _run(tmp_path)
+    _check(done, records, steps=2, warned=("apply_rope_fusion", "use_precision_aware_optimizer"))
+    assert all(r["peak_gpu_memory_gib"] > 0 for r in records if "loss" in r)
