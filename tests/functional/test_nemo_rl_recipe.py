@@ -1,11 +1,13 @@
-"""NeMo-RL's own GRPO recipe runs here as written (tests/functional/nemo_rl_grpo_recipe.yaml:
-NeMo-RL's grpo_math_1B_megatron.yaml with a preset model, built-in data and two steps).
+"""NeMo-RL's own exemplar recipes run here as written: grpo_math_1B_megatron.yaml, sft.yaml
+(a DTensor recipe), dpo.yaml and distillation_math_megatron.yaml, each with a preset model, the
+built-in data and one or two steps (tests/functional/nemo_rl_recipes/*.yaml say what they
+change: model, data, lengths, batch sizes, one rank, the sinks' run names).
 
-Its base recipe turns on settings that validated but stopped a run at its start: the
+NeMo-RL's base recipes turn on settings that validated but stopped a run at its start: the
 precision-aware optimizer and RoPE fusion (both need Transformer Engine here: the distributed
 optimizer and the unfused path run instead, with a warning each), and ``tokenizer.name:
 ${policy.model_name}`` (the model's own tokenizer). On CPU workers (CI) with the tiny model;
-on a GPU with llama-1b as written.
+GRPO on a GPU with llama-1b.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "tests" / "functional" / "nemo_rl_grpo_recipe.yaml"
+RECIPES = REPO / "tests" / "functional" / "nemo_rl_recipes"
+COMMANDS = {"grpo": "grpo", "sft": "sft", "dpo": "dpo", "distillation": "distill"}
 
 
-def _run(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def _run(
+    tmp_path: Path, recipe: str, *overrides: str
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
     done = subprocess.run(
         [
-            sys.executable, "-m", "nemo_rl_offload.cli", "grpo", "--config", str(RECIPE),
+            sys.executable, "-m", "nemo_rl_offload.cli", COMMANDS[recipe],
+            "--config", str(RECIPES / f"{recipe}.yaml"),
             f"logger.log_dir={tmp_path / 'logs'}", *overrides,
         ],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -44,14 +50,14 @@ def _check(
     assert "Traceback" not in done.stderr
     for key in warned:
         assert f"{key}: ignored" in done.stderr  # said once, before the run
-    trained = [r for r in records if "loss" in r]
+    trained = [r for r in records if r.get("phase") == "train"]
     assert [r["step"] for r in trained] == list(range(1, steps + 1))
     assert all(abs(r["loss"]) < 1e3 for r in trained)
 
 
-def test_nemo_rls_grpo_recipe_runs_on_cpu_workers(tmp_path):
-    done, records = _run(
-        tmp_path,
+# What each CPU run changes beyond its recipe file: GRPO's file is the GPU run's.
+CPU_OVERRIDES = {
+    "grpo": [
         "policy.model_name=tiny-dense",
         "policy.precision=float32",
         "policy.max_total_sequence_length=64",
@@ -66,14 +72,23 @@ def test_nemo_rls_grpo_recipe_runs_on_cpu_workers(tmp_path):
         "cluster.gpus_per_node=0",
         "++cluster.num_cpu_workers=1",
         "++data.max_operand=30",
-    )
+    ],
+    "sft": [],
+    "dpo": [],
+    "distillation": [],
+}
+
+
+@pytest.mark.parametrize("recipe", list(CPU_OVERRIDES))
+def test_nemo_rls_recipe_runs_on_cpu_workers(tmp_path, recipe):
+    done, records = _run(tmp_path, recipe, *CPU_OVERRIDES[recipe])
     # CPU workers always run the distributed optimizer: nothing to say about precision.
-    _check(done, records, steps=1, warned=("apply_rope_fusion",))
+    _check(done, records, steps=1, warned=("apply_rope_fusion",) if recipe == "grpo" else ())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_nemo_rls_grpo_recipe_runs_on_a_gpu(tmp_path):
-    done, records = _run(tmp_path)
+    done, records = _run(tmp_path, "grpo")
     _check(done, records, steps=2, warned=("apply_rope_fusion", "use_precision_aware_optimizer"))
-    assert all(r["peak_gpu_memory_gib"] > 0 for r in records if "loss" in r)
+    assert all(r["peak_gpu_memory_gib"] > 0 for r in records if r.get("phase") == "train")
