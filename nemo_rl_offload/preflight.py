@@ -241,16 +241,25 @@ def _workers(cluster: Any) -> int | None:
         return None
 
 
-def _check_tokenizer(recipe: dict[str, Any], report: Report) -> None:
-    """The policy's tokenizer name, as the run will load it (data.tokenizer)."""
-    from nemo_rl_offload.data.tokenizer import tokenizer_problem
+def _check_tokenizer(recipe: dict[str, Any], report: Report, starting: bool) -> None:
+    """The policy's tokenizer name, as the run will load it (data.tokenizer). A Hugging Face
+    tokenizer that is not on this machine is a warning for ``validate`` and an error for a
+    run, as the model is."""
+    from nemo_rl_offload.data.tokenizer import tokenizer_source
 
     policy = recipe.get("policy")
     tokenizer = policy.get("tokenizer") if isinstance(policy, dict) else None
-    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("name"), str | None):
-        problem = tokenizer_problem(tokenizer.get("name"), policy.get("model_name"))
-        if problem is not None:
-            report.errors.append(problem)
+    if not (isinstance(tokenizer, dict) and isinstance(tokenizer.get("name"), str | None)):
+        return  # the schema reports it
+    try:
+        tokenizer_source(tokenizer.get("name"), policy.get("model_name"))
+    except ModelNotOnMachine as exc:
+        if starting:
+            report.errors += exc.problems
+        else:
+            report.warnings += [f"warning: {line}" for line in exc.problems]
+    except UserInputError as exc:
+        report.errors += exc.problems
 
 
 def _check_deadline(recipe: dict[str, Any], report: Report) -> None:
@@ -411,7 +420,7 @@ def check_recipe(
             "an optimizer section, e.g. {optimizer: adam, lr: 5.0e-6})"
         )
     _check_checkpointing(recipe, algorithm, report)
-    _check_tokenizer(recipe, report)
+    _check_tokenizer(recipe, report, starting)
     _check_deadline(recipe, report)
     _check_logger_and_batches(recipe, algorithm, report)
     _check_data_source(recipe, report)

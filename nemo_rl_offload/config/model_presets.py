@@ -271,6 +271,11 @@ class ModelNotOnMachine(UserInputError):
 _HF_REPO_ID = re.compile(r"^(?!\.{1,2}/)[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+def is_hf_repo_id(name: str) -> bool:
+    """``name`` is a Hugging Face repository id (``org/name``), not a path."""
+    return bool(_HF_REPO_ID.match(name))
+
+
 def hf_cache_roots() -> list[Path]:
     """Where a Hugging Face cache may hold models: ``$HF_HUB_CACHE``, ``$HF_HOME/hub`` and
     ``~/.cache/huggingface/hub`` (the library's own order)."""
@@ -332,7 +337,7 @@ def architecture_for(
         candidate = base_dir / candidate
     if candidate.is_dir():
         return _from_hf_config(candidate, hf_overrides, overrides_where)
-    if _HF_REPO_ID.match(model_name):
+    if is_hf_repo_id(model_name):
         snapshot = cached_snapshot(model_name)
         if snapshot is not None:
             return _from_hf_config(snapshot, hf_overrides, overrides_where)

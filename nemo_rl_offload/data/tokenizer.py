@@ -13,6 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from nemo_rl_offload.config.model_presets import (
+    ModelNotOnMachine,
+    cached_snapshot,
+    hf_cache_roots,
+    is_hf_repo_id,
+)
 from nemo_rl_offload.errors import UserInputError
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
@@ -166,21 +172,36 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
 
 
-def tokenizer_problem(name: str | None, model_name: str | None) -> str | None:
-    """What is wrong with ``policy.tokenizer.name`` (None: nothing), without loading it.
+def tokenizer_source(name: str | None, model_name: str | None) -> str | None:
+    """Where ``policy.tokenizer.name`` comes from: ``"model"`` (the model's own), ``"byte"``, or
+    a local directory holding a Hugging Face tokenizer. Raises :class:`ModelNotOnMachine` for a
+    Hugging Face id that is not in the local cache (``validate`` warns, a run refuses) and
+    UserInputError for anything else.
 
     ``None``, or the policy's own ``model_name`` (NeMo-RL's recipes write
-    ``${policy.model_name}``), means "the model's own": the byte tokenizer for presets, the
-    directory's tokenizer for a Hugging Face model. ``"byte"`` forces the byte tokenizer; a
-    local directory holds a Hugging Face tokenizer. Anything else would need a model hub."""
-    if name is None or name == "byte" or name == model_name:
-        return None
+    ``${policy.model_name}``), means the model's own: the byte tokenizer for presets, the
+    directory's tokenizer for a Hugging Face model. A Hugging Face id (``org/name``) is read
+    from the local Hugging Face cache, as a model is; model hubs are never reached."""
+    if name is None or name == model_name:
+        return "model"
+    if name == "byte":
+        return "byte"
     if Path(name).expanduser().is_dir():
-        return None
-    return (
-        f"policy.tokenizer.name: '{name}' is neither 'byte', the policy's model_name, nor a "
-        "local directory; use null (the model's own tokenizer), 'byte', or the path of a "
-        "Hugging Face tokenizer directory (model hubs are not reached)"
+        return str(Path(name).expanduser())
+    if is_hf_repo_id(name):
+        snapshot = cached_snapshot(name)
+        if snapshot is not None:
+            return str(snapshot)
+        roots = " or ".join(str(root) for root in hf_cache_roots()[-2:])
+        raise ModelNotOnMachine(
+            f"policy.tokenizer.name: Hugging Face tokenizer '{name}' is not on this machine "
+            "(model hubs are not reached); give a local directory holding it, or put it in the "
+            f"Hugging Face cache ({roots})"
+        )
+    raise UserInputError(
+        f"policy.tokenizer.name: '{name}' is neither 'byte', the policy's model_name, a local "
+        "directory nor a Hugging Face id; use null (the model's own tokenizer), 'byte', or "
+        "the path of a Hugging Face tokenizer directory"
     )
 
 
@@ -188,12 +209,10 @@ def load_tokenizer(
     name: str | None, hf_directory: str | None, model_name: str | None = None
 ) -> Tokenizer:
     """The tokenizer for ``policy.tokenizer.name`` given the model's HF directory, if any, and
-    the policy's ``model_name`` (:func:`tokenizer_problem` says which names are accepted)."""
-    problem = tokenizer_problem(name, model_name)
-    if problem is not None:
-        raise UserInputError(problem)
-    if name is None or name == model_name:
+    the policy's ``model_name`` (:func:`tokenizer_source` says which names are accepted)."""
+    source = tokenizer_source(name, model_name)
+    if source == "model":
         return ByteTokenizer() if hf_directory is None else HFTokenizer(hf_directory)
-    if name == "byte":
+    if source == "byte":
         return ByteTokenizer()
-    return HFTokenizer(str(Path(name).expanduser()))
+    return HFTokenizer(source)

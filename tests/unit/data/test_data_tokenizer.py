@@ -167,7 +167,7 @@ def test_load_tokenizer_choices(fake_transformers, tmp_path: Path) -> None:
     assert isinstance(load_tokenizer("llama-1b", None, "llama-1b"), ByteTokenizer)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "meta-llama/Llama-3.2-1B", "/no/such/dir"])
+@pytest.mark.parametrize("name", ["gpt2", "/no/such/dir", "a/b/c"])
 def test_load_tokenizer_unknown_name(name: str) -> None:
     with pytest.raises(UserInputError) as info:
         load_tokenizer(name, None)
@@ -179,3 +179,33 @@ def test_load_tokenizer_unknown_name(name: str) -> None:
     tiny = Path(__file__).resolve().parents[3] / "examples" / "configs" / "tiny" / "sft.yaml"
     assert line in load_and_check(str(tiny), [f"++policy.tokenizer.name={name}"]).errors
     assert load_and_check(str(tiny), ["++policy.tokenizer.name=${policy.model_name}"]).ok
+
+
+def test_a_hugging_face_tokenizer_comes_from_the_local_cache_as_a_model_does(
+    fake_transformers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NeMo-RL recipes name Hub tokenizers (an instruct model's for a base model, say): read
+    from the Hugging Face cache when there; otherwise validate warns and a run refuses."""
+    from nemo_rl_offload.config.model_presets import ModelNotOnMachine
+    from nemo_rl_offload.preflight import load_and_check
+
+    made, calls = fake_transformers
+    made["tok"] = _FakeHF(pad=0, bos=1, eos=2)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    name = "meta-llama/Llama-3.1-8B-Instruct"
+    tiny = Path(__file__).resolve().parents[3] / "examples" / "configs" / "tiny" / "sft.yaml"
+    override = [f"++policy.tokenizer.name={name}"]
+    with pytest.raises(ModelNotOnMachine):
+        load_tokenizer(name, None, "tiny-dense")
+    report = load_and_check(str(tiny), override)
+    assert report.ok and any("tokenizer 'meta-llama" in w for w in report.warnings)
+    assert any(
+        "not on this machine" in e
+        for e in load_and_check(str(tiny), override, starting=True).errors
+    )
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    assert load_tokenizer(name, None, "tiny-dense").name == str(snapshot)
+    assert calls[-1][0] == str(snapshot)
+    assert not [w for w in load_and_check(str(tiny), override).warnings if "tokenizer '" in w]
