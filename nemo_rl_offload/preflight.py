@@ -262,6 +262,29 @@ def _check_tokenizer(recipe: dict[str, Any], report: Report, starting: bool) -> 
         report.errors += exc.problems
 
 
+def _mtp_loss_problems(
+    recipe: dict[str, Any], algorithm: str | None, effective: apply.EffectiveSettings
+) -> list[str]:
+    """Multi-token prediction beside a loss that is not a per-token mean. Megatron adds the MTP
+    losses per token and the step divides every gradient by the algorithm's count (models.
+    train_step): pairs for DPO, sequences for GRPO with ``token_level_loss`` false, where the
+    MTP losses would weigh a sequence's length times more than NeMo-RL's."""
+    if not effective.value("mtp_num_layers"):
+        return []
+    loss_fn = recipe.get("loss_fn") if isinstance(recipe.get("loss_fn"), dict) else {}
+    if algorithm == "dpo":
+        counted = "pairs (DPO)"
+    elif algorithm == "grpo" and loss_fn.get("token_level_loss") is False:
+        counted = "sequences (loss_fn.token_level_loss: false)"
+    else:
+        return []
+    path = effective.source("mtp_num_layers", "policy.megatron_cfg.mtp_num_layers")
+    return [
+        f"{path}: multi-token prediction is not implemented yet beside a loss averaged over "
+        f"{counted}: its losses are per-token means; set {path} to 0"
+    ]
+
+
 def _check_deadline(recipe: dict[str, Any], report: Report) -> None:
     """checkpointing.checkpoint_must_save_by is DD:HH:MM:SS; without checkpointing the run
     stops at the deadline with nothing saved, which a user is told."""
@@ -460,6 +483,8 @@ def check_recipe(
         effective = apply.effective_settings(
             section, architecture, where=where, te_installed=caps.has_transformer_engine
         )
+        if where == "policy":
+            report.errors += _mtp_loss_problems(recipe, algorithm, effective)
         if where == "policy":  # a teacher's peft is refused by ignored_keys
             report.errors += peft.problems(section, where) + peft.model_problems(
                 section,

@@ -170,3 +170,29 @@ def test_the_sampling_temperature_tempers_the_policys_loss_not_the_mtp_losses(bu
     assert float((expected[..., 0] * batch["loss_mask"]).sum()) == pytest.approx(
         tempered[0], rel=1e-5
     )
+
+
+@pytest.mark.parametrize(
+    "recipe,overrides,refused",
+    [
+        ("dpo", [], True),
+        ("grpo", ["++loss_fn.token_level_loss=false"], True),
+        ("grpo", [], False),
+        ("sft", [], False),
+        ("distillation", [], False),
+    ],
+    ids=["dpo", "grpo_sequence_level", "grpo", "sft", "distillation"],
+)
+def test_mtp_is_refused_beside_losses_averaged_over_sequences(recipe, overrides, refused):
+    """The step divides every gradient by the loss's count; Megatron's MTP losses are summed
+    per token, which is right only where that count is tokens."""
+    from pathlib import Path
+
+    from nemo_rl_offload.preflight import load_and_check
+
+    tiny = Path(__file__).resolve().parents[3] / "examples" / "configs" / "tiny"
+    report = load_and_check(
+        str(tiny / f"{recipe}.yaml"), ["++policy.megatron_cfg.mtp_num_layers=1", *overrides]
+    )
+    lines = [e for e in report.errors if "multi-token prediction is not implemented yet" in e]
+    assert bool(lines) == refused, report.errors
