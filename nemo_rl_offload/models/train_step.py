@@ -108,19 +108,24 @@ def _padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
-def _mtp_kwargs(model: Any, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The model's ``loss_mask`` keyword for multi-token prediction (``mtp_num_layers``): the
-    labels' own mask (``loss_mask``, aligned with ``labels``), so the MTP losses count the
-    tokens the algorithm's loss counts (NeMo-RL's token mask times its sample mask, which this
-    package's ``loss_mask`` already is) and no prompt or padding. Megatron rolls it with the
-    labels for each MTP depth. Without MTP, or without labels, nothing."""
-    if inputs.get("labels") is None or "loss_mask" not in inputs:
-        return {}
+def _mtp_loss_mask(model: Any, batch: dict[str, Tensor]) -> Tensor | None:
+    """The ``loss_mask`` to give a model with multi-token prediction (``mtp_num_layers``),
+    None without MTP or without a mask: the positions the algorithm's loss counts (this
+    package's ``loss_mask``: NeMo-RL's token mask times its sample mask), so the MTP losses
+    count no prompt or padding. Megatron rolls it with the labels for each MTP depth. The mask
+    is aligned with the labels (position t counts token t + 1); a forward without labels (the
+    distillation student's logits) makes Megatron derive them from the input ids and roll the
+    mask with them once more, so there it gets each input position's mask."""
+    if "loss_mask" not in batch:
+        return None
     from megatron.core.utils import unwrap_model
 
     if not getattr(unwrap_model(model).config, "mtp_num_layers", None):
-        return {}
-    return {"loss_mask": inputs["loss_mask"]}
+        return None
+    mask = batch["loss_mask"]
+    if batch.get("labels") is None:
+        mask = torch.cat([mask.new_zeros((mask.shape[0], 1)), mask[:, :-1]], dim=1)
+    return mask
 
 
 def _forward_step(
@@ -159,7 +164,9 @@ def _forward_step(
     kwargs = {} if packed is None else {"packed_seq_params": packed}
     # policy.logprob_chunk_size: the output layer in chunks (chunked_logprobs.install).
     kwargs.update(chunked_logprobs.forward_kwargs(model, inputs.get("labels") is not None))
-    kwargs.update(_mtp_kwargs(model, inputs))
+    mtp_mask = _mtp_loss_mask(model, inputs)
+    if mtp_mask is not None:
+        kwargs["loss_mask"] = mtp_mask
     output = model(
         inputs["input_ids"],
         position_ids,
@@ -198,7 +205,7 @@ def _forward_step_cp(
         positions = _default_position_ids(batch["input_ids"])
     local = {
         key: context_parallel.to_local(batch[key], layout, cp, cp_rank)
-        for key in ("input_ids", "labels", "loss_mask")
+        for key in ("input_ids", "labels")
         if key in batch
     }
     position_ids = context_parallel.to_local(positions, layout, cp, cp_rank)
@@ -209,7 +216,9 @@ def _forward_step_cp(
         )
     labels = local.get("labels")
     kwargs.update(chunked_logprobs.forward_kwargs(model, labels is not None))
-    kwargs.update(_mtp_kwargs(model, local))
+    mtp_mask = _mtp_loss_mask(model, batch)
+    if mtp_mask is not None:
+        kwargs["loss_mask"] = context_parallel.to_local(mtp_mask, layout, cp, cp_rank)
     output = model(local["input_ids"], position_ids, None, labels=labels, **kwargs)
     return output, functools.partial(_reduce_cp, loss_fn, batch, layout, cp, local_outputs)
 
@@ -404,7 +413,7 @@ def _pad_to(batch: dict[str, Tensor], rows: int, length: int) -> dict[str, Tenso
         grown = value.new_zeros((rows, length))
         grown[: value.shape[0], : value.shape[1]] = value
         padded[key] = grown
-    if "loss_mask" in batch:  # multi-token prediction's mask (_mtp_kwargs): none on padding
+    if "loss_mask" in batch:  # multi-token prediction's mask (_mtp_loss_mask): none on padding
         mask = batch["loss_mask"]
         padded["loss_mask"] = mask.new_zeros((rows, length))
         padded["loss_mask"][: mask.shape[0], : mask.shape[1]] = mask

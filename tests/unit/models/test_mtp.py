@@ -102,6 +102,25 @@ def test_the_labels_mask_is_the_mtp_mask(build_tiny):
     assert MTPLossLoggingHelper.tracker == {}  # read once
 
 
+def test_without_labels_the_mask_counts_the_same_positions(build_tiny):
+    """A forward without labels (the distillation student's: the loss takes the logits) makes
+    Megatron derive the labels from the input ids; the mask then counts the same positions,
+    less the last label, which that derivation makes up."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    model, _ = build_tiny(mtp_num_layers=1, mtp_loss_scaling_factor=0.3)
+    batches = [{k: v for k, v in b.items() if k != "labels"} for b in _batches(mask_from=10)]
+
+    def logits_loss(batch, output):
+        return output.float().mean() * 0, batch["loss_mask"].sum(), {}
+
+    mtp.start_step(model, torch.device("cpu"))
+    run_microbatches(model, batches, logits_loss, forward_only=False)
+    counted = float(MTPLossLoggingHelper.tracker["total_values"][0])
+    assert counted == 2 * 2 * (24 - 10 - 1)
+    mtp.step_metrics(model, microbatches=2)
+
+
 def test_a_worker_reports_mtp_resumes_exactly_and_generates(megatron_cpu, tmp_path):
     policy = section(mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
     trained = worker_ranks.single_worker(policy)
