@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -101,21 +100,20 @@ def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_case(args: argparse.Namespace, fraction: float) -> dict[str, Any]:
-    import torch
-
+    """One case in this process (the child :func:`main` starts): its steps' row. A failure
+    (out of memory, a refused setting) raises; ``offload_benchmark.write_case_record`` makes it
+    the case's record."""
     from nemo_rl_offload.config.model_presets import architecture_for
 
     section = case_section(args.model, args.seq, fraction, bench.parse_model_overrides(args))
     errors = bench.check_section(section)
     if errors:
-        return {"fraction": fraction, "failed": "rejected: " + "; ".join(errors)}
+        raise SystemExit("rejected: " + "; ".join(errors))
     vocab = architecture_for(args.model).vocab_size
     data = bench.batches(args.steps, args.microbatches, 1, args.seq, vocab)
     worker = bench.build_worker(section, True)
     try:
         steps = [worker.train(step, {"name": "nll"}) for step in data]
-    except torch.OutOfMemoryError as exc:
-        return {"fraction": fraction, "failed": f"out of memory: {exc}".splitlines()[0]}
     finally:
         worker.close()
     return summarize(fraction, steps)
@@ -136,25 +134,29 @@ def main() -> int:
         help="KEY=VALUE: a TransformerConfig field for every case (e.g. num_layers=28)",
     )
     parser.add_argument("--one-case", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--record", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.one_case is not None:
-        (out / f".case_{args.one_case}.json").write_text(json.dumps(run_case(args, args.one_case)))
-        return 0
+    if args.one_case is not None:  # the child: one case, its record (or failure) in --record
+        fraction = args.one_case
+        return bench.write_case_record(
+            Path(args.record), str(fraction), optimizer_settings(fraction),
+            lambda: run_case(args, fraction),
+        )  # fmt: skip
     fractions = [float(f) for f in args.fractions.split(",")]
     if fractions[0] != 0:
         fractions.insert(0, 0.0)  # the baseline first
     rows = []
     for fraction in fractions:
-        command = [sys.executable, __file__, *sys.argv[1:], f"--one-case={fraction}"]
-        done = subprocess.run(command, check=False)
+        # One process per case (the allocator starts empty), as the offload benchmark runs.
         target = out / f".case_{fraction}.json"
-        if target.exists():
-            rows.append(json.loads(target.read_text()))
-            target.unlink()
-        else:
-            rows.append({"fraction": fraction, "failed": f"exit {done.returncode}"})
+        command = [
+            sys.executable, __file__, *sys.argv[1:],
+            f"--one-case={fraction}", f"--record={target}",
+        ]  # fmt: skip
+        record = bench.run_child(command, target, str(fraction), optimizer_settings(fraction))
+        rows.append({**record, "fraction": fraction})
     if "failed" in rows[0]:
         print(f"baseline failed: {rows[0]['failed']}", file=sys.stderr)
         results = rows

@@ -29,7 +29,6 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -98,38 +97,33 @@ def live_at_peak(
 def pending_at(trace: list[dict[str, Any]], at: int) -> dict[str, Any]:
     """Blocks whose free was requested at or before event ``at`` and completes after it (a side
     stream's copy still reads them, so the allocator cannot reuse them yet), by the owner that
-    allocated them; and how long such frees waited (request to completion, from the trace's
+    allocated them; and how long those frees waited (request to completion, the trace's
     times)."""
     allocated: dict[int, dict[str, Any]] = {}
-    pending: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
-    waits: list[float] = []
-    for index, event in enumerate(trace):
+    requested: dict[int, dict[str, Any]] = {}
+    for event in trace[: at + 1]:
         action, addr = event.get("action"), event.get("addr")
-        if action == "alloc" and index <= at:
+        if action == "alloc":
             allocated[addr] = event
-        elif action == "free_requested" and index <= at:
-            pending[addr] = (allocated.get(addr, event), event)
-        elif action == "free_completed" and addr in pending:
-            if index > at:
-                asked = pending[addr][1]
-                waits.append((event.get("time_us", 0) - asked.get("time_us", 0)) / 1000)
-            else:
-                del pending[addr]
-    owners: collections.Counter[str] = collections.Counter()
-    counts: collections.Counter[str] = collections.Counter()
-    for owner_event, _ in pending.values():
-        key = owner_of(owner_event.get("frames") or [])
-        owners[key] += owner_event["size"]
-        counts[key] += 1
-    waits.sort()
+        elif action == "free_requested":
+            requested[addr] = event
+        elif action == "free_completed":
+            requested.pop(addr, None)
+    pending = {addr: allocated.get(addr, asked) for addr, asked in requested.items()}
+    waiting = dict(requested)  # each pending free's wait, counted when it completes
+    ms = []
+    for event in trace[at + 1 :]:
+        if event.get("action") == "free_completed" and event.get("addr") in waiting:
+            asked = waiting.pop(event["addr"])
+            ms.append((event.get("time_us", 0) - asked.get("time_us", 0)) / 1000)
+    ms.sort()
+    total, rows = _owners(pending, 12)
     return {
-        "pending_gib": sum(owners.values()) / 2**30,
-        "pending_blocks": sum(counts.values()),
-        "wait_ms_median": waits[len(waits) // 2] if waits else None,
-        "wait_ms_max": waits[-1] if waits else None,
-        "pending_by_owner": [
-            {"owner": k, "gib": v / 2**30, "blocks": counts[k]} for k, v in owners.most_common(12)
-        ],
+        "pending_gib": total / 2**30,
+        "pending_blocks": len(pending),
+        "wait_ms_median": ms[len(ms) // 2] if ms else None,
+        "wait_ms_max": ms[-1] if ms else None,
+        "pending_by_owner": rows,
     }
 
 
@@ -226,7 +220,7 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
         section = bench.section_for(args.model, args.seq, settings)
     errors = bench.check_section(section)
     if errors:
-        return {"case": name, "rejected": errors}
+        raise SystemExit("rejected: " + "; ".join(errors))
     os.environ.update(section["megatron_cfg"].get("env_vars") or {})
     vocab = architecture_for(args.model).vocab_size
     data = bench.batches(args.steps, args.microbatches, 1, args.seq, vocab)
@@ -249,8 +243,6 @@ def run_one(args: argparse.Namespace, name: str) -> dict[str, Any]:
             snapshot = torch.cuda.memory._snapshot()
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
-    except torch.OutOfMemoryError as exc:
-        return {"case": name, "failed": f"out of memory: {exc}".splitlines()[0]}
     finally:
         worker.close()
     trace = snapshot["device_traces"][device]
@@ -276,24 +268,26 @@ def main() -> int:
     parser.add_argument("--cases", default="no_offload")
     parser.add_argument("--out", required=True)
     parser.add_argument("--one-case", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--record", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.one_case:
-        record = run_one(args, args.one_case)
-        (out / f".{args.one_case.replace(':', '_')}.json").write_text(json.dumps(record))
-        return 0
+    if args.one_case:  # the child: one case, its record (or failure) in --record
+        return bench.write_case_record(
+            Path(args.record), args.one_case, {}, lambda: run_one(args, args.one_case)
+        )
     records = []
     for name in args.cases.split(","):
-        # One process per case, as the benchmark: the allocator starts empty each time.
-        command = [sys.executable, __file__, *sys.argv[1:], f"--one-case={name}"]
-        done = subprocess.run(command, check=False)
+        # One process per case (the allocator starts empty), as the offload benchmark runs.
         target = out / f".{name.replace(':', '_')}.json"
-        if target.exists():
-            records.append(json.loads(target.read_text()))
-            target.unlink()
-        else:
-            records.append({"case": name, "failed": f"exit {done.returncode}"})
+        command = [
+            sys.executable,
+            __file__,
+            *sys.argv[1:],
+            f"--one-case={name}",
+            f"--record={target}",
+        ]
+        records.append(bench.run_child(command, target, name, {}))
         record = records[-1]
         print(
             f"== {name}: measured {record.get('measured_peak_fwd_bwd_gib')} "
@@ -317,7 +311,11 @@ def main() -> int:
             for row in pend["pending_by_owner"]:
                 print(f"   {row['gib']:7.3f} GiB {row['blocks']:5d}  {row['owner']}")
     target = out / f"peak_{args.model}_seq{args.seq}.json"
-    target.write_text(json.dumps({"command": sys.argv, "cases": records}, indent=1))
+    target.write_text(
+        json.dumps(
+            {"environment": bench.environment(), "command": sys.argv, "cases": records}, indent=1
+        )
+    )
     return 0
 
 

@@ -90,13 +90,7 @@ def _architecture(
     try:
         architecture = section_architecture(section, where=where, base_dir=base_dir)
     except ModelNotOnMachine as exc:
-        if starting:
-            report.errors += exc.problems
-        else:
-            report.warnings += [
-                f"warning: {line}; the checks that need the model were skipped"
-                for line in exc.problems
-            ]
+        _not_on_machine(exc, report, starting, "; the checks that need the model were skipped")
         return None
     except UserInputError as exc:
         report.errors += exc.problems
@@ -254,12 +248,20 @@ def _check_tokenizer(recipe: dict[str, Any], report: Report, starting: bool) -> 
     try:
         tokenizer_source(tokenizer.get("name"), policy.get("model_name"))
     except ModelNotOnMachine as exc:
-        if starting:
-            report.errors += exc.problems
-        else:
-            report.warnings += [f"warning: {line}" for line in exc.problems]
+        _not_on_machine(exc, report, starting)
     except UserInputError as exc:
         report.errors += exc.problems
+
+
+def _not_on_machine(
+    exc: ModelNotOnMachine, report: Report, starting: bool, skipped: str = ""
+) -> None:
+    """A model or tokenizer the recipe names that is not on this machine: an error for a run,
+    a warning (with what was ``skipped``) for ``validate``."""
+    if starting:
+        report.errors += exc.problems
+    else:
+        report.warnings += [f"warning: {line}{skipped}" for line in exc.problems]
 
 
 def _mtp_loss_problems(
@@ -483,9 +485,8 @@ def check_recipe(
         effective = apply.effective_settings(
             section, architecture, where=where, te_installed=caps.has_transformer_engine
         )
-        if where == "policy":
+        if where == "policy":  # a teacher's peft and MTP keys are inert or refused elsewhere
             report.errors += _mtp_loss_problems(recipe, algorithm, effective)
-        if where == "policy":  # a teacher's peft is refused by ignored_keys
             report.errors += peft.problems(section, where) + peft.model_problems(
                 section,
                 where,

@@ -1,9 +1,9 @@
 """Multi-token prediction (``policy.megatron_cfg.mtp_num_layers``): its per-step metrics.
 
 Megatron-core builds the MTP block (``models.builder.mtp_block_spec``) and, in a training
-forward with labels, adds each MTP depth's loss to the backward through its
-``MTPLossAutoScaler`` (scaled by ``mtp_loss_scaling_factor / mtp_num_layers``, normalised per
-token as the main loss is, with the labels' mask: ``models.train_step``). NeMo-RL reports each
+forward, adds each MTP depth's loss to the backward through its ``MTPLossAutoScaler`` (scaled
+by ``mtp_loss_scaling_factor / mtp_num_layers``, normalised per token as the main loss is,
+with the algorithm's mask: ``models.train_step._mtp_loss_mask``). NeMo-RL reports each
 depth's loss and its acceptance rate (the share of masked positions whose argmax is the label);
 Megatron keeps both in a process-wide tracker, ``MTPLossLoggingHelper.tracker``, whose buffers it
 creates on the current CUDA device. :func:`start_step` gives the tracker zeroed buffers on the
@@ -40,8 +40,7 @@ def step_metrics(model: Any, microbatches: int) -> dict[str, float]:
     """``mtp_<k>_loss`` (depth k's loss: the mean over the step's micro-batches of each one's
     per-token loss, averaged over the data-parallel and context-parallel ranks, as Megatron's
     training loop logs it) and ``mtp_<k>_acceptance_rate`` (percent of the counted positions
-    whose most likely token is the label, over all of them); the tracker is cleared. Ranks
-    without the MTP block (other pipeline stages) report nothing."""
+    whose most likely token is the label, over all of them); the tracker is cleared."""
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 

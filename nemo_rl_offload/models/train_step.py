@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nemo_rl_offload.models import chunked_logprobs, context_parallel
+from nemo_rl_offload.models import chunked_logprobs, context_parallel, mtp
 
 LossFn = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor | int, dict[str, Tensor]]]
 
@@ -116,11 +116,7 @@ def _mtp_loss_mask(model: Any, batch: dict[str, Tensor]) -> Tensor | None:
     is aligned with the labels (position t counts token t + 1); a forward without labels (the
     distillation student's logits) makes Megatron derive them from the input ids and roll the
     mask with them once more, so there it gets each input position's mask."""
-    if "loss_mask" not in batch:
-        return None
-    from megatron.core.utils import unwrap_model
-
-    if not getattr(unwrap_model(model).config, "mtp_num_layers", None):
+    if "loss_mask" not in batch or not mtp.depths(model):
         return None
     mask = batch["loss_mask"]
     if batch.get("labels") is None:

@@ -261,15 +261,13 @@ def effective_settings(
         settings["cuda_graph_modules"] = Setting([], source)
 
     unavailable: list[str] = []
-    if not te_installed:
-        for name in TE_KERNEL_FUSIONS:
-            if name in settings and settings[name].value is True:
-                # A dense model has no permutation to fuse: off, and nothing to say.
-                if name != "moe_permute_fusion" or has_experts(
-                    settings["num_moe_experts"].value if "num_moe_experts" in settings else None
-                ):
-                    unavailable.append(settings[name].source)
-                settings[name] = Setting(False, settings[name].source)
+    experts = settings.get("num_moe_experts")
+    is_moe = has_experts(experts.value if experts else None)
+    for name in () if te_installed else TE_KERNEL_FUSIONS:
+        if name in settings and settings[name].value is True:
+            if name != "moe_permute_fusion" or is_moe:  # a dense model has nothing to permute
+                unavailable.append(settings[name].source)
+            settings[name] = Setting(False, settings[name].source)
     impl_source = f"{prefix}.transformer_impl"
     settings["transformer_impl"] = Setting(
         resolve_transformer_impl(megatron_cfg.get("transformer_impl"), te_installed),

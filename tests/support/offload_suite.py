@@ -242,6 +242,8 @@ def run_steps(
     generation on the offloading one): one record per step comparing their gradients, losses,
     peaks and the offloading worker's telemetry. ``data_seed`` picks the tokens (each
     data-parallel rank its own); the shapes' order is the same everywhere."""
+    from nemo_rl_offload.offload.runtime import pad_microbatches
+
     rng = np.random.default_rng(data_seed)
     records, seen = [], set()
     for step, (count, length) in enumerate(schedule(11, steps), start=1):
@@ -253,8 +255,6 @@ def run_steps(
         # The plain twin gets the inputs the offloading worker computed on: padded to the
         # runtime's length bucket where a runtime plan ran; as given where none did
         # (layer_input alone pads nothing), else the two differ by their padding's tiling.
-        from nemo_rl_offload.offload.runtime import pad_microbatches
-
         padded_to = metrics.get("offload_step_length")
         plain_batch = batch if padded_to is None else pad_microbatches(batch, int(padded_to))
         plain_metrics = plain.train(plain_batch, {"name": "nll"})

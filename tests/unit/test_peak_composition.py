@@ -77,3 +77,18 @@ def test_an_allocation_without_own_frames_is_named_by_its_caller():
     assert pc.owner_of([]).startswith("(no Python frame")
     frames = [{"filename": "/site/torch/autograd/__init__.py", "line": 1, "name": "backward"}]
     assert pc.owner_of(frames) == "(no own frame) backward"
+
+
+def test_a_pending_free_waits_once_though_its_address_is_used_again():
+    trace = [
+        _alloc(1, 10, GPT),
+        _event("free_requested", 1, 10, time_us=0),
+        _alloc(2, 5, GPT),  # the peak's moment (2)
+        _event("free_completed", 1, 10, time_us=4000),
+        _alloc(1, 10, GPT),  # the address again, freed again
+        _event("free_requested", 1, 10, time_us=5000),
+        _event("free_completed", 1, 10, time_us=9000),
+    ]
+    pending = pc.pending_at(trace, 2)
+    assert pending["pending_blocks"] == 1
+    assert pending["wait_ms_median"] == pending["wait_ms_max"] == 4.0
