@@ -19,6 +19,7 @@ from nemo_rl_offload.config import (
     grpo_options,
     ignored_keys,
     peft,
+    router_replay,
 )
 from nemo_rl_offload.config.loader import load_recipe, unset_environment
 from nemo_rl_offload.config.model_presets import (
@@ -341,17 +342,9 @@ def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Re
         forced = ((recipe.get("loss_fn") or {}).get("force_on_policy_ratio") is True) and (
             algorithm == "grpo"
         )
-        waived = forced or bool(os.environ.get("NRL_IGNORE_TP_ACCURACY_CHECK"))
         differs = isinstance(rows, int) and isinstance(tp, int) and tp >= 4 and rows != micro
-        if differs and not waived:
-            report.errors.append(
-                f"{where}.logprob_batch_size: {rows} differs from train_micro_batch_size "
-                f"{micro} at tensor parallel size {tp}: at TP >= 4 results depend on the "
-                "batch size, so the log-probabilities of the ratio's old policy would not "
-                "be the training pass's (NeMo-RL refuses this too); set them equal, or "
-                "loss_fn.force_on_policy_ratio: true (ratio 1), or set "
-                "NRL_IGNORE_TP_ACCURACY_CHECK=1 to accept it"
-            )
+        if differs and not forced:
+            _tp_batch_variance(where, rows, micro, tp, report)
     policy = recipe.get("policy") if isinstance(recipe.get("policy"), dict) else {}
     if algorithm == "dpo":
         for key in ("sequence_packing", "dynamic_batching"):
@@ -375,6 +368,34 @@ def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Re
             f"policy.max_total_sequence_length {max_total}: an example longer than the latter "
             "is refused at load, not cut"
         )
+
+
+# NeMo-RL's switch for its TP >= 4 batch-variance check; its GRPO sets it itself under
+# loss_fn.force_on_policy_ratio. Read when validate or a run checks the recipe.
+TP_ACCURACY_SWITCH = "NRL_IGNORE_TP_ACCURACY_CHECK"
+
+
+def _tp_batch_variance(where: str, rows: int, micro: Any, tp: int, report: Report) -> None:
+    """A forward-only batch that differs from the training micro-batch at TP >= 4: refused as
+    NeMo-RL refuses it, since the old policy's log-probabilities would not be the training
+    pass's; NeMo-RL's switch turns that into a warning that still names the risk."""
+    what = (
+        f"{rows} differs from train_micro_batch_size {micro} at tensor parallel size {tp}: at "
+        "TP >= 4 results depend on the batch size, so the log-probabilities of the ratio's old "
+        "policy would not be the training pass's"
+    )
+    if os.environ.get(TP_ACCURACY_SWITCH):
+        report.warnings.append(
+            f"warning: {where}.logprob_batch_size: {what}; accepted because "
+            f"{TP_ACCURACY_SWITCH} is set, so importance ratios and their clipping may act on "
+            "that difference rather than on the policy's change"
+        )
+        return
+    report.errors.append(
+        f"{where}.logprob_batch_size: {what} (NeMo-RL refuses this too); set them equal, or "
+        "tensor_model_parallel_size below 4, or loss_fn.force_on_policy_ratio: true (ratio 1), "
+        f"or set {TP_ACCURACY_SWITCH}=1 to accept it"
+    )
 
 
 def _check_data_source(recipe: dict[str, Any], report: Report) -> None:
@@ -487,6 +508,23 @@ def check_recipe(
         )
         if where == "policy":  # a teacher's peft and MTP keys are inert or refused elsewhere
             report.errors += _mtp_loss_problems(recipe, algorithm, effective)
+            m = f"{where}.megatron_cfg"
+            replay_errors, replay_warnings = router_replay.problems(
+                section,
+                where,
+                algorithm,
+                has_experts=effective.is_moe,
+                routing=(
+                    effective.value("moe_router_load_balancing_type"),
+                    effective.source("moe_router_load_balancing_type", m),
+                ),
+                fused_topk=(
+                    effective.value("moe_router_fusion"),
+                    effective.source("moe_router_fusion", f"{m}.moe_router_fusion"),
+                ),
+            )
+            report.errors += replay_errors
+            report.warnings += replay_warnings
             report.errors += peft.problems(section, where) + peft.model_problems(
                 section,
                 where,

@@ -19,10 +19,12 @@ replay buffer is, so a resumed run trains on the same rollouts as an uninterrupt
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from nemo_rl_offload.algorithms.batching import TokenSequence
@@ -119,6 +121,7 @@ def _rollouts_json(rollouts: Rollouts) -> dict[str, Any]:
                 "scaled": g.scaled.tolist(),
                 "truncated": g.truncated,
                 "logprobs": g.logprobs,
+                "routes": [_array_json(r) for r in g.routes],
             }
             for g in rollouts.groups
         ],
@@ -134,7 +137,23 @@ def _rollouts_from_json(data: Mapping[str, Any], group_type: type) -> Rollouts:
             scaled=torch.tensor(g["scaled"], dtype=getattr(torch, g["dtype"])),
             truncated=list(g["truncated"]),
             logprobs=[list(lp) for lp in g["logprobs"]],
+            routes=[_array_from_json(r) for r in g.get("routes") or []],
         )
         for g in data["groups"]
     ]
     return Rollouts(int(data["target"]), int(data["generated_at"]), groups, dict(data["metrics"]))
+
+
+def _array_json(array: np.ndarray) -> dict[str, Any]:
+    """An integer array (a sequence's sampled routes, ``policy.router_replay``) as JSON: its
+    bytes in base64 (a nested list would take several times the room in state.json)."""
+    return {
+        "dtype": array.dtype.str,
+        "shape": list(array.shape),
+        "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode("ascii"),
+    }
+
+
+def _array_from_json(data: Mapping[str, Any]) -> np.ndarray:
+    raw = base64.b64decode(data["data"])
+    return np.frombuffer(raw, dtype=np.dtype(data["dtype"])).reshape(data["shape"]).copy()

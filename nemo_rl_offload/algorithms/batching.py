@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.router_replay import NO_ROUTE, ROUTES_KEY
+
 
 @dataclass
 class TokenSequence:
@@ -24,6 +26,28 @@ class TokenSequence:
     prompt_len: int
     extras: dict[str, Any] = field(default_factory=dict)  # per-sequence values (advantages...)
     loss_multiplier: float = 1.0  # NeMo-RL's name; scales the row's loss mask
+    # The sampler's experts of each position [len(ids), MoE layers, k] (policy.router_replay,
+    # models.routes), None when not recorded.
+    routes: np.ndarray | None = None
+
+
+def routes_array(sequences: Sequence[TokenSequence], rows: int, length: int) -> np.ndarray | None:
+    """The micro-batch's ``routed_experts`` [rows, length, layers, k], NO_ROUTE wherever a
+    sequence has no route (padding, a sequence sampled without recording); None when no
+    sequence has routes. Rows are filled by :func:`place_routes`."""
+    shapes = [s.routes for s in sequences if s.routes is not None]
+    if not shapes:
+        return None
+    first = shapes[0]
+    return np.full((rows, length, *first.shape[1:]), NO_ROUTE, dtype=first.dtype)
+
+
+def place_routes(out: np.ndarray | None, row: int, start: int, seq: TokenSequence) -> None:
+    """Put ``seq``'s routes at row ``row`` from position ``start`` of :func:`routes_array`."""
+    if out is None or seq.routes is None:
+        return
+    n = min(len(seq.ids), seq.routes.shape[0])
+    out[row, start : start + n] = seq.routes[:n]
 
 
 def padded_length(lengths: Sequence[int], round_to: int) -> int:
@@ -48,6 +72,11 @@ def make_microbatch(
         labels[row, : n - 1] = seq.ids[1:]
         loss_mask[row, max(seq.prompt_len - 1, 0) : n - 1] = seq.loss_multiplier
     batch = {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask}
+    routes = routes_array(sequences, rows, length)
+    if routes is not None:
+        for row, seq in enumerate(sequences):
+            place_routes(routes, row, 0, seq)
+        batch[ROUTES_KEY] = routes
     for key in sequences[0].extras if sequences else ():
         values = [s.extras[key] for s in sequences]
         if np.isscalar(values[0]):

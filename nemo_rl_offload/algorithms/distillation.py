@@ -120,7 +120,7 @@ def start(run: Run) -> loop.Steps:
     def train_step(step: int) -> loop.TrainResult:
         start = time.perf_counter()
         policy.phase_peak_gib()  # a new count: the sampling phase's peak is read after it
-        prompts, responses, rewards, _ = rollout(
+        prompts, responses, rewards, _, _ = rollout(
             run,
             policy,
             env,

@@ -23,7 +23,8 @@ from nemo_rl_offload.algorithms.common import (
     Run,
     prepare,
 )
-from nemo_rl_offload.config import batch_checks, grpo_options
+from nemo_rl_offload.config import batch_checks, grpo_options, router_replay
+from nemo_rl_offload.config.router_replay import NO_ROUTE
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
@@ -65,15 +66,23 @@ def generate_and_score(
     *,
     greedy: bool,
     seed: int,
-) -> tuple[list[list[int]], list[float], list[list[float]]]:
-    """Responses, their rewards, and the sampler's log-probabilities of their tokens."""
+    record_routes: bool = False,
+) -> tuple[list[list[int]], list[float], list[list[float]], list[Any]]:
+    """Responses, their rewards, the sampler's log-probabilities of their tokens and, with
+    ``record_routes`` (``policy.router_replay``), the experts of each sequence's positions
+    (None each otherwise)."""
     settings = sampling_settings(run, prompts, greedy=greedy)
     generated = policy.generate(
-        [p.ids for p in prompts], settings, seed=seed, pad_id=run.tokenizer.pad_id
+        [p.ids for p in prompts],
+        settings,
+        seed=seed,
+        pad_id=run.tokenizer.pad_id,
+        record_routes=record_routes,
     )
     responses = [g.ids for g in generated]
     texts = [run.tokenizer.decode(r) for r in responses]
-    return responses, env.score(texts, answers), [g.logprobs for g in generated]
+    routes = [g.routes for g in generated]
+    return responses, env.score(texts, answers), [g.logprobs for g in generated], routes
 
 
 def rollout(
@@ -86,15 +95,22 @@ def rollout(
     group: int,
     *,
     seed: int,
-) -> tuple[list[TokenSequence], list[list[int]], list[float], list[list[float]]]:
-    """``group`` sampled responses to each picked training prompt, with their rewards and the
-    sampler's log-probabilities of their tokens."""
+) -> tuple[list[TokenSequence], list[list[int]], list[float], list[list[float]], list[Any]]:
+    """``group`` sampled responses to each picked training prompt, with their rewards, the
+    sampler's log-probabilities of their tokens and (``policy.router_replay``) its routes."""
     prompts = [train[i] for i in picked for _ in range(group)]
     answers = [str(train_raw[i]["answer"]) for i in picked for _ in range(group)]
-    responses, rewards, logprobs = generate_and_score(
-        run, policy, env, prompts, answers, greedy=False, seed=seed
+    responses, rewards, logprobs, routes = generate_and_score(
+        run,
+        policy,
+        env,
+        prompts,
+        answers,
+        greedy=False,
+        seed=seed,
+        record_routes=router_replay.enabled(run.policy_cfg),
     )
-    return prompts, responses, rewards, logprobs
+    return prompts, responses, rewards, logprobs, routes
 
 
 def format_samples(
@@ -140,7 +156,7 @@ def validate(
     if not val:
         return {}
     repeat = samples_per_prompt
-    responses, sampled, _ = generate_and_score(
+    responses, sampled, _, _ = generate_and_score(
         run,
         policy,
         env,
@@ -149,7 +165,7 @@ def validate(
         greedy=False,
         seed=seed,
     )
-    _, greedy, _ = generate_and_score(run, policy, env, val, answers, greedy=True, seed=seed)
+    _, greedy, _, _ = generate_and_score(run, policy, env, val, answers, greedy=True, seed=seed)
     shown = int(run.recipe["logger"].get("num_val_samples_to_print") or 0)
     if shown > 0:
         text = format_samples(
@@ -172,8 +188,9 @@ def validate(
 class PromptGroup:
     """One prompt's sampled responses with their rewards after scaling and shaping (what the
     advantages come from) and after scaling only (what dynamic sampling looks at, as in
-    NeMo-RL, so that length shaping alone does not make a group count as varied), and the
-    sampler's log-probabilities of each response's tokens."""
+    NeMo-RL, so that length shaping alone does not make a group count as varied), the
+    sampler's log-probabilities of each response's tokens, and with ``policy.router_replay``
+    the sampler's experts of each sequence's positions (prompt and response; empty without)."""
 
     prompt: TokenSequence
     responses: list[list[int]]
@@ -181,6 +198,7 @@ class PromptGroup:
     scaled: torch.Tensor
     truncated: list[bool]
     logprobs: list[list[float]]
+    routes: list[np.ndarray | None] = dataclasses.field(default_factory=list)
 
 
 def make_groups(
@@ -191,6 +209,7 @@ def make_groups(
     group: int,
     cfg: Mapping[str, Any],
     stop_ids: tuple[int, ...],
+    routes: list[Any] | None = None,
 ) -> list[PromptGroup]:
     """A generation batch's samples as prompt groups, rewards scaled and shaped."""
     truncated = [rewards.truncated(r, stop_ids) for r in responses]
@@ -208,6 +227,7 @@ def make_groups(
             scaled[start : start + group],
             truncated[start : start + group],
             logprobs[start : start + group],
+            [] if routes is None or routes[start] is None else routes[start : start + group],
         )
         for start in range(0, len(prompts), group)
     ]
@@ -245,7 +265,7 @@ def collect_groups(
     policy.phase_peak_gib()  # a new count: the sampling phase's peak is read after it
     while not done:
         began = time.perf_counter()
-        prompts, responses, scores, logprobs = rollout(
+        prompts, responses, scores, logprobs, routes = rollout(
             run,
             policy,
             env,
@@ -257,7 +277,7 @@ def collect_groups(
         seconds += time.perf_counter() - began
         new_tokens += sum(len(r) for r in responses)
         sequence_tokens += sum(len(p.ids) for p in prompts) + sum(len(r) for r in responses)
-        groups = make_groups(prompts, responses, scores, logprobs, group, cfg, stop_ids)
+        groups = make_groups(prompts, responses, scores, logprobs, group, cfg, stop_ids, routes)
         generated += [g.rewards for g in groups]
         keep = (
             rewards.varied(torch.stack([g.scaled for g in groups])).tolist()
@@ -306,14 +326,32 @@ def training_sequences(
     filtering = bool(cfg.get("overlong_filtering", False))
     sequences = []
     for g in groups:
-        for response, cut in zip(g.responses, g.truncated, strict=True):
+        routes = g.routes or [None] * len(g.responses)
+        for response, cut, route in zip(g.responses, g.truncated, routes, strict=True):
             multiplier = 0.0 if filtering and cut else g.prompt.loss_multiplier
             sequences.append(
-                TokenSequence(g.prompt.ids + response, len(g.prompt.ids), {}, multiplier)
+                TokenSequence(g.prompt.ids + response, len(g.prompt.ids), {}, multiplier, route)
             )
     for sequence, advantage in zip(sequences, advantages.tolist(), strict=True):
         sequence.extras["advantages"] = float(advantage)
     return sequences, advantages
+
+
+def routed_share(sequences: list[TokenSequence]) -> float | None:
+    """``policy.router_replay``: the share of positions the policy's forwards replay the
+    sampler's experts at (every position the sampler fed: all but each sequence's last token,
+    whose route no forward recorded); None when no sequence carries routes. Below 1, routes
+    went missing between sampling and training."""
+    print(
+        "DBG",
+        [None if s.routes is None else s.routes.shape for s in sequences][:3],
+        file=sys.stderr,
+    )
+    fed = [s.routes[:-1] for s in sequences if s.routes is not None]
+    if not fed:
+        return None
+    routed = sum(int((r != NO_ROUTE).all(axis=(1, 2)).sum()) for r in fed)
+    return routed / max(1, sum(len(r) for r in fed))
 
 
 def stop_rule(cfg: Mapping[str, Any]) -> Callable[[Mapping[str, float]], str | None] | None:
@@ -411,6 +449,7 @@ def start(run: Run) -> loop.Steps:
             groups = taken.groups
             gathered = {**taken.metrics, "avg_trajectory_age": float(async_rollouts.age(taken))}
         sequences, _ = training_sequences(groups, cfg)
+        replayed = routed_share(sequences)
         final_rewards = torch.cat([g.rewards for g in groups]).tolist()
         generation = loss_inputs.generation_rows(
             sequences, [lp for g in groups for lp in g.logprobs]
@@ -451,6 +490,8 @@ def start(run: Run) -> loop.Steps:
             "policy_training": time.perf_counter() - training_began,
         }
         loss_metrics.update(losses.grpo_metric_means(metrics))
+        if replayed is not None:
+            loss_metrics["router_replay_routed"] = replayed
         elapsed = time.perf_counter() - start
         lengths = [len(s.ids) for s in sequences]
         loss_metrics.update(

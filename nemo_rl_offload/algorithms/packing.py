@@ -35,11 +35,13 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.algorithms.batching import place_routes, routes_array
 from nemo_rl_offload.config.batching_settings import (
     PACKER_NAMES,
     BatchingSettings,
     round_up,
 )
+from nemo_rl_offload.config.router_replay import ROUTES_KEY
 from nemo_rl_offload.errors import UserInputError
 
 # Where a sequence sits: (micro-batch index, row, first position, length).
@@ -196,6 +198,7 @@ def pack_microbatch(sequences: Sequence[Any], *, pad_id: int, length: int) -> di
     position_ids = np.zeros((1, length), dtype=np.int64)
     segment_ids = np.full((1, length), -1, dtype=np.int64)
     extras = {key: np.zeros((1, length), dtype=np.float32) for key in sequences[0].extras}
+    routes = routes_array(sequences, 1, length)
     bounds = [0]
     offset = 0
     for index, seq in enumerate(sequences):
@@ -206,6 +209,7 @@ def pack_microbatch(sequences: Sequence[Any], *, pad_id: int, length: int) -> di
         loss_mask[0, offset + max(seq.prompt_len - 1, 0) : end - 1] = seq.loss_multiplier
         position_ids[0, offset:end] = np.arange(n)
         segment_ids[0, offset:end] = index
+        place_routes(routes, 0, offset, seq)
         for key, value in seq.extras.items():
             if np.isscalar(value):
                 extras[key][0, offset:end] = value
@@ -217,7 +221,7 @@ def pack_microbatch(sequences: Sequence[Any], *, pad_id: int, length: int) -> di
     if offset < length:
         position_ids[0, offset:] = np.arange(length - offset)
         bounds.append(length)
-    return {
+    packed = {
         "input_ids": input_ids,
         "labels": labels,
         "loss_mask": loss_mask,
@@ -226,6 +230,9 @@ def pack_microbatch(sequences: Sequence[Any], *, pad_id: int, length: int) -> di
         "cu_seqlens": np.asarray(bounds, dtype=np.int32),
         **extras,
     }
+    if routes is not None:
+        packed[ROUTES_KEY] = routes
+    return packed
 
 
 @dataclass

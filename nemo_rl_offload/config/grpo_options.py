@@ -52,26 +52,77 @@ def check(grpo: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _in_order_lookahead(recipe: Mapping[str, Any]) -> Any:
-    """``async_rl``'s in-order sampler's ``max_lookahead_versions`` as written (NeMo-RL's
-    default sampler looks ahead 1), or None when ``async_rl`` is not set."""
+# The samplers of NeMo-RL's single controller that run here, each with the key of its window:
+# how many steps ahead of training a batch may be sampled (NeMo-RL's default for each is one).
+SAMPLER_WINDOWS = {
+    "in_order": "max_lookahead_versions",
+    "ready_first": "max_staleness_versions",
+    "weight_fifo": "max_staleness_versions",
+    "windowed": "max_staleness_versions",
+}
+
+
+def _sampler(recipe: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """``async_rl.sampler`` as written (empty for NeMo-RL's default, the in-order sampler), or
+    None when ``async_rl`` is not set: the single controller runs only with that section."""
     single_controller = recipe.get("async_rl")
     if not isinstance(single_controller, Mapping):
         return None
     sampler = single_controller.get("sampler")
-    return sampler.get("max_lookahead_versions", 1) if isinstance(sampler, Mapping) else 1
+    return sampler if isinstance(sampler, Mapping) else {}
+
+
+def _sampler_name(sampler: Mapping[str, Any]) -> Any:
+    """The sampler's name, in-order when unnamed (the section's default)."""
+    name = sampler.get("name")
+    return "in_order" if name is None else name
+
+
+def _window(sampler: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """The sampler's window key and its value as written (NeMo-RL's default when absent), or
+    None for a sampler that does not run here (config/ignored_keys.py refuses its name)."""
+    key = SAMPLER_WINDOWS.get(_sampler_name(sampler))
+    return None if key is None else (key, sampler.get(key, 1))
+
+
+def _freshest_first(sampler: Mapping[str, Any]) -> bool:
+    return _sampler_name(sampler) == "windowed" and sampler.get("sample_freshest_first") is True
 
 
 def async_lead(recipe: Mapping[str, Any]) -> int:
     """How many steps ahead of the step that trains on them GRPO samples rollouts
-    (algorithms/async_rollouts.py; 0: the synchronous loop): ``grpo.async_grpo``'s
-    ``max_trajectory_age_steps`` when it is enabled, else ``async_rl``'s in-order lookahead
-    when it is set, else 0."""
+    (algorithms/async_rollouts.py; zero: the synchronous loop).
+
+    ``grpo.async_grpo``, when enabled, gives its ``max_trajectory_age_steps``. ``async_rl``
+    gives its sampler's window W (``max_lookahead_versions`` of ``in_order``,
+    ``max_staleness_versions`` of the others). Generation here runs on the training GPUs
+    between steps, so every rollout that has been dispatched is ready when a step selects,
+    and each sampler's choice becomes a fixed schedule:
+
+    - ``in_order`` takes the batch stamped with the step, dispatched W steps before it;
+    - ``ready_first`` and ``weight_fifo`` admit one batch per trainer version, at most W
+      ahead; the oldest admitted batch is the step's own, first in the buffer and of the
+      oldest start weight, so the ready-order pick and the oldest-weight pick both take it,
+      as ``in_order`` does;
+    - ``windowed`` taking the oldest first, with a buffer that holds the step's batch and W
+      more, finds the step's batch first, sampled W steps earlier: one schedule it produces
+      (it is ungated: a larger buffer gives the same ages but drops some batches unused);
+    - ``windowed`` taking the freshest first picks, at every step, rollouts that the current
+      weights sampled: the synchronous loop.
+
+    Otherwise the lead is zero. ``tests/unit/algorithms/test_async_samplers.py`` checks these
+    schedules against a model of NeMo-RL's selection rules."""
     legacy = (recipe.get("grpo") or {}).get("async_grpo") or {}
     if legacy.get("enabled") is True:
         return int(legacy.get("max_trajectory_age_steps", 1))
-    lookahead = _in_order_lookahead(recipe)
-    return 0 if lookahead is None else int(lookahead)
+    sampler = _sampler(recipe)
+    if sampler is None or _freshest_first(sampler):
+        return 0
+    window = _window(sampler)
+    if window is None:
+        name = _sampler_name(sampler)
+        raise ValueError(f"async_rl.sampler.name: {name!r} does not run here (validate says so)")
+    return int(window[1])
 
 
 def _whole(value: Any) -> bool:
@@ -80,15 +131,9 @@ def _whole(value: Any) -> bool:
 
 def async_problems(recipe: Mapping[str, Any]) -> list[str]:
     """Errors for asynchronous GRPO (algorithms/async_rollouts.py): the two ways to ask for it
-    at once, ages and lookaheads that are not whole steps, and NeMo-RL's condition on the loss.
-    Its engine switches are config/ignored_keys.py's."""
-    errors = []
-    lookahead = _in_order_lookahead(recipe)
-    if _whole(lookahead) and lookahead < 0:
-        errors.append(
-            f"async_rl.sampler.max_lookahead_versions: {lookahead} must be an integer >= 0 "
-            "(how many steps ahead of training rollouts are sampled; 0: synchronous)"
-        )
+    at once, windows and ages that are not whole steps, and NeMo-RL's conditions on the loss
+    and on the streaming batch. Its engine switches are config/ignored_keys.py's."""
+    errors = _single_controller_problems(recipe)
     cfg = (recipe.get("grpo") or {}).get("async_grpo")
     if not isinstance(cfg, Mapping) or cfg.get("enabled") is not True:
         return errors
@@ -110,6 +155,66 @@ def async_problems(recipe: Mapping[str, Any]) -> list[str]:
             "grpo.async_grpo.enabled: asynchronous GRPO trains on rollouts of older weights "
             "and needs loss_fn.use_importance_sampling_correction: true (NeMo-RL requires it "
             "too); set it, or grpo.async_grpo.enabled: false"
+        )
+    return errors
+
+
+def _single_controller_problems(recipe: Mapping[str, Any]) -> list[str]:
+    """``async_rl``'s rules: the ones NeMo-RL's config and samplers enforce, one line each."""
+    sampler = _sampler(recipe)
+    if sampler is None:
+        return []
+    return [
+        *_window_problems(sampler),
+        *_streaming_problems(recipe["async_rl"]),
+        *_ready_first_problems(sampler, recipe.get("loss_fn") or {}),
+    ]
+
+
+def _window_problems(sampler: Mapping[str, Any]) -> list[str]:
+    """A negative window (NeMo-RL's schema refuses it too); a value that is not an integer is
+    the schema's to report."""
+    window = _window(sampler)
+    if window is None or not _whole(window[1]) or window[1] >= 0:
+        return []
+    key, value = window
+    return [
+        f"async_rl.sampler.{key}: {value} must be an integer >= 0 (how many steps ahead of "
+        "training rollouts are sampled; 0: synchronous)"
+    ]
+
+
+def _streaming_problems(single_controller: Mapping[str, Any]) -> list[str]:
+    """NeMo-RL's samplers refuse a chunk of fewer than one group when its first step selects;
+    refused here before the run instead."""
+    fewest = single_controller.get("min_groups_for_streaming_train")
+    if not _whole(fewest) or fewest >= 1:
+        return []
+    return [
+        f"async_rl.min_groups_for_streaming_train: {fewest} must be an integer >= 1 (the "
+        "fewest ready prompt groups a step takes at once; NeMo-RL's samplers refuse fewer); "
+        "set it to grpo.num_prompts_per_step"
+    ]
+
+
+def _ready_first_problems(sampler: Mapping[str, Any], loss: Any) -> list[str]:
+    """NeMo-RL's conditions on the loss for the ready-first sampler, which may mix weight
+    versions in a step: importance-sampling correction on, and the old log-probabilities read
+    (the ratio not forced to one)."""
+    if _sampler_name(sampler) != "ready_first" or not isinstance(loss, Mapping):
+        return []
+    errors = []
+    if loss.get("use_importance_sampling_correction") is not True:
+        errors.append(
+            "loss_fn.use_importance_sampling_correction: the ready_first sampler trains on "
+            "rollouts of older weights and needs it true (NeMo-RL requires it too); set it, or "
+            "another async_rl.sampler.name"
+        )
+    if loss.get("force_on_policy_ratio") is True:
+        errors.append(
+            "loss_fn.force_on_policy_ratio: the ready_first sampler needs the old "
+            "log-probabilities in the ratio (NeMo-RL requires it false too); set it to false, "
+            "or another async_rl.sampler.name"
         )
     return errors
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nemo_rl_offload.config import multi_token_prediction
+from nemo_rl_offload.config import grpo_options, multi_token_prediction
 from nemo_rl_offload.config.validate import show_value
 
 
@@ -131,9 +131,10 @@ def _equals(*values: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
     return inert
 
 
-def _at_least_a_step(value: Any, recipe: Mapping[str, Any]) -> bool:
-    """async_rl.min_groups_for_streaming_train: a step trains on all of its prompt groups."""
-    return value >= int(_at(recipe, "grpo.num_prompts_per_step") or 0)
+def _whole_step_or_refused(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """async_rl.min_groups_for_streaming_train: a step takes all of its prompt groups at once
+    from that many on; below one it is grpo_options.async_problems' error, not a warning too."""
+    return value < 1 or value >= int(_at(recipe, "grpo.num_prompts_per_step") or 0)
 
 
 def _switched_off(value: Any, recipe: Mapping[str, Any]) -> bool:
@@ -263,11 +264,7 @@ IGNORED: dict[str, Unused] = {
     "teacher.megatron_cfg.empty_unused_memory_level": Unused(
         "the CUDA caching allocator is not emptied between phases", _one_of(0)
     ),
-    "policy.megatron_cfg.freeze_moe_router": Unused(
-        "the MoE router always trains",
-        _dense_model("policy"),
-        refuse="set it to false to train with the router learning (or remove it)",
-    ),
+    # policy.megatron_cfg.freeze_moe_router is implemented (offload/apply.freezes_moe_router).
     "teacher.megatron_cfg.freeze_moe_router": Unused(_TEACHER_TRAINS_NOT, _always),
     "policy.generation.backend": Unused(
         "generation runs with megatron-core on the policy workers, not in NeMo-RL's "
@@ -480,9 +477,8 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         f"{where}.refit_buffer_size_gb": Unused(_NO_REFIT, _always),
         f"{where}.offload_optimizer_for_logprob": Unused(_SPEED_ONLY, _one_of(False)),
         f"{where}.draft": train_only(_not_yet_section(f"{where}.draft", "draft-model training")),
-        f"{where}.router_replay": train_only(
-            _not_yet_section(f"{where}.router_replay", "MoE router replay")
-        ),
+        # The policy's router_replay is implemented (config/router_replay.py).
+        **({f"{where}.router_replay": Unused(_TEACHER_TRAINS_NOT, _always)} if teacher else {}),
         f"{where}.reward_model_cfg": _not_yet_section(f"{where}.reward_model_cfg", "reward models"),
         f"{where}.pretrained_checkpoint": Unused(
             "weights come from model_name or init_checkpoint",
@@ -869,25 +865,20 @@ def _other_entries() -> dict[str, Unused]:
             "on_policy_distillation": _not_yet_section(
                 "on_policy_distillation", "distillation inside GRPO"
             ),
-            # async_rl: NeMo-RL's single-controller asynchronous trainer. Its in-order sampler
-            # is implemented (config/grpo_options.async_lead); what follows is the rest.
+            # async_rl: NeMo-RL's single-controller asynchronous trainer. Its samplers but the
+            # custom one run as a lead (config/grpo_options.async_lead); what follows is the rest.
             "async_rl.sampler.name": Unused(
-                f"{_NOT_YET} (the single controller's samplers that pick rollouts out of "
-                "order: windowed, ready_first, weight_fifo, custom)",
-                _one_of("in_order"),
-                refuse="set async_rl.sampler.name to in_order (each step's rollouts sampled "
-                "max_lookahead_versions steps ahead, in order)",
-            ),
-            "async_rl.sampler.max_staleness_versions": Unused(
-                "only the samplers that pick out of order read it", _always
-            ),
-            "async_rl.sampler.sample_freshest_first": Unused(
-                "only the windowed sampler reads it", _always
+                "a custom sampler is a class over NeMo-RL's replay buffer, which this backend "
+                "does not have, and NeMo-RL names no other samplers",
+                _one_of(*grpo_options.SAMPLER_WINDOWS),
+                refuse="set async_rl.sampler.name to in_order, ready_first, weight_fifo or "
+                "windowed",
             ),
             "async_rl.min_groups_for_streaming_train": Unused(
-                f"{_NOT_YET} (training on fewer prompt groups than a step's as they stream in)",
-                _at_least_a_step,
-                refuse="set it to grpo.num_prompts_per_step or more",
+                "every step's prompt groups are ready when it selects (generation never "
+                "overlaps training here), so each step trains on all grpo.num_prompts_per_step "
+                "of them, as NeMo-RL's does when generation keeps pace",
+                _whole_step_or_refused,
             ),
             "async_rl.recompute_kv_cache_after_weight_updates": Unused(
                 _NO_KV_TO_RECOMPUTE, _one_of(False)

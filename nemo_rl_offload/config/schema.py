@@ -618,8 +618,8 @@ class DPOConfig(TypedDict):
 
 @with_config(_STRICT)
 class AsyncRLSamplerConfig(TypedDict):
-    """``async_rl.sampler``: which rollouts a step trains on (only ``in_order`` is
-    implemented: config/grpo_options.async_lead)."""
+    """``async_rl.sampler``: which rollouts a step trains on (each built-in sampler's schedule
+    here: config/grpo_options.async_lead; ``custom`` is refused)."""
 
     name: NotRequired[str]
     max_lookahead_versions: NotRequired[int]
@@ -631,7 +631,7 @@ class AsyncRLSamplerConfig(TypedDict):
 @with_config(_STRICT)
 class AsyncRLConfig(TypedDict):
     """NeMo-RL's single-controller asynchronous trainer (algorithms/async_rollouts.py for the
-    in-order sampler; config/ignored_keys.py for the rest)."""
+    schedule; config/ignored_keys.py for the keys with nothing to act on here)."""
 
     sampler: NotRequired[AsyncRLSamplerConfig]
     recompute_kv_cache_after_weight_updates: NotRequired[bool]

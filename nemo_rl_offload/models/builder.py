@@ -121,10 +121,13 @@ def layer_spec(
             "set transformer_impl to local (models with experts are not supported yet)"
         )
     if config.transformer_impl == "transformer_engine":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts,
-            moe_grouped_gemm=config.moe_grouped_gemm,
-            qk_layernorm=config.qk_layernorm,
+        return _with_replay_router(
+            gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                num_experts=config.num_moe_experts,
+                moe_grouped_gemm=config.moe_grouped_gemm,
+                qk_layernorm=config.qk_layernorm,
+            ),
+            config,
         )
     if config.transformer_impl != "local":
         raise UserInputError(
@@ -163,7 +166,20 @@ def layer_spec(
         from nemo_rl_offload.models.grouped_linear import with_local_grouped_experts
 
         spec.submodules.mlp = with_local_grouped_experts(spec.submodules.mlp)
-    return _with_local_norms(spec, config)
+    return _with_local_norms(_with_replay_router(spec, config), config)
+
+
+def _with_replay_router(spec: Any, config: Any) -> Any:
+    """``spec`` with the routers of ``models.router_replay`` when the recipe replays routes
+    (``policy.router_replay``; Megatron's ``moe_enable_routing_replay``) on a model with
+    experts."""
+    if not (config.moe_enable_routing_replay and config.num_moe_experts):
+        return spec
+    from nemo_rl_offload.models import router_replay
+
+    router_replay.check_megatron()
+    spec.submodules.mlp = router_replay.with_replay_router(spec.submodules.mlp)
+    return spec
 
 
 def _with_local_norms(spec: Any, config: Any) -> Any:
@@ -244,6 +260,8 @@ def build_gpt_model(
         from nemo_rl_offload.models.lora import prepare
 
         prepare(model)
+    if effective.freeze_moe_router:
+        freeze_decoder_routers(model)
     if apply.offloads_layer_input(effective):
         if on_gpu:
             from nemo_rl_offload.models.layer_input_block import offload_layer_inputs
@@ -257,6 +275,19 @@ def build_gpt_model(
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model, warnings
+
+
+def freeze_decoder_routers(model: GPTModel) -> None:
+    """``freeze_moe_router``: the decoder layers' MoE router weights take no gradient (before
+    any data-parallel wrapper, so they get no gradient buffer or optimizer state either);
+    their expert biases, where the model has them, follow their own update rate as in
+    NeMo-RL."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for layer in model.decoder.layers:
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        if isinstance(router, TopKRouter):
+            router.weight.requires_grad_(False)
 
 
 def gpt_model_for(

@@ -115,11 +115,13 @@ def split_layout(
     )
 
 
-def to_local(values: Tensor, layout: SplitLayout, cp: int, rank: int) -> Tensor:
+def to_local(
+    values: Tensor, layout: SplitLayout, cp: int, rank: int, *, fill: int | float = 0
+) -> Tensor:
     """[rows, length, ...] in original positions -> [rows, padded_length / cp, ...]: this
-    rank's positions of the padded layout (zeros on padding)."""
+    rank's positions of the padded layout (``fill`` on padding)."""
     keep = layout.keep.to(values.device)
-    padded = values.new_zeros((values.shape[0], layout.padded_length, *values.shape[2:]))
+    padded = values.new_full((values.shape[0], layout.padded_length, *values.shape[2:]), fill)
     padded[:, keep] = values
     held = local_positions(layout.padded_cu_seqlens, cp, rank).to(values.device)
     return padded[:, held]

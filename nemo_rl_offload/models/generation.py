@@ -32,10 +32,12 @@ GRPO compares the two (importance sampling, the sequence log-probability error).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from nemo_rl_offload.errors import UserInputError
@@ -49,10 +51,13 @@ _MCORE = "policy.generation.mcore_generation_config"
 @dataclass(frozen=True)
 class Generated:
     """One sampled continuation of a prompt: its token ids (without the prompt; the stop token
-    included when hit) and each token's log-probability under the model (module docstring)."""
+    included when hit) and each token's log-probability under the model (module docstring);
+    with ``record_routes``, each position's experts (prompt and continuation,
+    [positions, MoE layers, k], -1 where no forward fed the position: ``models.router_replay``)."""
 
     ids: list[int]
     logprobs: list[float]
+    routes: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -237,9 +242,11 @@ def sample(
     seed: int,
     device: torch.device,
     engine: EngineSettings | None = None,
+    record_routes: bool = False,
 ) -> list[Generated]:
-    """The sampled continuation of each prompt, with its tokens' log-probabilities; in chunks
-    of rows whose KV cache fits (module docstring), drawn with one generator."""
+    """The sampled continuation of each prompt, with its tokens' log-probabilities (and, with
+    ``record_routes``, the experts of every position); in chunks of rows whose KV cache fits
+    (module docstring), drawn with one generator."""
     if not prompts:
         return []
     engine = engine or EngineSettings()
@@ -257,7 +264,9 @@ def sample(
     try:
         out: list[Generated] = []
         for part, real in chunks:
-            done = _sample_rows(forward, part, settings, pad_id, limit, generator, device, engine)
+            done = _sample_rows(
+                forward, part, settings, pad_id, limit, generator, device, engine, record_routes
+            )
             out.extend(done[:real])
         return out
     finally:
@@ -293,6 +302,7 @@ def _sample_rows(
     generator: torch.Generator,
     device: torch.device,
     engine: EngineSettings,
+    record_routes: bool = False,
 ) -> list[Generated]:
     """One chunk of :func:`sample`: its prompts through one KV cache."""
     multiple = forward.multiple
@@ -312,6 +322,12 @@ def _sample_rows(
     logprobs = torch.zeros(ids.shape, dtype=torch.float, device=device)
     check_every = 16 if device.type == "cuda" else 1  # a stop check synchronises with the host
 
+    recorder = None
+    if record_routes:
+        from nemo_rl_offload.models.router_replay import Recorder
+
+        recorder = Recorder(forward.gpt, count, max_len, device)
+    recording = recorder.forward if recorder else contextlib.nullcontext
     cache = _allocate(forward, rows, max_len, device)
     table = forward.rotary_table(max_len)
     tokens = torch.full((1, rows), pad_id, dtype=torch.long, device=device)
@@ -330,14 +346,20 @@ def _sample_rows(
         with cache.attached(forward.gpt):
             batch = torch.full((rows, prefill), pad_id, dtype=torch.long, device=device)
             batch[:count] = ids[:, :prefill]
-            full = forward.logits(batch, table[:prefill], lengths - 1, real)
+            with recording():
+                full = forward.logits(batch, table[:prefill], lengths - 1, real)
+            if recorder:
+                recorder.prefill(rows, lengths)
             cache.decoding = True
             for step in range(settings.max_new_tokens):
                 if step > 0:
                     cache.positions[:count] = lengths - 1
                     tokens[0, :count] = ids[real, lengths - 1]
                     window = spans(longest + step)
-                    full = graphs.run(window) if graphs else _eager(cache, window, decode_step)
+                    with recording():
+                        full = graphs.run(window) if graphs else _eager(cache, window, decode_step)
+                    if recorder:
+                        recorder.decode(cache.positions[:count])
                 logits = full[:, :limit]
                 if settings.greedy:
                     token = logits.argmax(dim=-1)
@@ -358,10 +380,13 @@ def _sample_rows(
     finally:
         if graphs:
             graphs.release()
+    routes = recorder.finish(forward.config.num_moe_experts) if recorder else None
+    ends = lengths.tolist()
     return [
         Generated(
             ids[row, start[row] : lengths[row]].tolist(),
             logprobs[row, start[row] : lengths[row]].tolist(),
+            None if routes is None else routes[row, : ends[row]],
         )
         for row in range(count)
     ]

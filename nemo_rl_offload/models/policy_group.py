@@ -176,15 +176,23 @@ class PolicyGroup:
         return self._map("topk_logprobs", microbatches, k)
 
     def generate(
-        self, prompts: list[list[int]], settings: dict[str, Any], *, seed: int, pad_id: int
+        self,
+        prompts: list[list[int]],
+        settings: dict[str, Any],
+        *,
+        seed: int,
+        pad_id: int,
+        record_routes: bool = False,
     ) -> list[Any]:
-        """Each prompt's ``generation.Generated`` (ids and log-probabilities), in order."""
+        """Each prompt's ``generation.Generated`` (ids and log-probabilities, and with
+        ``record_routes`` its positions' experts), in order."""
         shards = split(list(range(len(prompts))), self.dp_size)
         per_dp = [[prompts[i] for i in shard] for shard in shards]
+        options = {"pad_id": pad_id, "record_routes": record_routes}
         results = self.group.run(
             "generate",
             per_worker=[
-                ((per_dp[dp], settings), {"seed": seed + 7919 * dp, "pad_id": pad_id})
+                ((per_dp[dp], settings), {"seed": seed + 7919 * dp, **options})
                 for dp in self.dp_rank_of
             ],
         )

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.router_replay import ROUTES_KEY
+
 _LOG = logging.getLogger("nemo_rl_offload.worker")
 OPTIMIZER_KEYS_FROM_RECIPE = (
     "optimizer",
@@ -508,6 +510,8 @@ class PolicyWorker:
             return {"logprobs": -per_token_loss.float()}
 
         model = self.reference if reference else self.model
+        if reference:  # the reference policy routes on its own (policy.router_replay, NeMo-RL's)
+            microbatches = [{k: v for k, v in mb.items() if k != ROUTES_KEY} for mb in microbatches]
         outputs = self._forward(model, microbatches, label_logprobs, with_labels=True)
         return [output["logprobs"].cpu().numpy() for output in outputs]
 
@@ -548,8 +552,9 @@ class PolicyWorker:
             # ranks of its group all have none, so no collective waits for it.
             return []
         keys = ("input_ids", "labels") if with_labels else ("input_ids",)
-        # A pack's segment offsets and per-segment positions are model inputs too.
-        keys += ("cu_seqlens", "position_ids")
+        # A pack's segment offsets and per-segment positions are model inputs too, and so are
+        # the sampler's routes a policy.router_replay forward replays.
+        keys += ("cu_seqlens", "position_ids", ROUTES_KEY)
         inputs = [{key: mb[key] for key in keys if key in mb} for mb in microbatches]
         with self.runtime.forward_only():
             model.eval()
@@ -559,11 +564,19 @@ class PolicyWorker:
                 model.train()
 
     def generate(
-        self, prompts: list[list[int]], settings: dict[str, Any], *, seed: int, pad_id: int
+        self,
+        prompts: list[list[int]],
+        settings: dict[str, Any],
+        *,
+        seed: int,
+        pad_id: int,
+        record_routes: bool = False,
     ) -> list[Any]:
         """Sampled continuations of ``prompts`` (``generation.Generated``: token ids without
-        the prompt, and their log-probabilities)."""
+        the prompt, and their log-probabilities; with ``record_routes`` each position's experts,
+        which needs a model built for ``policy.router_replay``)."""
         from nemo_rl_offload.models.generation import EngineSettings, SamplingSettings, sample
+        from nemo_rl_offload.models.router_replay import replays_routes
 
         # The KV cache lives only inside this block: allocated for the call, freed after it.
         with self.runtime.forward_only():
@@ -576,6 +589,7 @@ class PolicyWorker:
                 seed=seed,
                 device=self.device,
                 engine=EngineSettings.from_recipe(self.section.get("generation")),
+                record_routes=record_routes and replays_routes(self.model),
             )
 
     def phase_peak_gib(self) -> float:

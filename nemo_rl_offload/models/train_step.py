@@ -64,7 +64,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nemo_rl_offload.models import chunked_logprobs, context_parallel, mtp
+from nemo_rl_offload.models import chunked_logprobs, context_parallel, mtp, router_replay
 
 LossFn = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor | int, dict[str, Tensor]]]
 
@@ -124,11 +124,30 @@ def _mtp_loss_mask(model: Any, batch: dict[str, Tensor]) -> Tensor | None:
     return mask
 
 
+def _router_routes(batch: dict[str, Tensor], model: Any) -> Tensor | None:
+    """The micro-batch's sampled routes (``policy.router_replay``) in the routers' token layout
+    (:func:`models.router_replay.router_tokens`), None without routes; ``batch`` holds the
+    positions the model is fed (padded, this context-parallel rank's)."""
+    routes = batch.get(router_replay.ROUTES_KEY)
+    if routes is None:
+        return None
+    from megatron.core import parallel_state
+
+    tp = (
+        parallel_state.get_tensor_model_parallel_world_size()
+        if sequence_multiple(model.config) > 1
+        else 1
+    )
+    rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
+    return router_replay.router_tokens(routes, rank, tp)
+
+
 def _forward_step(
     loss_fn: LossFn,
     multiple: int,
     local_outputs: bool,
     cp_length: int | None,
+    training: bool,
     data_iterator: Iterator[dict[str, Tensor]],
     model: Any,
 ):
@@ -143,7 +162,7 @@ def _forward_step(
     cp, cp_rank = context_parallel.cp_world()
     if cp > 1:
         return _forward_step_cp(
-            loss_fn, multiple, local_outputs, cp_length, batch, model, (cp, cp_rank)
+            loss_fn, multiple, local_outputs, cp_length, training, batch, model, (cp, cp_rank)
         )
     inputs = batch
     if length % multiple:
@@ -163,13 +182,14 @@ def _forward_step(
     mtp_mask = _mtp_loss_mask(model, inputs)
     if mtp_mask is not None:
         kwargs["loss_mask"] = mtp_mask
-    output = model(
-        inputs["input_ids"],
-        position_ids,
-        batch.get("attention_mask"),
-        labels=inputs.get("labels"),
-        **kwargs,
-    )
+    with router_replay.replaying(model, _router_routes(inputs, model), training=training):
+        output = model(
+            inputs["input_ids"],
+            position_ids,
+            batch.get("attention_mask"),
+            labels=inputs.get("labels"),
+            **kwargs,
+        )
     return output, functools.partial(_reduce, loss_fn, batch)
 
 
@@ -178,6 +198,7 @@ def _forward_step_cp(
     multiple: int,
     local_outputs: bool,
     cp_length: int | None,
+    training: bool,
     batch: dict[str, Tensor],
     model: Any,
     cp_world: tuple[int, int],
@@ -204,6 +225,10 @@ def _forward_step_cp(
         for key in ("input_ids", "labels")
         if key in batch
     }
+    if router_replay.ROUTES_KEY in batch:
+        local[router_replay.ROUTES_KEY] = context_parallel.to_local(
+            batch[router_replay.ROUTES_KEY], layout, cp, cp_rank, fill=router_replay.NO_ROUTE
+        )
     position_ids = context_parallel.to_local(positions, layout, cp, cp_rank)
     kwargs = {}
     if layout.packed:
@@ -215,7 +240,8 @@ def _forward_step_cp(
     mtp_mask = _mtp_loss_mask(model, batch)
     if mtp_mask is not None:
         kwargs["loss_mask"] = context_parallel.to_local(mtp_mask, layout, cp, cp_rank)
-    output = model(local["input_ids"], position_ids, None, labels=labels, **kwargs)
+    with router_replay.replaying(model, _router_routes(local, model), training=training):
+        output = model(local["input_ids"], position_ids, None, labels=labels, **kwargs)
     return output, functools.partial(_reduce_cp, loss_fn, batch, layout, cp, local_outputs)
 
 
@@ -376,10 +402,16 @@ def run_microbatches(
         schedule_context = contextlib.nullcontext()
     grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
 
-    with schedule_context, grad_context, _bare_model_finalize(config):
+    replays = any(router_replay.ROUTES_KEY in mb for mb in microbatches)
+    with (
+        schedule_context,
+        grad_context,
+        _bare_model_finalize(config),
+        _disarmed_after(model, replays),
+    ):
         return get_forward_backward_func()(
             forward_step_func=functools.partial(
-                _forward_step, loss_fn, multiple, local_outputs, cp_length
+                _forward_step, loss_fn, multiple, local_outputs, cp_length, not forward_only
             ),
             data_iterator=iter(microbatches),
             model=[model],
@@ -391,11 +423,23 @@ def run_microbatches(
         )
 
 
+@contextlib.contextmanager
+def _disarmed_after(model: Any, replays: bool) -> Iterator[None]:
+    """Routers keep no replayed routes beyond the pass (their backward replay list holds each
+    training micro-batch's until a recompute takes it, and none does without recompute)."""
+    try:
+        yield
+    finally:
+        if replays:
+            router_replay.disarm(model)
+
+
 OutputFn = Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]]
 # The model's inputs: what a forward-only pass pads under pipeline parallelism.
 _MODEL_INPUTS = ("input_ids", "labels", "position_ids")
-# A packed micro-batch's segment offsets, a model input too (1-D, not padded as the others).
-_PACKING_INPUTS = ("cu_seqlens",)
+# A packed micro-batch's segment offsets, a model input too (1-D, not padded as the others),
+# and the sampled routes a policy.router_replay forward replays ([rows, length, layers, k]).
+_PACKING_INPUTS = ("cu_seqlens", router_replay.ROUTES_KEY)
 
 
 def _pad_to(batch: dict[str, Tensor], rows: int, length: int) -> dict[str, Tensor]:
@@ -409,6 +453,12 @@ def _pad_to(batch: dict[str, Tensor], rows: int, length: int) -> dict[str, Tenso
         grown = value.new_zeros((rows, length))
         grown[: value.shape[0], : value.shape[1]] = value
         padded[key] = grown
+    routes = batch.get(router_replay.ROUTES_KEY)
+    if routes is not None:  # no route on padding: the router's own top-k
+        padded[router_replay.ROUTES_KEY] = routes.new_full(
+            (rows, length, *routes.shape[2:]), router_replay.NO_ROUTE
+        )
+        padded[router_replay.ROUTES_KEY][: routes.shape[0], : routes.shape[1]] = routes
     if "loss_mask" in batch:  # multi-token prediction's mask (_mtp_loss_mask): none on padding
         mask = batch["loss_mask"]
         padded["loss_mask"] = mask.new_zeros((rows, length))

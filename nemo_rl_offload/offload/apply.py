@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_rl_offload.config import multi_token_prediction, peft
+from nemo_rl_offload.config import multi_token_prediction, peft, router_replay
 from nemo_rl_offload.config.model_presets import Architecture, has_experts
 from nemo_rl_offload.config.peft import LoraSettings
 from nemo_rl_offload.offload.capabilities import (
@@ -111,6 +111,8 @@ class EffectiveSettings:
     # Fusions the recipe turned on whose kernels come from Transformer Engine, which is not
     # installed: the paths that asked for them (each runs unfused; validate warns).
     unavailable_fusions: list[str] = field(default_factory=list)
+    # megatron_cfg.freeze_moe_router (:func:`freezes_moe_router`).
+    freeze_moe_router: bool = False
 
     def value(self, name: str, default: Any = None) -> Any:
         setting = self.settings.get(name)
@@ -260,6 +262,10 @@ def effective_settings(
         source = graph_modules.source if graph_modules else "nemo_rl_offload default"
         settings["cuda_graph_modules"] = Setting([], source)
 
+    if router_replay.enabled(policy_cfg):
+        # NeMo-RL's router replay (models.router_replay): Megatron's switch for it.
+        settings["moe_enable_routing_replay"] = Setting(True, f"{where}.router_replay.enabled")
+
     unavailable: list[str] = []
     experts = settings.get("num_moe_experts")
     is_moe = has_experts(experts.value if experts else None)
@@ -274,8 +280,20 @@ def effective_settings(
         impl_source,
     )
     return EffectiveSettings(
-        settings, conflicts, ignored, peft.lora_settings(policy_cfg), unavailable
+        settings,
+        conflicts,
+        ignored,
+        peft.lora_settings(policy_cfg),
+        unavailable,
+        freezes_moe_router(policy_cfg),
     )
+
+
+def freezes_moe_router(policy_cfg: dict[str, Any]) -> bool:
+    """``megatron_cfg.freeze_moe_router`` (NeMo-RL's): the decoder's MoE routers keep their
+    weights (no gradient, no optimizer state); NeMo-RL uses it to keep the sampler's and the
+    trainer's routing close. Nothing to freeze on a dense model."""
+    return (policy_cfg.get("megatron_cfg") or {}).get("freeze_moe_router") is True
 
 
 def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:

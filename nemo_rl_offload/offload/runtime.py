@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.router_replay import NO_ROUTE, ROUTES_KEY
 from nemo_rl_offload.offload.apply import RuntimeChoices
 
 _LOG = logging.getLogger("nemo_rl_offload.offload")
@@ -166,7 +167,8 @@ def pad_microbatches(
     Zeros are safe: attention is causal, so right padding does not change earlier positions,
     and padded positions have loss mask 0 (the losses ignore what padding holds there). A
     packed micro-batch's padding becomes one more segment (``cu_seqlens``) of no sequence
-    (``segment_ids`` -1)."""
+    (``segment_ids`` -1), and its sampled routes none (``NO_ROUTE``: the router's own choice;
+    zeros would be one expert twice)."""
     padded = []
     for batch in microbatches:
         current = batch["input_ids"].shape[1]
@@ -177,7 +179,8 @@ def pad_microbatches(
             elif value.ndim >= 2 and value.shape[1] == current and current < length:
                 widths = [(0, 0)] * value.ndim
                 widths[1] = (0, length - current)
-                value = np.pad(value, widths, constant_values=-1 if key == "segment_ids" else 0)
+                fill = -1 if key == "segment_ids" else NO_ROUTE if key == ROUTES_KEY else 0
+                value = np.pad(value, widths, constant_values=fill)
             out[key] = value
         padded.append(out)
     return padded

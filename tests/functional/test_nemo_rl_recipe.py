@@ -26,6 +26,11 @@ RECIPES = REPO / "tests" / "functional" / "nemo_rl_recipes"
 COMMANDS = {"grpo": "grpo", "sft": "sft", "dpo": "dpo", "distillation": "distill"}
 
 
+def _python_path() -> str:
+    """The repository first, then whatever the caller's path holds (a GPU machine's wheels)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def _run(
     tmp_path: Path, recipe: str, *overrides: str
 ) -> tuple[subprocess.CompletedProcess, list[dict]]:
@@ -35,7 +40,7 @@ def _run(
             "--config", str(RECIPES / f"{recipe}.yaml"),
             f"logger.log_dir={tmp_path / 'logs'}", *overrides,
         ],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, env={**os.environ, "PYTHONPATH": _python_path()},
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     metrics = tmp_path / "logs" / "metrics.jsonl"
@@ -92,3 +97,36 @@ def test_nemo_rls_grpo_recipe_runs_on_a_gpu(tmp_path):
     done, records = _run(tmp_path, "grpo")
     _check(done, records, steps=2, warned=("apply_rope_fusion", "use_precision_aware_optimizer"))
     assert all(r["peak_gpu_memory_gib"] > 0 for r in records if r.get("phase") == "train")
+
+
+# Router replay (policy.router_replay) on NeMo-RL's GRPO exemplar with an MoE model: the
+# sampler's routes reach every packed training and log-probability forward. NeMo-RL's base
+# recipe freezes the routers (freeze_moe_router: true), which runs as it does there.
+REPLAY = "++policy.router_replay.enabled=true"
+
+
+def _routed(records: list[dict]) -> list[float]:
+    return [r["router_replay_routed"] for r in records if r.get("phase") == "train"]
+
+
+def test_router_replay_runs_nemo_rls_grpo_recipe_on_cpu_workers(tmp_path):
+    overrides = [o for o in CPU_OVERRIDES["grpo"] if not o.startswith("policy.model_name=")]
+    done, records = _run(tmp_path, "grpo", *overrides, "policy.model_name=tiny-moe", REPLAY)
+    _check(done, records, steps=1, warned=("apply_rope_fusion",))
+    assert _routed(records) == [1.0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_router_replay_on_an_moe_policy_on_a_gpu(tmp_path):
+    """moe-1b with and without replay from the same weights and prompts: with it, every fed
+    position is replayed. ``ROUTER_REPLAY_OUT``: a directory for both runs' metrics (the
+    comparison under benchmarks/results)."""
+    out = Path(os.environ.get("ROUTER_REPLAY_OUT") or tmp_path)
+    runs = {}
+    for name, extra in (("replay", [REPLAY]), ("no_replay", [])):
+        done, records = _run(out / name, "grpo", "policy.model_name=moe-1b", *extra)
+        _check(done, records, steps=2, warned=("apply_rope_fusion",))
+        runs[name] = records
+    assert _routed(runs["replay"]) == [1.0, 1.0]
+    assert "router_replay_routed" not in json.dumps(runs["no_replay"])

@@ -249,6 +249,65 @@ def load_then_every_pass(
     return every_pass(worker, train_length)
 
 
+def replay_routes(step: int, rows: int, length: int) -> np.ndarray:
+    """Routes for the tiny MoE preset (2 MoE layers, 4 experts, top-2) that are not its
+    routers' own: distinct random experts per token, the last quarter of positions without a
+    route (-1), the same on every layout."""
+    rng = np.random.default_rng(2000 + step)
+    routes = np.argsort(rng.random((rows, length, 2, 4)), axis=-1)[..., :2].astype(np.int16)
+    routes[:, -(length // 4) :] = -1
+    return routes
+
+
+def load_then_replay(
+    rank: int, world: int, port: int, out: Path, policy: dict[str, Any], ckpt: str
+) -> dict[str, Any]:
+    """``policy.router_replay`` on this layout, from ``ckpt``'s weights: the routes greedy
+    sampling records, label log-probabilities replaying fixed routes (padded rows and a pack),
+    and a training step replaying them."""
+    from nemo_rl_offload.config.router_replay import ROUTES_KEY
+
+    worker = make_worker(rank, world, port, policy)
+    worker.load_checkpoint(ckpt, weights_only=True)
+    greedy = worker.generate(
+        PROMPTS, {"max_new_tokens": 6, "greedy": True}, seed=3, pad_id=0, record_routes=True
+    )
+    batches = step_batches(99, 2, length=23)
+    for index, batch in enumerate(batches):
+        batch[ROUTES_KEY] = replay_routes(index, 2, 23)
+    logprobs = worker.token_logprobs(batches)
+    own = worker.token_logprobs(
+        [{k: v for k, v in mb.items() if k != ROUTES_KEY} for mb in batches]
+    )
+    ids = step_batches(98, 1, length=17)[0]["input_ids"][:1]
+    pack = {
+        "input_ids": ids,
+        "labels": ids,
+        "cu_seqlens": np.asarray([0, 7, 12, 17], np.int32),
+        "position_ids": np.concatenate([np.arange(7), np.arange(5), np.arange(5)])[None],
+        ROUTES_KEY: replay_routes(5, 1, 17),
+    }
+    packed = worker.token_logprobs([pack])
+    layout = worker.parallel_layout()
+    train = step_batches(7, length=24)
+    for index, batch in enumerate(train):
+        batch[ROUTES_KEY] = replay_routes(10 + index, 2, 24)
+    share = len(train) // int(layout["dp_size"])
+    mine = train[int(layout["dp_rank"]) * share : (int(layout["dp_rank"]) + 1) * share]
+    step = worker.train(mine, LOSS)
+    reports = bool(layout["reports"])
+    return {
+        "reports": reports,
+        "greedy": [g.ids for g in greedy],
+        "routes": [g.routes.tolist() for g in greedy],
+        "logprobs": [output.ravel().tolist() for output in logprobs],
+        "own_logprobs": [output.ravel().tolist() for output in own],
+        "packed_logprobs": [output.ravel().tolist() for output in packed],
+        "loss": step["loss"] if reports else None,
+        "grad_norm": step["grad_norm"],
+    }
+
+
 def dtensor_recipe_steps(rank: int, world: int, port: int, out: Path, recipe: dict, steps: int):
     """A DTensor-style recipe mapped onto megatron-core (config.dtensor_recipes) trained for
     ``steps`` steps by a policy worker: each step's lr after its scheduler step and its loss."""

@@ -98,8 +98,6 @@ def test_megatron_crosscheck_catches_what_no_rule_covers(fgo_recipe):
         "num_moe_experts": 4,
         "moe_router_topk": 1,
     }
-    recipe["policy"]["megatron_cfg"]["freeze_moe_router"] = False  # an MoE model now: see
-    # config/ignored_keys.py (this backend trains the router)
     report = check_recipe(recipe)
     assert len(report.errors) == 1
     assert report.errors[0].startswith("policy.megatron_cfg: megatron-core 0.19")
@@ -147,3 +145,53 @@ def test_worker_environment_adds_required_variables_and_logs(fgo_recipe, caplog)
     assert "NVTE_CPU_OFFLOAD_V1=1" in caplog.text
     plain = check_recipe(copy.deepcopy(fgo_recipe), megatron_crosscheck=False)
     assert plain.worker_environment("policy") == {}
+
+
+TP4_DIFFERS = [
+    "policy.logprob_batch_size=64",
+    "++policy.megatron_cfg.tensor_model_parallel_size=4",
+]
+
+
+def _tp4_report(*overrides: str):
+    recipe = load_recipe("examples/configs/tiny/grpo.yaml", [*TP4_DIFFERS, *overrides])
+    return check_recipe(recipe, megatron_crosscheck=False)
+
+
+def test_tp4_batch_variance_is_refused_without_nemo_rls_switch_naming_four_ways_out(monkeypatch):
+    monkeypatch.delenv("NRL_IGNORE_TP_ACCURACY_CHECK", raising=False)
+    report = _tp4_report()
+    (error,) = [e for e in report.errors if "logprob_batch_size" in e]
+    assert error.startswith("policy.logprob_batch_size: 64 differs from train_micro_batch_size")
+    assert "NeMo-RL refuses this too" in error
+    for way_out in (
+        "set them equal",
+        "tensor_model_parallel_size below 4",
+        "loss_fn.force_on_policy_ratio: true",
+        "NRL_IGNORE_TP_ACCURACY_CHECK=1",
+    ):
+        assert way_out in error
+    assert not [w for w in report.warnings if "logprob_batch_size" in w]
+
+
+@pytest.mark.parametrize("value", ["1", "yes"])
+def test_tp4_batch_variance_warns_with_nemo_rls_switch(monkeypatch, value):
+    """Read from the environment when the recipe is checked, as NeMo-RL reads it: any
+    non-empty value; an empty one refuses as unset does."""
+    monkeypatch.setenv("NRL_IGNORE_TP_ACCURACY_CHECK", value)
+    report = _tp4_report()
+    assert not [e for e in report.errors if "logprob_batch_size" in e]
+    (warning,) = [w for w in report.warnings if "logprob_batch_size" in w]
+    assert warning.startswith("warning: policy.logprob_batch_size: 64 differs")
+    assert "NRL_IGNORE_TP_ACCURACY_CHECK is set" in warning
+    assert "importance ratios" in warning
+    monkeypatch.setenv("NRL_IGNORE_TP_ACCURACY_CHECK", "")
+    assert [e for e in _tp4_report().errors if "logprob_batch_size" in e]
+
+
+def test_a_forced_on_policy_ratio_needs_neither_the_switch_nor_a_warning(monkeypatch):
+    """NeMo-RL's GRPO sets the switch itself under force_on_policy_ratio: the ratio is 1 and the
+    old log-probabilities are not computed, so nothing is at risk."""
+    monkeypatch.delenv("NRL_IGNORE_TP_ACCURACY_CHECK", raising=False)
+    report = _tp4_report("++loss_fn.force_on_policy_ratio=true")
+    assert not [line for line in report.errors + report.warnings if "logprob_batch_size" in line]

@@ -84,11 +84,14 @@ def test_logprob_batch_size_must_be_positive_and_matches_at_tp4():
 
 
 def test_nemo_rls_switch_accepts_a_logprob_batch_size_that_differs_at_tp4(monkeypatch):
+    """With the switch set the difference is accepted with one warning naming it and the risk
+    (tests/unit/test_preflight.py checks both ways)."""
     monkeypatch.setenv("NRL_IGNORE_TP_ACCURACY_CHECK", "1")
     report = report_for(
         "grpo", "policy.logprob_batch_size=64", "++policy.megatron_cfg.tensor_model_parallel_size=4"
     )
-    assert not lines_about(report, "logprob_batch_size")
+    (warning,) = lines_about(report, "logprob_batch_size")
+    assert warning.startswith("warning: policy.logprob_batch_size: 64 differs")
 
 
 def test_max_input_seq_length_over_the_total_warns_and_below_one_is_refused():

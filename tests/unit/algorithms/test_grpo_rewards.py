@@ -118,7 +118,8 @@ class FakePolicy:
     def phase_peak_gib(self) -> float:
         return 0.0  # as CPU workers report
 
-    def generate(self, prompts, settings, *, seed, pad_id):
+    def generate(self, prompts, settings, *, seed, pad_id, record_routes=False):
+        assert not record_routes  # no router replay in these recipes
         self.calls.append(len(prompts))
         out = []
         for index, ids in enumerate(prompts):

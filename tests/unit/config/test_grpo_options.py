@@ -162,19 +162,119 @@ def test_the_lead_comes_from_async_grpo_or_the_single_controllers_in_order_sampl
     assert grpo_options.async_lead({"grpo": {}, "async_rl": in_order}) == 0
 
 
-def test_the_single_controllers_in_order_sampler_passes_and_the_others_are_refused():
-    sync = ["++async_rl={sampler: {name: in_order, max_lookahead_versions: 0}}"]
-    assert report_for(*sync).errors == []
-    ahead = ["++async_rl={sampler: {name: in_order, max_lookahead_versions: 2}}"]
-    assert report_for(*ahead).errors == []
-    (error,) = report_for("++async_rl={sampler: {name: windowed}}").errors
-    assert error.startswith("async_rl.sampler.name: 'windowed' is not supported")
+def _lead(**sampler) -> int:
+    return grpo_options.async_lead({"grpo": {}, "async_rl": {"sampler": sampler}})
+
+
+@pytest.mark.parametrize("name", ["ready_first", "weight_fifo", "windowed"])
+def test_a_staleness_samplers_lead_is_its_window(name):
+    """Generation here never overlaps training, so these select what the in-order sampler with
+    the same window does (tests/unit/algorithms/test_async_samplers.py checks the schedules)."""
+    assert _lead(name=name) == 1  # NeMo-RL's default window
+    assert _lead(name=name, max_staleness_versions=0) == 0
+    assert _lead(name=name, max_staleness_versions=3) == 3
+    # the in-order sampler's key is not theirs
+    assert _lead(name=name, max_lookahead_versions=3) == 1
+
+
+def test_the_windowed_sampler_taking_the_freshest_first_is_synchronous():
+    assert _lead(name="windowed", sample_freshest_first=True, max_staleness_versions=3) == 0
+    assert _lead(name="windowed", sample_freshest_first=False, max_staleness_versions=3) == 3
+    # only the windowed sampler reads the switch
+    assert _lead(name="weight_fifo", sample_freshest_first=True, max_staleness_versions=3) == 3
+
+
+def test_a_custom_sampler_has_no_lead():
+    with pytest.raises(ValueError, match="async_rl.sampler.name: 'custom'"):
+        _lead(name="custom", target="module:Sampler")
+
+
+READY_FIRST_LOSS = [
+    "++loss_fn.use_importance_sampling_correction=true",
+    "++loss_fn.force_on_policy_ratio=false",
+]
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        "{name: in_order, max_lookahead_versions: 0}",
+        "{name: in_order, max_lookahead_versions: 2}",
+        "{name: ready_first}",
+        "{name: weight_fifo, max_staleness_versions: 2}",
+        "{name: windowed, max_staleness_versions: 2}",
+        "{name: windowed, sample_freshest_first: true}",
+    ],
+)
+def test_the_single_controllers_samplers_pass(sampler):
+    report = report_for(f"++async_rl={{sampler: {sampler}}}", *READY_FIRST_LOSS)
+    assert report.errors == [] and report.warnings == []
+
+
+def test_a_custom_sampler_is_one_line_naming_what_to_set():
+    (error,) = report_for("++async_rl={sampler: {name: custom, target: 'pkg.mod:Sampler'}}").errors
+    assert error.startswith("async_rl.sampler.name: 'custom' is not supported")
+    assert error.endswith(
+        "; set async_rl.sampler.name to in_order, ready_first, weight_fifo or windowed"
+    )
+
+
+@pytest.mark.parametrize(
+    ("sampler", "key"),
+    [
+        ("{name: in_order, max_lookahead_versions: -1}", "max_lookahead_versions"),
+        ("{name: ready_first, max_staleness_versions: -1}", "max_staleness_versions"),
+        ("{name: weight_fifo, max_staleness_versions: -2}", "max_staleness_versions"),
+        ("{name: windowed, max_staleness_versions: -1}", "max_staleness_versions"),
+    ],
+)
+def test_a_negative_window_is_one_line(sampler, key):
+    (error,) = report_for(f"++async_rl={{sampler: {sampler}}}", *READY_FIRST_LOSS).errors
+    assert error.startswith(f"async_rl.sampler.{key}: -"), error
+    assert "must be an integer >= 0" in error
+
+
+@pytest.mark.parametrize("value", ["1.5", "true", "two"])
+def test_a_window_that_is_not_an_integer_is_one_line(value):
     (error,) = report_for(
-        "++async_rl={sampler: {name: in_order, max_lookahead_versions: -1}}"
+        f"++async_rl={{sampler: {{name: windowed, max_staleness_versions: {value}}}}}"
     ).errors
-    assert error.startswith("async_rl.sampler.max_lookahead_versions: -1 must be")
-    (error,) = report_for("++async_rl={min_groups_for_streaming_train: 1}").errors
-    assert error.startswith("async_rl.min_groups_for_streaming_train: 1 is not supported")
+    assert error.startswith("async_rl.sampler.max_staleness_versions: "), error
+
+
+def test_ready_first_needs_nemo_rls_loss_settings():
+    ready_first = "++async_rl={sampler: {name: ready_first}}"
+    (error,) = report_for(ready_first, "++loss_fn.force_on_policy_ratio=false").errors
+    assert error.startswith("loss_fn.use_importance_sampling_correction: the ready_first")
+    (error,) = report_for(
+        ready_first,
+        "++loss_fn.use_importance_sampling_correction=true",
+        "++loss_fn.force_on_policy_ratio=true",
+    ).errors
+    assert error.startswith("loss_fn.force_on_policy_ratio: the ready_first")
+    # the other samplers ask nothing of the loss
+    assert report_for("++async_rl={sampler: {name: weight_fifo}}").errors == []
+
+
+def test_streaming_below_a_step_warns_that_each_step_trains_on_all_its_groups():
+    """Every group of a step is ready when it selects here, so min_groups_for_streaming_train
+    changes nothing from one group to the step's; below one group NeMo-RL refuses it too."""
+    report = report_for("++async_rl={min_groups_for_streaming_train: 1}")
+    assert report.errors == []
+    (warning,) = report.warnings
+    assert warning.startswith("warning: async_rl.min_groups_for_streaming_train: ")
+    assert "all grpo.num_prompts_per_step" in warning
+    for whole_step in ("16", "32"):
+        report = report_for(f"++async_rl={{min_groups_for_streaming_train: {whole_step}}}")
+        assert report.errors == [] and report.warnings == []
+    for none in ("0", "-1"):
+        report = report_for(f"++async_rl={{min_groups_for_streaming_train: {none}}}")
+        (error,) = report.errors
+        assert error.startswith(f"async_rl.min_groups_for_streaming_train: {none} must be")
+        assert report.warnings == []
+
+
+def test_async_rl_and_async_grpo_together_are_one_line():
     (error,) = report_for(
         "++async_rl={}",
         "++grpo.async_grpo.enabled=true",

@@ -189,10 +189,6 @@ def test_a_listed_key_at_an_inert_value_says_nothing():
             {"policy": {"generation": {"stop_strings": ["\n"]}}},
             "stop tokens' ids in generation.stop_token_ids",
         ),
-        (
-            {"policy": {"model_name": "tiny-moe", "megatron_cfg": {"freeze_moe_router": True}}},
-            "policy.megatron_cfg.freeze_moe_router: true is not supported",
-        ),
     ],
 )
 def test_a_listed_key_whose_ignoring_would_change_training_is_refused(recipe, line):
@@ -201,8 +197,10 @@ def test_a_listed_key_whose_ignoring_would_change_training_is_refused(recipe, li
     assert warnings == []
 
 
-def test_freeze_moe_router_is_inert_for_a_dense_model():
-    recipe = {"policy": {"model_name": "tiny-dense", "megatron_cfg": {"freeze_moe_router": True}}}
+@pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
+def test_freeze_moe_router_is_implemented_not_listed(model):
+    """It freezes an MoE model's routers (tests/unit/models/test_freeze_moe_router.py)."""
+    recipe = {"policy": {"model_name": model, "megatron_cfg": {"freeze_moe_router": True}}}
     assert ignored_keys.check(recipe) == ([], [])
 
 

@@ -198,3 +198,58 @@ def test_every_pass_agrees_on_expert_parallel_moe(moe_single, megatron_cfg, tmp_
     single, ckpt = moe_single
     results = _every_pass(_moe(**megatron_cfg), ckpt, tmp_path, train_length=MOE_TRAIN_LENGTH)
     _assert_same_passes(single, _reported(results))
+
+
+# Router replay (policy.router_replay): the sampler's routes are gathered over sequence-parallel
+# ranks and pipeline stages, and the replayed routes reach each router in its own token layout
+# (its context-parallel positions, its sequence-parallel slice, its stage's layers).
+def _replaying(**megatron_cfg) -> dict:
+    return {**_moe(**megatron_cfg), "router_replay": {"enabled": True}}
+
+
+@pytest.fixture(scope="module")
+def replay_single(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("replay_single")
+    run_ranks(worker_ranks.save_after_one_step, 1, out, policy=_replaying())
+    (result,) = run_ranks(
+        worker_ranks.load_then_replay,
+        1,
+        out / "single",
+        policy=_replaying(),
+        ckpt=str(out / "ckpt"),
+    )
+    return result, out / "ckpt"
+
+
+@pytest.mark.parametrize(
+    "megatron_cfg",
+    [
+        {"pipeline_model_parallel_size": 2, "pipeline_dtype": "float32"},
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+        {"context_parallel_size": 2},
+        {"expert_model_parallel_size": 2},
+    ],
+    ids=["pp2", "tp2_sp", "cp2", "ep2"],
+)
+def test_router_replay_agrees_on_every_layout(replay_single, megatron_cfg, tmp_path):
+    single, ckpt = replay_single
+    assert all(-1 not in np.asarray(r)[:-1] for r in single["routes"])  # every fed position
+    # The routes replace the routers' own choices (else this compares nothing).
+    for replayed, own in zip(single["logprobs"], single["own_logprobs"], strict=True):
+        assert np.abs(np.asarray(replayed) - np.asarray(own)).max() > 1e-3
+    results = run_ranks(
+        worker_ranks.load_then_replay,
+        2,
+        tmp_path,
+        policy=_replaying(**megatron_cfg),
+        ckpt=str(ckpt),
+    )
+    layout = _reported(results)
+    assert layout["greedy"] == single["greedy"]
+    for got, expected in zip(layout["routes"], single["routes"], strict=True):
+        np.testing.assert_array_equal(np.sort(got, -1), np.sort(expected, -1))
+    for name in ("logprobs", "packed_logprobs"):
+        for got, expected in zip(layout[name], single[name], strict=True):
+            np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
+    assert layout["loss"] == pytest.approx(single["loss"], rel=1e-5)
+    assert layout["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
