@@ -7,7 +7,7 @@ NeMo-RL's base recipes turn on settings that validated but stopped a run at its 
 precision-aware optimizer and RoPE fusion (both need Transformer Engine here: the distributed
 optimizer and the unfused path run instead, with a warning each), and ``tokenizer.name:
 ${policy.model_name}`` (the model's own tokenizer). On CPU workers (CI) with the tiny model;
-GRPO on a GPU with llama-1b.
+GRPO on a GPU with llama-1b, and moe-1b with and without router replay.
 """
 
 from __future__ import annotations
@@ -60,10 +60,18 @@ def _check(
     assert all(abs(r["loss"]) < 1e3 for r in trained)
 
 
-# What each CPU run changes beyond its recipe file: GRPO's file is the GPU run's.
+# Router replay (policy.router_replay, NeMo-RL's R3 recipes turn it on over this base recipe):
+# the sampler's routes reach every packed training and log-probability forward. NeMo-RL's base
+# recipe freezes the routers (freeze_moe_router: true), which runs as it does there.
+REPLAY = "++policy.router_replay.enabled=true"
+
+# What each CPU run changes beyond its recipe file: GRPO's file is the GPU run's. On CPU the
+# GRPO run takes the MoE preset with router replay, so one run covers both (the GPU runs the
+# dense model and the MoE with and without replay).
 CPU_OVERRIDES = {
     "grpo": [
-        "policy.model_name=tiny-dense",
+        "policy.model_name=tiny-moe",
+        REPLAY,
         "policy.precision=float32",
         "policy.max_total_sequence_length=64",
         "policy.generation.max_new_tokens=8",
@@ -84,11 +92,17 @@ CPU_OVERRIDES = {
 }
 
 
+def _routed(records: list[dict]) -> list[float]:
+    return [r["router_replay_routed"] for r in records if r.get("phase") == "train"]
+
+
 @pytest.mark.parametrize("recipe", list(CPU_OVERRIDES))
 def test_nemo_rls_recipe_runs_on_cpu_workers(tmp_path, recipe):
     done, records = _run(tmp_path, recipe, *CPU_OVERRIDES[recipe])
     # CPU workers always run the distributed optimizer: nothing to say about precision.
     _check(done, records, steps=1, warned=("apply_rope_fusion",) if recipe == "grpo" else ())
+    if recipe == "grpo":
+        assert _routed(records) == [1.0]
 
 
 @pytest.mark.gpu
@@ -97,23 +111,6 @@ def test_nemo_rls_grpo_recipe_runs_on_a_gpu(tmp_path):
     done, records = _run(tmp_path, "grpo")
     _check(done, records, steps=2, warned=("apply_rope_fusion", "use_precision_aware_optimizer"))
     assert all(r["peak_gpu_memory_gib"] > 0 for r in records if r.get("phase") == "train")
-
-
-# Router replay (policy.router_replay) on NeMo-RL's GRPO exemplar with an MoE model: the
-# sampler's routes reach every packed training and log-probability forward. NeMo-RL's base
-# recipe freezes the routers (freeze_moe_router: true), which runs as it does there.
-REPLAY = "++policy.router_replay.enabled=true"
-
-
-def _routed(records: list[dict]) -> list[float]:
-    return [r["router_replay_routed"] for r in records if r.get("phase") == "train"]
-
-
-def test_router_replay_runs_nemo_rls_grpo_recipe_on_cpu_workers(tmp_path):
-    overrides = [o for o in CPU_OVERRIDES["grpo"] if not o.startswith("policy.model_name=")]
-    done, records = _run(tmp_path, "grpo", *overrides, "policy.model_name=tiny-moe", REPLAY)
-    _check(done, records, steps=1, warned=("apply_rope_fusion",))
-    assert _routed(records) == [1.0]
 
 
 @pytest.mark.gpu
