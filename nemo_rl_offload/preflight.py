@@ -522,6 +522,10 @@ def check_recipe(
                     effective.value("moe_router_fusion"),
                     effective.source("moe_router_fusion", f"{m}.moe_router_fusion"),
                 ),
+                graphs=(
+                    effective.value("cuda_graph_impl"),
+                    effective.source("cuda_graph_impl", f"{m}.cuda_graph_impl"),
+                ),
             )
             report.errors += replay_errors
             report.warnings += replay_warnings

@@ -42,10 +42,11 @@ def problems(
     has_experts: bool,
     routing: tuple[Any, str],
     fused_topk: tuple[Any, str],
+    graphs: tuple[Any, str],
 ) -> tuple[list[str], list[str]]:
-    """(errors, warnings), one line each, for ``where``'s ``router_replay``. ``routing`` and
-    ``fused_topk``: the effective ``moe_router_load_balancing_type`` and ``moe_router_fusion``,
-    each with the recipe path that set it."""
+    """(errors, warnings), one line each, for ``where``'s ``router_replay``. ``routing``,
+    ``fused_topk`` and ``graphs``: the effective ``moe_router_load_balancing_type``,
+    ``moe_router_fusion`` and ``cuda_graph_impl``, each with the recipe path that set it."""
     if not enabled(section):
         return [], []
     key = f"{where}.router_replay.enabled"
@@ -71,5 +72,11 @@ def problems(
         errors.append(
             f"{key}: {fusion_path} is true, and Megatron's fused top-k kernel does not replay "
             f"routes; set {fusion_path} to false"
+        )
+    impl, impl_path = graphs
+    if impl not in (None, "none"):
+        errors.append(
+            f"{key}: {impl_path} is {impl!r}: a captured training graph would replay the routes "
+            f"of the step it was captured in; set {impl_path} to none"
         )
     return errors, []

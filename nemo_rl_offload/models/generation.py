@@ -380,7 +380,7 @@ def _sample_rows(
     finally:
         if graphs:
             graphs.release()
-    routes = recorder.finish(forward.config.num_moe_experts) if recorder else None
+    routes = recorder.finish() if recorder else None
     ends = lengths.tolist()
     return [
         Generated(

@@ -243,8 +243,12 @@ class Recorder:
         self.replays = decoder_replays(model)
         self.layers = len(moe_layer_numbers(config))
         self.topk = int(config.moe_router_topk)
+        self.dtype = route_dtype(int(config.num_moe_experts))
         self.routes = torch.full(
-            (rows, max_len, self.layers, self.topk), NO_ROUTE, dtype=torch.int32, device=device
+            (rows, max_len, self.layers, self.topk),
+            NO_ROUTE,
+            dtype=getattr(torch, self.dtype.name),
+            device=device,
         )
         self.sequence_parallel = bool(config.sequence_parallel)
 
@@ -304,15 +308,18 @@ class Recorder:
             self.routes.dtype
         )
 
-    def finish(self, num_experts: int) -> np.ndarray:
+    def finish(self) -> np.ndarray:
         """Every MoE layer's routes, on every pipeline stage ([rows, max_len, layers, k]): each
-        stage recorded its own layers and left -1 in the others'."""
+        stage recorded its own layers and left -1 in the others' (NCCL reduces no 16-bit
+        integers, so the reduction runs on a 32-bit copy)."""
         from megatron.core import parallel_state
 
+        routes = self.routes
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            routes = routes.to(torch.int32)
             torch.distributed.all_reduce(
-                self.routes,
+                routes,
                 op=torch.distributed.ReduceOp.MAX,
                 group=parallel_state.get_pipeline_model_parallel_group(),
             )
-        return self.routes.cpu().numpy().astype(route_dtype(num_experts))
+        return routes.cpu().numpy().astype(self.dtype)

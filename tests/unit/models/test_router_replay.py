@@ -255,8 +255,14 @@ MOE = "++policy.model_name=tiny-moe"
             "fused top-k kernel does not replay",
             None,
         ),
+        (
+            "grpo",
+            [MOE, ON, "++policy.megatron_cfg.cuda_graph_impl=full_iteration"],
+            "a captured training graph would replay the routes",
+            None,
+        ),
     ],
-    ids=["grpo", "off", "dense", "sft", "dpo", "sinkhorn", "fused"],
+    ids=["grpo", "off", "dense", "sft", "dpo", "sinkhorn", "fused", "graphs"],
 )
 def test_router_replay_rules(recipe, overrides, error, warning):
     report = _check(recipe, *overrides)
