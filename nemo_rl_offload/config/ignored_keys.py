@@ -431,17 +431,19 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         f"{m}.use_gloo_process_groups": Unused(_KERNEL, _one_of(False)),
         f"{m}.gradient_accumulation_fusion": train_only(Unused(_KERNEL, _one_of(False))),
         f"{m}.use_fused_weighted_squared_relu": Unused(_KERNEL, _one_of(False)),
+        # NeMo-RL's Megatron setup reads neither key (the model's own config decides, there as
+        # here): a value given here is ignored with a warning naming the key that sets it.
         f"{m}.moe_aux_loss_coeff": train_only(
             Unused(
-                "the auxiliary load-balancing loss is the model's (model_overrides)",
+                "the auxiliary load-balancing loss weight is the model's, as in NeMo-RL (set "
+                f"{m}.model_overrides.moe_aux_loss_coeff to change it)",
                 _any_inert(_equals(0.0), _dense_model(where)),
-                refuse=f"set {m}.model_overrides.moe_aux_loss_coeff instead",
             )
         ),
         f"{m}.moe_router_enable_expert_bias": Unused(
-            "the router's expert bias is the model's (model_overrides)",
+            "the router's expert bias is the model's, as in NeMo-RL (set "
+            f"{m}.model_overrides.moe_router_enable_expert_bias to change it)",
             _dense_model(where),
-            refuse=f"set {m}.model_overrides.moe_router_enable_expert_bias instead",
         ),
         f"{m}.moe_router_num_groups": Unused(
             "group-limited routing is the model's (model_overrides)",

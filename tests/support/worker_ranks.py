@@ -178,6 +178,17 @@ def load_and_step(
 PROMPTS = [[5, 17, 3, 9], [8, 2], [30, 31, 32]]
 
 
+def three_sequence_pack() -> dict[str, np.ndarray]:
+    """A pack of three sequences (17 tokens), each attended alone with positions restarting."""
+    ids = step_batches(98, 1, length=17)[0]["input_ids"][:1]
+    return {
+        "input_ids": ids,
+        "labels": ids,
+        "cu_seqlens": np.asarray([0, 7, 12, 17], np.int32),
+        "position_ids": np.concatenate([np.arange(7), np.arange(5), np.arange(5)])[None],
+    }
+
+
 def every_pass(worker: Any, train_length: int = 23) -> dict[str, Any]:
     """What each pass computes on fixed inputs (on the ranks that report outputs): label
     log-probabilities (of padded rows and of a pack), a teacher's top-k, greedy and sampled
@@ -188,15 +199,7 @@ def every_pass(worker: Any, train_length: int = 23) -> dict[str, Any]:
     batches = step_batches(99, 2)
     batches[1] = {key: value[:1, :17] for key, value in batches[1].items()}  # another shape
     logprobs = worker.token_logprobs(batches)
-    # A pack of three sequences (17 tokens), each attended alone with positions restarting.
-    ids = step_batches(98, 1, length=17)[0]["input_ids"][:1]
-    pack = {
-        "input_ids": ids,
-        "labels": ids,
-        "cu_seqlens": np.asarray([0, 7, 12, 17], np.int32),
-        "position_ids": np.concatenate([np.arange(7), np.arange(5), np.arange(5)])[None],
-    }
-    packed = worker.token_logprobs([pack])
+    packed = worker.token_logprobs([three_sequence_pack()])
     topk = worker.topk_logprobs(batches[:1], 4)
     greedy = worker.generate(PROMPTS, {"max_new_tokens": 6, "greedy": True}, seed=3, pad_id=0)
     sampled = worker.generate(PROMPTS, {"max_new_tokens": 6}, seed=3, pad_id=0)
@@ -279,15 +282,7 @@ def load_then_replay(
     own = worker.token_logprobs(
         [{k: v for k, v in mb.items() if k != ROUTES_KEY} for mb in batches]
     )
-    ids = step_batches(98, 1, length=17)[0]["input_ids"][:1]
-    pack = {
-        "input_ids": ids,
-        "labels": ids,
-        "cu_seqlens": np.asarray([0, 7, 12, 17], np.int32),
-        "position_ids": np.concatenate([np.arange(7), np.arange(5), np.arange(5)])[None],
-        ROUTES_KEY: replay_routes(5, 1, 17),
-    }
-    packed = worker.token_logprobs([pack])
+    packed = worker.token_logprobs([{**three_sequence_pack(), ROUTES_KEY: replay_routes(5, 1, 17)}])
     layout = worker.parallel_layout()
     train = step_batches(7, length=24)
     for index, batch in enumerate(train):

@@ -255,3 +255,18 @@ def test_validate_reports_a_listed_key_of_a_whole_recipe():
     )
     plain = check_recipe(load_recipe("examples/configs/tiny/sft.yaml"), megatron_crosscheck=False)
     assert not any("ignored by this backend" in line for line in plain.warnings), plain.warnings
+
+
+@pytest.mark.parametrize(
+    "key,value", [("moe_router_enable_expert_bias", True), ("moe_aux_loss_coeff", 0.01)]
+)
+@pytest.mark.parametrize("model,warned", [("tiny-moe", True), ("tiny-dense", False)])
+def test_moe_keys_nemo_rl_does_not_read_warn_on_an_moe_model(key, value, model, warned):
+    """NeMo-RL's Megatron setup reads neither key (the model's config decides): ignored with one
+    warning naming model_overrides, never refused (its Nemotron-3 Super recipes set them)."""
+    recipe = {"policy": {"model_name": model, "megatron_cfg": {key: value}}}
+    errors, warnings = ignored_keys.check(recipe)
+    assert errors == []
+    assert len(warnings) == int(warned)
+    if warned:
+        assert f"model_overrides.{key}" in warnings[0]
