@@ -98,27 +98,21 @@ def stand_ins(recipe: dict[str, Any], algorithm: str, name: str) -> dict[str, An
         "val_at_start": False,
         "val_at_end": False,
     }
-    if algorithm in ("grpo", "distillation"):
+    # What the algorithms that sample take per step (their own section).
+    sampled = {"grpo": {"num_prompts_per_step": 2, "num_generations_per_prompt": 2},
+               "distillation": {"num_prompts_per_step": 4, "topk_logits_k": 8}}  # fmt: skip
+    if algorithm in sampled:
         layer["policy"]["generation"] = {"max_new_tokens": 8}
         layer["env"] = {"_override_": True, "math": {"num_workers": 1}}
-    if algorithm == "grpo":
-        layer["grpo"] = {
+        layer[algorithm] = {
             **no_validation,
-            "num_prompts_per_step": 2,
-            "num_generations_per_prompt": 2,
+            **sampled[algorithm],
             "max_val_samples": 4,
             "val_batch_size": 4,
         }
-    elif algorithm == "distillation":
-        layer["distillation"] = {
-            **no_validation,
-            "num_prompts_per_step": 4,
-            "max_val_samples": 4,
-            "val_batch_size": 4,
-            "topk_logits_k": 8,
-        }
+    if algorithm == "distillation":
         layer["teacher"] = _section("tiny-dense", recipe.get("teacher") or {}, trains=False)
-    else:
+    if algorithm not in sampled:
         layer[algorithm] = {
             **no_validation,
             "val_batches": 1,
