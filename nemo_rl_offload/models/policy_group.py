@@ -18,8 +18,9 @@ from nemo_rl_offload.models import checkpoint
 from nemo_rl_offload.models.policy_worker import PolicyWorker
 
 # Metrics that describe one rank (its memory, time, learning rate), or that every rank already
-# holds reduced over the data-parallel ranks (the multi-token prediction losses, models.mtp):
-# the step's value is the largest over ranks, not the sum.
+# holds reduced over the data-parallel ranks (the multi-token prediction losses, models.mtp;
+# router replay's changed share, models.router_replay): the step's value is the largest over
+# ranks, not the sum.
 _PER_RANK_KEYS = (
     "peak_",
     "gpu_memory",
@@ -34,6 +35,7 @@ _PER_RANK_KEYS = (
     "cuda_graph",
     "device_",
     "mtp_",
+    "router_replay_",
 )
 
 

@@ -391,7 +391,7 @@ class PolicyWorker:
         import torch
 
         from nemo_rl_offload import losses
-        from nemo_rl_offload.models import mtp
+        from nemo_rl_offload.models import mtp, router_replay
         from nemo_rl_offload.models.train_step import run_microbatches
         from nemo_rl_offload.offload.runtime import pad_microbatches
 
@@ -412,6 +412,7 @@ class PolicyWorker:
         microbatches = self.runtime.prepare_step(microbatches, sync_length=self._dp_max)
         loss_fn = losses.make_loss_fn(loss)
         mtp.start_step(self.model, self.device)
+        router_replay.start_step(self.model, self.device)
 
         def forward_backward(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return run_microbatches(self.model, tensors, loss_fn, forward_only=False)
@@ -434,6 +435,7 @@ class PolicyWorker:
             fwd_bwd_peak = at_start + self.graphs.activation_peak_bytes(key) / 2**30
         metrics = self._sum_outputs(outputs)  # read before any other step reuses the buffers
         metrics.update(mtp.step_metrics(self.model, len(microbatches)))
+        metrics.update(router_replay.step_metrics(self.model, self.device))
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)

@@ -81,6 +81,9 @@ class RoutesReplay(RouterReplay):
     def __init__(self) -> None:
         super().__init__()
         RouterReplay.global_router_replay_instances.remove(self)
+        # During a training step (start_step .. step_metrics): how many (token, layer) routes the
+        # forward replayed and how many of those differ from the router's own choice.
+        self.counts: Tensor | None = None
 
     def get_replay_topk(
         self,
@@ -111,6 +114,13 @@ class RoutesReplay(RouterReplay):
         missing = (target == NO_ROUTE).all(dim=-1, keepdim=True)
         _, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         chosen = torch.where(missing, own, target)
+        if (
+            self.counts is not None
+            and self.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+        ):
+            replayed = ~missing[:, 0]
+            differs = (own.sort(dim=-1).values != chosen.sort(dim=-1).values).any(dim=-1)
+            self.counts += torch.stack([replayed.sum(), (differs & replayed).sum()])
         return scores.gather(1, chosen), chosen
 
 
@@ -219,6 +229,41 @@ def replaying(model: torch.nn.Module, routes: Tensor | None, *, training: bool) 
         disarm(model)
         raise
     after_forward(model, training=training)
+
+
+def _replays_on_every_rank(model: torch.nn.Module) -> bool:
+    """Router replay is on for this model: decided by its config, the same on every rank (a
+    pipeline stage may hold no MoE layer)."""
+    from megatron.core.utils import unwrap_model
+
+    config = unwrap_model(model).config
+    return bool(config.moe_enable_routing_replay and config.num_moe_experts)
+
+
+def start_step(model: torch.nn.Module, device: Any) -> None:
+    """Count, over the training step to come, the routes replayed and those that differ from
+    the routers' own choices (:func:`step_metrics`)."""
+    for _, replay in decoder_replays(model):
+        replay.counts = torch.zeros(2, dtype=torch.long, device=device)
+
+
+def step_metrics(model: torch.nn.Module, device: Any) -> dict[str, float]:
+    """``router_replay_changed``: the share of the step's replayed (token, MoE layer) routes
+    whose experts differ from the router's own top-k on the same input, over every rank (each
+    counts its own tokens and layers; ranks that see the same tokens add to both counts
+    alike). What replay changes: 0 when the sampler's and the trainer's routers agree. Empty
+    without router replay. Every rank of the group calls it (one all-reduce)."""
+    if not _replays_on_every_rank(model):
+        return {}
+    totals = torch.zeros(2, dtype=torch.long, device=device)
+    for _, replay in decoder_replays(model):
+        if replay.counts is not None:
+            totals += replay.counts
+        replay.counts = None
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(totals)
+    replayed, changed = totals.tolist()
+    return {"router_replay_changed": changed / replayed} if replayed else {}
 
 
 def disarm(model: torch.nn.Module) -> None:

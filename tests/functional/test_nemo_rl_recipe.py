@@ -103,6 +103,8 @@ def test_nemo_rls_recipe_runs_on_cpu_workers(tmp_path, recipe):
     _check(done, records, steps=1, warned=("apply_rope_fusion",) if recipe == "grpo" else ())
     if recipe == "grpo":
         assert _routed(records) == [1.0]
+        changed = [r["router_replay_changed"] for r in records if r.get("phase") == "train"]
+        assert len(changed) == 1 and 0.0 <= changed[0] <= 1.0
 
 
 @pytest.mark.gpu

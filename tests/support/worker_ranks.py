@@ -300,6 +300,7 @@ def load_then_replay(
         "packed_logprobs": [output.ravel().tolist() for output in packed],
         "loss": step["loss"] if reports else None,
         "grad_norm": step["grad_norm"],
+        "changed": step.get("router_replay_changed"),
     }
 
 

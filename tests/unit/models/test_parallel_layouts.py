@@ -253,3 +253,6 @@ def test_router_replay_agrees_on_every_layout(replay_single, megatron_cfg, tmp_p
             np.testing.assert_allclose(got, expected, rtol=0, atol=ATOL)
     assert layout["loss"] == pytest.approx(single["loss"], rel=1e-5)
     assert layout["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+    # The share of routes replay changed, counted over every rank's tokens and layers.
+    assert 0.5 < single["changed"] < 1.0
+    assert all(r["changed"] == pytest.approx(single["changed"], abs=0.01) for r in results)

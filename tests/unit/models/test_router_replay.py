@@ -345,3 +345,30 @@ def test_the_offload_runtimes_bucket_padding_adds_positions_without_routes():
     (grown,) = pad_microbatches([{"input_ids": np.ones((2, 5), np.int64), ROUTES_KEY: routes}], 8)
     assert grown[ROUTES_KEY].shape == (2, 8, 2, 2) and grown[ROUTES_KEY].dtype == np.int16
     assert (grown[ROUTES_KEY][:, :5] == 0).all() and (grown[ROUTES_KEY][:, 5:] == NO_ROUTE).all()
+
+
+def test_a_training_step_reports_the_share_of_routes_replay_changed(build):
+    model = build()
+    batch = _batch()
+
+    def changed(routes):
+        router_replay.start_step(model, CPU)
+        run_microbatches(model, [{**batch, ROUTES_KEY: routes}], _token_loss, forward_only=False)
+        return router_replay.step_metrics(model, CPU)
+
+    own = _own_routes(model, batch["input_ids"]).to(torch.int16)
+    assert changed(own) == {"router_replay_changed": 0.0}
+    other = _random_routes(2, 16, 2, seed=9)
+    share = changed(other)["router_replay_changed"]
+    own_sets, other_sets = own.sort(-1).values, other.sort(-1).values
+    assert share == pytest.approx(float((own_sets != other_sets).any(-1).float().mean()))
+    # Positions without a route are not replayed: they count in neither number.
+    half = other.clone()
+    half[:, 8:] = NO_ROUTE
+    expected = float((own_sets[:, :8] != other_sets[:, :8]).any(-1).float().mean())
+    assert changed(half)["router_replay_changed"] == pytest.approx(expected)
+    # Outside a training step nothing is counted.
+    with torch.no_grad():
+        forward_outputs(model, [{**batch, ROUTES_KEY: other}], lambda b, o: {"o": o})
+    assert all(r.counts is None for _, r in router_replay.decoder_replays(model))
+    assert router_replay.step_metrics(build(False), CPU) == {}
