@@ -10,7 +10,7 @@ exemplars:
 
 Everything else in the recipe runs as written. The recipes are those of the committed key list
 (tests/unit/reference_configs/nemo_rl_keys.json) in a NeMo-RL checkout (`fetch
-github:NVIDIA-NeMo/RL`). It needs no GPU and takes about half a minute a recipe:
+github:NVIDIA-NeMo/RL`). It needs no GPU; each recipe is one CLI run:
 
     python3 scripts/nemo_rl_recipe_sweep.py --nemo-rl /path/to/RL --out sweep.json [--only a,b]
 

@@ -27,7 +27,7 @@ class TokenSequence:
     extras: dict[str, Any] = field(default_factory=dict)  # per-sequence values (advantages...)
     loss_multiplier: float = 1.0  # NeMo-RL's name; scales the row's loss mask
     # The sampler's experts of each position [len(ids), MoE layers, k] (policy.router_replay,
-    # models.routes), None when not recorded.
+    # config/router_replay.py), None when not recorded.
     routes: np.ndarray | None = None
 
 

@@ -342,11 +342,6 @@ def routed_share(sequences: list[TokenSequence]) -> float | None:
     sampler's experts at (every position the sampler fed: all but each sequence's last token,
     whose route no forward recorded); None when no sequence carries routes. Below 1, routes
     went missing between sampling and training."""
-    print(
-        "DBG",
-        [None if s.routes is None else s.routes.shape for s in sequences][:3],
-        file=sys.stderr,
-    )
     fed = [s.routes[:-1] for s in sequences if s.routes is not None]
     if not fed:
         return None

@@ -547,16 +547,13 @@ class PolicyWorker:
         """Forward-only pass through Megatron's schedule (``train_step.forward_outputs``),
         outside the offload plan: ``output_fn`` gets per-token losses (minus the labels'
         log-probabilities) with labels, else logits."""
-        from nemo_rl_offload.models.train_step import forward_outputs
+        from nemo_rl_offload.models.train_step import FORWARD_INPUTS, forward_outputs
 
         if not microbatches:
             # A data-parallel rank with no share of the pass (fewer packs than ranks): the
             # ranks of its group all have none, so no collective waits for it.
             return []
-        keys = ("input_ids", "labels") if with_labels else ("input_ids",)
-        # A pack's segment offsets and per-segment positions are model inputs too, and so are
-        # the sampler's routes a policy.router_replay forward replays.
-        keys += ("cu_seqlens", "position_ids", ROUTES_KEY)
+        keys = [key for key in FORWARD_INPUTS if with_labels or key != "labels"]
         inputs = [{key: mb[key] for key in keys if key in mb} for mb in microbatches]
         with self.runtime.forward_only():
             model.eval()

@@ -161,25 +161,36 @@ def moe_layer_numbers(config: Any) -> list[int]:
     return [i + 1 for i, moe in enumerate(pattern) if moe]
 
 
+# Where decoder_replays keeps its answer on the model (this package's own attribute).
+_REPLAYS_ATTRIBUTE = "_nemo_rl_offload_route_replays"
+
+
 def decoder_replays(model: torch.nn.Module) -> list[tuple[int, RoutesReplay]]:
     """This pipeline stage's decoder routers' replay states with their index on the routes'
     layer axis (multi-token prediction layers' routers are left alone: no sampler feeds them)."""
     from megatron.core.utils import unwrap_model
 
     gpt = unwrap_model(model)
-    index = {number: i for i, number in enumerate(moe_layer_numbers(gpt.config))}
-    found = []
-    for module in gpt.decoder.modules():
-        if isinstance(module, ReplayRouter) and not module.is_mtp_layer:
-            found.append((index[int(module.layer_number)], module.router_replay))
+    found = getattr(gpt, _REPLAYS_ATTRIBUTE, None)
+    if found is None:  # once per model: every replayed forward asks
+        index = {number: i for i, number in enumerate(moe_layer_numbers(gpt.config))}
+        found = [
+            (index[int(module.layer_number)], module.router_replay)
+            for module in gpt.decoder.modules()
+            if isinstance(module, ReplayRouter) and not module.is_mtp_layer
+        ]
+        setattr(gpt, _REPLAYS_ATTRIBUTE, found)
     return found
 
 
 def replays_routes(model: torch.nn.Module) -> bool:
-    """Whether ``model`` was built with :class:`ReplayRouter` (``policy.router_replay``)."""
+    """Whether ``model`` was built with :class:`ReplayRouter` (``policy.router_replay`` on a
+    model with experts, as ``models.builder`` decides): read from its config, so the answer is
+    the same on every rank, also on a pipeline stage that holds no MoE layer."""
     from megatron.core.utils import unwrap_model
 
-    return any(isinstance(m, ReplayRouter) for m in unwrap_model(model).modules())
+    config = unwrap_model(model).config
+    return bool(config.moe_enable_routing_replay and config.num_moe_experts)
 
 
 # ---------------------------------------------------------------- training and log-probabilities
@@ -231,15 +242,6 @@ def replaying(model: torch.nn.Module, routes: Tensor | None, *, training: bool) 
     after_forward(model, training=training)
 
 
-def _replays_on_every_rank(model: torch.nn.Module) -> bool:
-    """Router replay is on for this model: decided by its config, the same on every rank (a
-    pipeline stage may hold no MoE layer)."""
-    from megatron.core.utils import unwrap_model
-
-    config = unwrap_model(model).config
-    return bool(config.moe_enable_routing_replay and config.num_moe_experts)
-
-
 def start_step(model: torch.nn.Module, device: Any) -> None:
     """Count, over the training step to come, the routes replayed and those that differ from
     the routers' own choices (:func:`step_metrics`)."""
@@ -253,7 +255,7 @@ def step_metrics(model: torch.nn.Module, device: Any) -> dict[str, float]:
     counts its own tokens and layers; ranks that see the same tokens add to both counts
     alike). What replay changes: 0 when the sampler's and the trainer's routers agree. Empty
     without router replay. Every rank of the group calls it (one all-reduce)."""
-    if not _replays_on_every_rank(model):
+    if not replays_routes(model):
         return {}
     totals = torch.zeros(2, dtype=torch.long, device=device)
     for _, replay in decoder_replays(model):
@@ -284,8 +286,10 @@ class Recorder:
         from megatron.core.utils import unwrap_model
 
         config = unwrap_model(model).config
-        self.model = model
         self.replays = decoder_replays(model)
+        # This stage's columns of the routes' layer axis, and the rows a decode step feeds.
+        self.columns = torch.tensor([index for index, _ in self.replays], device=device)
+        self.rows = torch.arange(rows, device=device)
         self.layers = len(moe_layer_numbers(config))
         self.topk = int(config.moe_router_topk)
         self.dtype = route_dtype(int(config.num_moe_experts))
@@ -315,16 +319,11 @@ class Recorder:
         if not self.replays:
             return None
         stacked = torch.stack([r.get_recorded_indices() for _, r in self.replays], dim=1)
-        from megatron.core import parallel_state
+        if not self.sequence_parallel:
+            return stacked
+        from megatron.core import tensor_parallel
 
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        if self.sequence_parallel and tp > 1:
-            parts = [torch.empty_like(stacked) for _ in range(tp)]
-            torch.distributed.all_gather(
-                parts, stacked.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
-            )
-            stacked = torch.cat(parts)
-        return stacked
+        return tensor_parallel.gather_from_sequence_parallel_region(stacked)
 
     def prefill(self, rows: int, prompt_lengths: Tensor) -> None:
         """Keep the prefill's routes of each prompt's positions: [rows, length] fed as
@@ -338,8 +337,7 @@ class Recorder:
         per_position = recorded.view(length, rows, *recorded.shape[1:]).transpose(0, 1)[:count]
         fed = torch.arange(length, device=per_position.device)[None, :] < prompt_lengths[:, None]
         per_position = torch.where(fed[:, :, None, None], per_position, NO_ROUTE)
-        layers = [index for index, _ in self.replays]
-        self.routes[:, :length, layers] = per_position.to(self.routes.dtype)
+        self.routes[:, :length, self.columns] = per_position.to(self.routes.dtype)
 
     def decode(self, positions: Tensor) -> None:
         """Keep a decode step's routes: row i fed one token at ``positions[i]``."""
@@ -347,11 +345,8 @@ class Recorder:
         if recorded is None:
             return
         count = positions.shape[0]
-        rows = torch.arange(count, device=positions.device)
-        layers = torch.tensor([index for index, _ in self.replays], device=positions.device)
-        self.routes[rows[:, None], positions[:, None], layers[None, :]] = recorded[:count].to(
-            self.routes.dtype
-        )
+        rows, columns = self.rows[:count, None], self.columns[None, :]
+        self.routes[rows, positions[:, None], columns] = recorded[:count].to(self.routes.dtype)
 
     def finish(self) -> np.ndarray:
         """Every MoE layer's routes, on every pipeline stage ([rows, max_len, layers, k]): each

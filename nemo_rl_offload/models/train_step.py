@@ -133,13 +133,9 @@ def _router_routes(batch: dict[str, Tensor], model: Any) -> Tensor | None:
         return None
     from megatron.core import parallel_state
 
-    tp = (
-        parallel_state.get_tensor_model_parallel_world_size()
-        if sequence_multiple(model.config) > 1
-        else 1
-    )
-    rank = parallel_state.get_tensor_model_parallel_rank() if tp > 1 else 0
-    return router_replay.router_tokens(routes, rank, tp)
+    slices = sequence_multiple(model.config)  # sequence parallelism's slices, else 1
+    rank = parallel_state.get_tensor_model_parallel_rank() if slices > 1 else 0
+    return router_replay.router_tokens(routes, rank, slices)
 
 
 def _forward_step(
@@ -437,9 +433,12 @@ def _disarmed_after(model: Any, replays: bool) -> Iterator[None]:
 OutputFn = Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]]
 # The model's inputs: what a forward-only pass pads under pipeline parallelism.
 _MODEL_INPUTS = ("input_ids", "labels", "position_ids")
-# A packed micro-batch's segment offsets, a model input too (1-D, not padded as the others),
-# and the sampled routes a policy.router_replay forward replays ([rows, length, layers, k]).
+# Inputs _pad_to treats on their own: a packed micro-batch's segment offsets (1-D) and the
+# sampled routes a policy.router_replay forward replays ([rows, length, layers, k], padded with
+# NO_ROUTE).
 _PACKING_INPUTS = ("cu_seqlens", router_replay.ROUTES_KEY)
+# Every key of a micro-batch a forward reads (callers send these to the device, nothing else).
+FORWARD_INPUTS = _MODEL_INPUTS + _PACKING_INPUTS
 
 
 def _pad_to(batch: dict[str, Tensor], rows: int, length: int) -> dict[str, Tensor]:
@@ -496,7 +495,7 @@ def forward_outputs(
         length = max(shape[1] for shape in shapes)
         inputs = [_pad_to(mb, rows, length) for mb in microbatches]
     else:
-        keys = _MODEL_INPUTS + _PACKING_INPUTS
+        keys = FORWARD_INPUTS
         inputs = [{k: mb[k] for k in keys if k in mb} for mb in microbatches]
 
     def loss_fn(batch: dict[str, Tensor], output: Tensor):

@@ -372,3 +372,18 @@ def test_a_training_step_reports_the_share_of_routes_replay_changed(build):
         forward_outputs(model, [{**batch, ROUTES_KEY: other}], lambda b, o: {"o": o})
     assert all(r.counts is None for _, r in router_replay.decoder_replays(model))
     assert router_replay.step_metrics(build(False), CPU) == {}
+
+
+def test_the_routed_share_counts_fed_positions_and_prints_nothing(capsys):
+    """GRPO's ``router_replay_routed``: every position but each sequence's last (never fed) with
+    a route counts; None without routes; nothing on the console (a step calls it every time)."""
+    from nemo_rl_offload.algorithms.grpo import routed_share
+
+    full = np.zeros((5, 2, 2), np.int16)
+    full[-1] = NO_ROUTE  # the last sampled token: no forward fed it
+    gap = full.copy()
+    gap[1] = NO_ROUTE
+    assert routed_share([_sequence([1] * 5, 2, full)]) == 1.0
+    assert routed_share([_sequence([1] * 5, 2, full), _sequence([1] * 5, 2, gap)]) == 7 / 8
+    assert routed_share([_sequence([1, 2], 1, None)]) is None
+    assert capsys.readouterr() == ("", "")
