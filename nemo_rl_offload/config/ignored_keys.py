@@ -204,8 +204,15 @@ def _no_penalties(value: Any, recipe: Mapping[str, Any]) -> bool:
     )
 
 
-def _no_true_value(value: Any, recipe: Mapping[str, Any]) -> bool:
-    return value is None or not any(v is True for v in value.values())
+_VISION_PARTS = ("freeze_vision_model", "freeze_vision_projection")
+
+
+def _freezes_no_language_part(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """NeMo-RL's freeze_config names parts of a vision-language model; the vision parts do
+    not exist in the language models built here, so only a true for another part acts."""
+    return value is None or not any(
+        v is True for key, v in value.items() if key not in _VISION_PARTS
+    )
 
 
 def _empty(value: Any, recipe: Mapping[str, Any]) -> bool:
@@ -391,9 +398,10 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         f"{m}.fp8_cfg": _not_yet_section(f"{m}.fp8_cfg", "FP8 training and inference"),
         f"{m}.freeze_config": train_only(
             Unused(
-                "only the vision parts of a VLM may be frozen, and these are language models",
-                _no_true_value,
-                refuse="set its keys to false (or remove it)",
+                "freezing the language model is not implemented yet by this backend (the "
+                "vision keys change nothing: these language models have no vision parts)",
+                _freezes_no_language_part,
+                refuse="set its keys other than freeze_vision_* to false (or remove them)",
             )
         ),
         f"{m}.freeze_vision_model": Unused("language models have no vision tower", _always),
@@ -478,7 +486,16 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
         ),
         f"{where}.refit_buffer_size_gb": Unused(_NO_REFIT, _always),
         f"{where}.offload_optimizer_for_logprob": Unused(_SPEED_ONLY, _one_of(False)),
-        f"{where}.draft": train_only(_not_yet_section(f"{where}.draft", "draft-model training")),
+        f"{where}.draft": train_only(
+            Unused(
+                "the Eagle draft model trains beside the policy only to speed up vLLM's "
+                "speculative decoding; its loss reads the policy's hidden states and logits "
+                "detached and it has its own parameters, so the policy trains the same "
+                "without it. Sampling here runs on megatron-core without a drafter, and no "
+                "draft checkpoint is written",
+                _switched_off,
+            )
+        ),
         # The policy's router_replay is implemented (config/router_replay.py).
         **({f"{where}.router_replay": Unused(_TEACHER_TRAINS_NOT, _always)} if teacher else {}),
         f"{where}.reward_model_cfg": _not_yet_section(f"{where}.reward_model_cfg", "reward models"),

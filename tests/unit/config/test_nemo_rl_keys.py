@@ -94,6 +94,11 @@ WARNED = [
         {"policy": {"generation": {"colocated": {"enabled": False}}}},
         ["policy.generation.colocated"],
     ),
+    (
+        {"policy": {"draft": {"enabled": False, "model_name": "drafter"}}},
+        {"policy": {"draft": {"enabled": True, "model_name": "drafter", "loss_weight": 1.0}}},
+        ["policy.draft"],
+    ),
 ]
 
 
@@ -126,6 +131,17 @@ def test_a_key_ignoring_which_changes_nothing_warns_once_and_is_silent_when_iner
 def test_a_feature_this_backend_lacks_is_refused_naming_the_fix(recipe, key):
     errors, _ = ignored_keys.check(recipe)
     assert len(errors) == 1 and errors[0].startswith(f"{key}: ") and "; " in errors[0]
+
+
+def test_freezing_vision_parts_of_a_language_model_is_inert_and_freezing_it_is_refused():
+    def freeze(**parts: bool) -> dict:
+        return {"policy": {"megatron_cfg": {"freeze_config": parts}}}
+
+    vision = {"freeze_vision_model": True, "freeze_vision_projection": True}
+    assert ignored_keys.check(freeze(**vision, freeze_language_model=False)) == ([], [])
+    errors, _ = ignored_keys.check(freeze(**vision, freeze_language_model=True))
+    assert len(errors) == 1 and errors[0].startswith("policy.megatron_cfg.freeze_config: ")
+    assert "freezing the language model is not implemented yet" in errors[0]
 
 
 def test_validation_sampling_equal_to_training_is_inert():
