@@ -100,7 +100,7 @@ def _read_dist_checkpoint(
     from nemo_rl_offload.models.parallel import single_rank_megatron
     from nemo_rl_offload.offload import apply
 
-    read_saved(policy_dir)  # one line if it is not a checkpoint
+    saved = read_saved(policy_dir)  # one line if it is not a checkpoint
     section = copy.deepcopy(policy)
     section["megatron_cfg"] = {**(section.get("megatron_cfg") or {}), **_EXPORT_LAYOUT}
     if torch.distributed.is_initialized():
@@ -108,6 +108,8 @@ def _read_dist_checkpoint(
     with single_rank_megatron(seed=0):
         effective = apply.effective_settings(section, architecture, te_installed=False)
         model, _ = build_gpt_model(effective, architecture, on_gpu=False)
+        if saved.quant_cfg is not None:
+            _quantized_as_saved(model, policy, saved.quant_cfg, policy_dir)
         checkpoint.load(
             policy_dir,
             model=model,
@@ -119,7 +121,33 @@ def _read_dist_checkpoint(
         )
         # LoRA adapters are folded into their linears' weights (W + alpha/dim * B A).
         state = merged_state_dict(model) if effective.lora is not None else model.state_dict()
-        return {k: v for k, v in state.items() if "_extra_state" not in k}
+        # A quantization-aware policy exports its trained weights; its quantizers' state
+        # (their ranges) stays in the checkpoint.
+        return {
+            k: v for k, v in state.items() if "_extra_state" not in k and "_quantizer." not in k
+        }
+
+
+def _quantized_as_saved(model: Any, policy: dict[str, Any], saved: str, policy_dir: Path) -> None:
+    """Give ``model`` the quantizers of the run that wrote ``policy_dir`` (its entries are
+    ModelOpt's layout), with the recipe's ``policy.quant_cfg``; the checkpoint holds their
+    ranges."""
+    from nemo_rl_offload.models import quantization
+
+    value = policy.get("quant_cfg")
+    if not value:
+        raise UserInputError(
+            f"{policy_dir}: written by a quantization-aware run (policy.quant_cfg: {saved}); "
+            f"give the recipe that trained it, or add ++policy.quant_cfg={saved}"
+        )
+    import torch
+
+    config = quantization.resolve(value, [Path.cwd()])
+    # Any tokens calibrate: the checkpoint's ranges replace what they give.
+    placeholder = [torch.ones(1, 8, dtype=torch.long)]
+    quantization.quantize(
+        model, config, placeholder, on_gpu=False, pipeline_or_context_parallel=False
+    )
 
 
 def export(

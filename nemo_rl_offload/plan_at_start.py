@@ -22,8 +22,8 @@ from nemo_rl_offload.preflight import Report, check_recipe
 BUDGET_KEY = "policy.megatron_cfg.offload_plan_budget_gib"
 
 
-def _check(recipe: dict[str, Any]) -> Report:
-    report = check_recipe(recipe, base_dir=Path.cwd(), starting=True)
+def _check(recipe: dict[str, Any], recipe_path: str) -> Report:
+    report = check_recipe(recipe, base_dir=Path.cwd(), recipe_path=Path(recipe_path), starting=True)
     if report.errors:
         raise UserInputError(report.errors)
     return report
@@ -40,7 +40,7 @@ def checked(
     with a budget, planned for it first and checked again with the plan's settings. ``plan``
     is the planner (a seam: its measurements need GPU workers)."""
     loaded = load_recipe(config_path, overrides)
-    report = _check(loaded)
+    report = _check(loaded, config_path)
     if report.algorithm != algorithm:
         command = "distill" if report.algorithm == "distillation" else report.algorithm
         raise UserInputError(
@@ -62,6 +62,6 @@ def checked(
         )
     without_budget = deep_merge(loaded, {})
     (without_budget["policy"].get("megatron_cfg") or {}).pop("offload_plan_budget_gib", None)
-    report = _check(deep_merge(without_budget, planner.plan_patch(result, chosen)))
+    report = _check(deep_merge(without_budget, planner.plan_patch(result, chosen)), config_path)
     print(f"plan applied: {chosen.name}", file=sys.stderr)
     return report

@@ -19,6 +19,7 @@ from nemo_rl_offload.config import (
     grpo_options,
     ignored_keys,
     peft,
+    quantization,
     router_replay,
 )
 from nemo_rl_offload.config.loader import load_recipe, unset_environment
@@ -437,13 +438,16 @@ def check_recipe(
     *,
     caps: Capabilities | None = None,
     base_dir: Path | None = None,
+    recipe_path: Path | None = None,
     megatron_crosscheck: bool = True,
     starting: bool = False,
 ) -> Report:
     """Check a loaded recipe completely; never raises for user mistakes (they are in .errors).
 
     ``starting``: the check before a run, which also refuses what ``validate`` only warns
-    about because it is not on this machine (a Hugging Face model, NeMo-RL's datasets)."""
+    about because it is not on this machine (a Hugging Face model, NeMo-RL's datasets).
+    ``recipe_path``: the recipe's file, above which files the recipe names relatively are
+    also looked for (``config.quantization.search_dirs``)."""
     caps = caps or capabilities.detect()
     try:
         algorithm: str | None = detect_algorithm(recipe)
@@ -529,6 +533,16 @@ def check_recipe(
             )
             report.errors += replay_errors
             report.warnings += replay_warnings
+            dirs = quantization.search_dirs(base_dir or Path.cwd(), recipe_path)
+            quant_errors, quant_warnings = quantization.problems(
+                recipe,
+                dirs=dirs,
+                peft_enabled=peft.lora_settings(section) is not None,
+                graphs=effective.value("cuda_graph_impl"),
+            )
+            report.errors += quant_errors
+            report.warnings += quant_warnings
+            quantization.name_file_absolutely(section, dirs)
             report.errors += peft.problems(section, where) + peft.model_problems(
                 section,
                 where,
@@ -558,4 +572,4 @@ def load_and_check(
     """Load a recipe with its defaults and overrides, then :func:`check_recipe` it. Loading
     problems (missing file, YAML syntax, bad override) raise UserInputError."""
     recipe = load_recipe(path, overrides)
-    return check_recipe(recipe, base_dir=Path.cwd(), **kwargs)
+    return check_recipe(recipe, base_dir=Path.cwd(), recipe_path=Path(path), **kwargs)

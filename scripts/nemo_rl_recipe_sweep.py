@@ -6,6 +6,8 @@ exemplars:
 - a tiny preset model (tiny-moe where the recipe's model name says experts);
 - the built-in arithmetic data;
 - small batches, every parallel size 1, one step, no validation and no checkpoints;
+- quantization calibrated on the run's own data (``quant_calib_data`` null: NeMo-RL's is a
+  Hugging Face dataset);
 - fixed sink run names (NeMo-RL's interpolate the data they name).
 
 Everything else in the recipe runs as written. The recipes are those of the committed key list
@@ -71,6 +73,8 @@ def _section(model: str, recipe_section: dict[str, Any], *, trains: bool) -> dic
         "megatron_cfg": dict(ONE_RANK),
         "hf_config_overrides": None,
     }
+    if recipe_section.get("quant_calib_data"):
+        section["quant_calib_data"] = None  # NeMo-RL's is a Hugging Face dataset: the run's own
     if isinstance(recipe_section.get("dtensor_cfg"), dict):
         section["dtensor_cfg"] = dict(ONE_RANK_DTENSOR)
     if trains:

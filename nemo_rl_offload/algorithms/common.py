@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ import numpy as np
 
 from nemo_rl_offload.algorithms import batching, packing
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.config import checkpointing
+from nemo_rl_offload.config import checkpointing, quantization
 from nemo_rl_offload.config.model_presets import section_architecture
 from nemo_rl_offload.data.datasets import (
     CUT_PART_TOKENS,
@@ -482,12 +482,15 @@ class Run:
         if self.last_step and self.last_step != self._saved_step:
             self.save(policy, self.last_step, self.last_state)
 
-    def restore(self, policy: Any) -> None:
-        """Load the resume checkpoint (full state) or ``policy.init_checkpoint`` (weights).
+    def restore(self, policy: Any, calibration: Sequence[TokenSequence] = ()) -> None:
+        """Load the resume checkpoint (full state) or ``policy.init_checkpoint`` (weights),
+        and make the policy quantization-aware (``policy.quant_cfg``) once its weights are
+        final, calibrating on ``calibration`` (the algorithm's training sequences).
 
         On resume, a policy group that holds a reference model first loads the
         init_checkpoint's weights, which the reference keeps (the resume checkpoint holds the
-        trained policy, not the reference it is compared with)."""
+        trained policy, not the reference it is compared with). A quantized policy gets its
+        quantizers before the resume checkpoint loads, which restores their state."""
         init = self.policy_cfg.get("init_checkpoint")
         if self.resume_from is not None:
             policy_dir = self.resume_from / "policy"
@@ -495,15 +498,33 @@ class Run:
                 print(f"note: {note}", file=sys.stderr)
             if init and policy.holds_reference:
                 path = resolve_checkpoint(init, "policy.init_checkpoint")
+                _not_quantized(path / "policy", "policy.init_checkpoint")
                 policy.load(str(path / "policy"), weights_only=True)
                 print(f"reference weights loaded from {path}", file=sys.stderr)
+            self._quantize(policy, calibration)
             policy.load(str(policy_dir))
             print(f"resumed from {self.resume_from} (step {self.start_step})", file=sys.stderr)
             return
         if init:
             path = resolve_checkpoint(init, "policy.init_checkpoint")
+            _not_quantized(path / "policy", "policy.init_checkpoint")
             policy.load(str(path / "policy"), weights_only=True)
             print(f"policy weights loaded from {path}", file=sys.stderr)
+        self._quantize(policy, calibration)
+
+    def _quantize(self, policy: Any, sequences: Sequence[TokenSequence]) -> None:
+        """``policy.quant_cfg``: the workers quantize (``models.quantization``), calibrating on
+        :func:`calibration_batches` of the training sequences."""
+        value = quantization.policy_config(self.policy_cfg)
+        if value is None:
+            return
+        info = policy.quantize(value, calibration_batches(sequences, self.policy_cfg))
+        calibrated = info["calibration_batches"]
+        print(
+            f"policy quantization-aware with {value}: {info['quantizers']} quantizers"
+            + (f", calibrated on {calibrated} batches" if calibrated else ""),
+            file=sys.stderr,
+        )
 
     def connect(self) -> None:
         """Start or join Ray: after the data has loaded, so a bad data file fails in seconds."""
@@ -556,6 +577,40 @@ class Run:
         self.logger.close()
         if self.cluster_info is not None:
             cluster.shutdown(self.cluster_info)
+
+
+def _not_quantized(policy_dir: Path, key: str) -> None:
+    """A quantization-aware run's checkpoint (ModelOpt's entries, models.quantization) gives
+    weights to a run by resuming only; one line naming the other ways."""
+    from nemo_rl_offload.models.checkpoint import is_legacy, read_saved
+
+    if is_legacy(policy_dir):
+        return
+    saved = read_saved(policy_dir).quant_cfg
+    if saved is not None:
+        raise UserInputError(
+            f"{key}: {policy_dir.parent} was written by a quantization-aware run "
+            f"(policy.quant_cfg: {saved}), whose checkpoint only that run reads (by resuming "
+            "from its checkpoint_dir); to start a new run from its weights, export them with "
+            "nemo-rl-offload export-hf and give the directory as policy.model_name"
+        )
+
+
+def calibration_batches(
+    sequences: Sequence[TokenSequence], policy_cfg: Mapping[str, Any]
+) -> list[list[list[int]]]:
+    """The calibration batches NeMo-RL's keys describe: the first ``quant_calib_size``
+    sequences laid end to end and cut into rows of ``quant_sequence_length`` tokens (no padding
+    enters the calibrated ranges; a short last row is dropped unless it is the only one),
+    ``quant_batch_size`` rows a batch."""
+    examples = int(policy_cfg.get("quant_calib_size") or 0)
+    length = int(policy_cfg.get("quant_sequence_length") or quantization.DEFAULT_CALIBRATION_LENGTH)
+    per_batch = int(policy_cfg.get("quant_batch_size") or quantization.DEFAULT_CALIBRATION_BATCH)
+    stream = [token for sequence in sequences[:examples] for token in sequence.ids]
+    rows = [stream[i : i + length] for i in range(0, len(stream), length)]
+    if len(rows) > 1 and len(rows[-1]) < length:
+        rows.pop()
+    return [rows[i : i + per_batch] for i in range(0, len(rows), per_batch)]
 
 
 def prepare(

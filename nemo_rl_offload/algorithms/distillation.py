@@ -83,7 +83,7 @@ def start(run: Run) -> loop.Steps:
             "warning: teacher.init_checkpoint is not set: the teacher has random weights",
             file=sys.stderr,
         )
-    run.restore(policy)
+    run.restore(policy, train)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts = int(cfg["num_prompts_per_step"])
     group = int(cfg.get("num_generations_per_prompt", 1))

@@ -106,7 +106,7 @@ def start(run: Run) -> loop.Steps:
         "policy", seed=seed, trainable=True, with_reference=holds_reference(run.recipe, "dpo")
     )
     check_batch_sizes(policy_cfg, policy.dp_size)
-    run.restore(policy)
+    run.restore(policy, [chosen for chosen, _ in train])
     spec = {
         "name": "dpo",
         "beta": float(cfg["reference_policy_kl_penalty"]),

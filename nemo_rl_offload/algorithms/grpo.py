@@ -388,7 +388,7 @@ def start(run: Run) -> loop.Steps:
         # distribution's temperature (top-k / top-p are not applied to them here)
         logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
     )
-    run.restore(policy)
+    run.restore(policy, train)
     meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts, group = (

@@ -47,7 +47,7 @@ def start(run: Run) -> loop.Steps:
     run.connect()
     policy = run.start_group("policy", seed=int(cfg["seed"]), trainable=True)
     check_batch_sizes(policy_cfg, policy.dp_size)
-    run.restore(policy)
+    run.restore(policy, train)
     sampler = run.sampler(len(train), int(cfg["seed"]))
     gbs = int(policy_cfg["train_global_batch_size"])
     # Validation is a forward-only pass: val_micro_batch_size, else logprob_batch_size.

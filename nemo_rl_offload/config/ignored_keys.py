@@ -516,7 +516,12 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             "NeMo-RL does) the schedule is megatron_cfg.scheduler",
             _always,
         ),
-        f"{where}.quant_cfg": _not_yet(f"{where}.quant_cfg", None, "quantization"),
+        # The policy's quant_cfg is implemented (config/quantization.py).
+        **(
+            {f"{where}.quant_cfg": _not_yet(f"{where}.quant_cfg", None, "a quantized teacher")}
+            if teacher
+            else {}
+        ),
         f"{where}.is_vlm": _not_yet(f"{where}.is_vlm", False, "vision-language models"),
         f"{where}.tokenizer.chat_template": Unused(
             "no chat template is applied: prompts are tokenized as the data writes them"
@@ -589,15 +594,29 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             ),
         }
     )
-    for key in (
-        "quant_calib_data",
-        "quant_calib_size",
-        "quant_batch_size",
-        "quant_sequence_length",
-        "disable_modelopt_layer_spec",
-    ):
-        entries[f"{where}.{key}"] = Unused(
-            "quantization is not implemented (quant_cfg is refused)", _always
+    if teacher:
+        for key in (
+            "quant_calib_data",
+            "quant_calib_size",
+            "quant_batch_size",
+            "quant_sequence_length",
+            "disable_modelopt_layer_spec",
+        ):
+            entries[f"{where}.{key}"] = Unused(_TEACHER_TRAINS_NOT, _always)
+    else:
+        # quant_calib_size, quant_batch_size and quant_sequence_length are implemented
+        # (algorithms/common.Run.quantize).
+        entries[f"{where}.quant_calib_data"] = Unused(
+            "NeMo-RL's calibration datasets are Hugging Face datasets, which this backend does "
+            "not load; configs that calibrate activation ranges calibrate on the recipe's own "
+            "training data",
+            refuse="set it to null to calibrate on the first quant_calib_size training examples",
+            at_start=True,
+        )
+        entries[f"{where}.disable_modelopt_layer_spec"] = Unused(
+            "ModelOpt's quantizers attach to megatron-core's local layer spec, which this "
+            "backend always builds",
+            _always,
         )
     if teacher:
         # The policy's adapters are implemented (config/peft.py); a teacher's would change
@@ -632,13 +651,12 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             ),
             f"{g}.refit_cfg": Unused(_NO_REFIT, _always),
             f"{g}.refit_transport": Unused(_NO_REFIT, _always),
-            f"{g}.quant_cfg": _not_yet(f"{g}.quant_cfg", None, "quantized rollouts"),
-            f"{g}.real_quant": _not_yet(f"{g}.real_quant", False, "quantized rollouts"),
+            # generation.quant_cfg and real_quant are implemented (config/quantization.py).
             f"{g}.real_quant_export_cpu_offload": Unused(
-                "quantized rollouts are not implemented (real_quant is refused)", _always
+                "vLLM's packed NVFP4 export; rollouts here run the fake-quantized model", _always
             ),
             f"{g}.real_quant_ignore": Unused(
-                "quantized rollouts are not implemented (real_quant is refused)", _always
+                "vLLM's packed NVFP4 export; rollouts here run the fake-quantized model", _always
             ),
         }
     )

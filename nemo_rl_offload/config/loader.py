@@ -28,6 +28,7 @@ import inspect
 import os
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -69,6 +70,28 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     data = _load_with_defaults(os.fspath(path), ())
     data = apply_overrides(data, overrides)
     return resolve_interpolations(data)
+
+
+def recipe_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The recipe file and every file its ``defaults:`` reach, the recipe first (for keys that
+    name files relative to where a recipe lives, e.g. ``config.quantization``). A file that
+    cannot be read ends its branch: :func:`load_recipe` reports it."""
+    found: list[Path] = []
+    pending = [os.fspath(path)]
+    while pending:
+        current = os.path.normpath(pending.pop(0))
+        if Path(current).resolve() in {f.resolve() for f in found} or not os.path.isfile(current):
+            continue
+        found.append(Path(current))
+        try:
+            data = _read_yaml(current)
+            entries = _defaults_entries(current, data.get(DEFAULTS_KEY))
+        except UserInputError:
+            continue
+        pending += [
+            e if os.path.isabs(e) else os.path.join(os.path.dirname(current), e) for e in entries
+        ]
+    return found
 
 
 # --------------------------------------------------------------------------------------------

@@ -112,6 +112,9 @@ class SavedCheckpoint:
     optimizer_format: str | None  # None: weights only; "plain" or the distributed format
     step: int
     version: int = FORMAT_VERSION
+    # policy.quant_cfg of the run that wrote it (models.quantization): only a model quantized
+    # the same way reads its entries.
+    quant_cfg: str | None = None
 
 
 def is_legacy(directory: str | Path) -> bool:
@@ -143,6 +146,7 @@ def read_saved(directory: str | Path) -> SavedCheckpoint:
             meta.get("optimizer_format"),
             int(meta["step"]),
             version,
+            meta.get("quant_cfg"),
         )
     except FileNotFoundError as exc:
         raise UserInputError(
@@ -383,21 +387,26 @@ def save(
     step: int,
     distributed_optimizer: bool,
     on_gpu: bool,
+    quant_cfg: str | None = None,
 ) -> None:
     """Write this rank's part of the checkpoint (every rank of the group calls it together);
-    rank 0 writes ``layout.json`` once all parts are written."""
+    rank 0 writes ``layout.json`` once all parts are written. ``quant_cfg``: the model's
+    quantization (``policy.quant_cfg``), recorded for whoever reads it."""
     import torch
     from megatron.core import dist_checkpointing
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     metadata = _metadata()
-    state: dict[str, Any] = {"model": model.sharded_state_dict(metadata=metadata), "step": step}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=metadata)
-        state["scheduler"] = scheduler.state_dict()
-    state["rng_state"] = _rng_object(_rng_state(on_gpu))
-    with _checkpoint_io(on_gpu):
+    with _checkpoint_io(on_gpu):  # a quantized model's state is read under it too
+        state: dict[str, Any] = {
+            "model": model.sharded_state_dict(metadata=metadata),
+            "step": step,
+        }
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=metadata)
+            state["scheduler"] = scheduler.state_dict()
+        state["rng_state"] = _rng_object(_rng_state(on_gpu))
         dist_checkpointing.save(state, str(directory))  # ends with a barrier: parts written
     if torch.distributed.get_rank() == 0:
         layout = Layout.current(distributed_optimizer=distributed_optimizer)
@@ -412,6 +421,7 @@ def save(
             if distributed_optimizer
             else "plain",
             "step": step,
+            "quant_cfg": quant_cfg,
         }
         tmp = directory / (LAYOUT_FILE + ".tmp")
         tmp.write_text(json.dumps(meta, indent=1))
@@ -442,25 +452,25 @@ def load(
     if full:
         check_resume(directory, saved, current)
     metadata = _metadata()
-    request: dict[str, Any] = {"model": model.sharded_state_dict(metadata=metadata)}
     restore_rng = full and saved.layout.same_ranks(current)
-    if full:
-        _allocate_optimizer_state(optimizer)
-        request["optimizer"] = optimizer.sharded_state_dict(
-            request["model"], is_loading=True, metadata=metadata
-        )
-        if restore_rng:
-            request["rng_state"] = _rng_object(None)
-    try:
-        with _checkpoint_io(on_gpu):
+    with _checkpoint_io(on_gpu):  # a quantized model's state is read and set under it too
+        request: dict[str, Any] = {"model": model.sharded_state_dict(metadata=metadata)}
+        if full:
+            _allocate_optimizer_state(optimizer)
+            request["optimizer"] = optimizer.sharded_state_dict(
+                request["model"], is_loading=True, metadata=metadata
+            )
+            if restore_rng:
+                request["rng_state"] = _rng_object(None)
+        try:
             state = dist_checkpointing.load(request, str(directory))
-    except (CheckpointingException, CheckpointException, OSError, RuntimeError) as exc:
-        raise UserInputError(
-            f"{directory}: cannot be read into this model on {current.describe()} (saved "
-            f"with {saved.layout.describe()}): {_reason(exc)}; check that the recipe's model "
-            "is the one that wrote it and that its files are complete"
-        ) from exc
-    model.load_state_dict(state["model"], strict=True)
+        except (CheckpointingException, CheckpointException, OSError, RuntimeError) as exc:
+            raise UserInputError(
+                f"{directory}: cannot be read into this model on {current.describe()} (saved "
+                f"with {saved.layout.describe()}): {_reason(exc)}; check that the recipe's "
+                "model is the one that wrote it and that its files are complete"
+            ) from exc
+        model.load_state_dict(state["model"], strict=True)
     if not full:
         if optimizer is not None:
             # Mixed precision and the distributed optimizer step float32 copies of the

@@ -36,6 +36,10 @@ Patches (module: name -> replacement, and why):
    with expert parallelism its split sizes become numpy arrays, as its device-to-host copy
    makes them on GPU (the collective takes a sequence of ints).
 
+8. ``torch`` as seen by ModelOpt's megatron plugin -> the stand-in of 1, once a CPU worker
+   quantizes (:func:`enable_cpu_modelopt`): it synchronises CUDA before serialising a
+   quantizer's state, and on CPU there is nothing to wait for.
+
 5. ``torch`` as seen by the modules in :data:`CUDA_ALLOCATION_MODULES` (Megatron's DDP
    helpers, optimizer, gradient clipping, multi-tensor utilities) -> the stand-in of 1 that also
    puts ``device="cuda"`` allocations (loss scale, found-inf flag, norm accumulators) on the CPU,
@@ -320,6 +324,18 @@ def enable_cpu_execution() -> None:
     _patch(_RANDOM, "_set_cuda_rng_state", _no_cuda_rng_state)
 
 
+def enable_cpu_modelopt() -> None:
+    """Patch 8 (with the CPU patches in force; undone with them): ModelOpt's megatron plugin
+    sees the CPU stand-in ``torch`` of patch 1, so that a quantized model's state dict (which
+    serialises each quantizer's state after ``torch.cuda.synchronize``) is made on CPU
+    workers. Idempotent."""
+    if not _saved:
+        raise RuntimeError("enable_cpu_modelopt needs enable_cpu_execution first")
+    target = importlib.import_module(_MODELOPT_STATE_MODULE)
+    if (target, "torch") not in _saved:
+        _patch(_MODELOPT_STATE_MODULE, "torch", _CpuTorch())
+
+
 def disable_cpu_execution() -> None:
     """Undo :func:`enable_cpu_execution`, restoring every patched name (for tests)."""
     for (target, attribute), original in reversed(list(_saved.items())):
@@ -355,6 +371,10 @@ _CHECKPOINT_IO_MODULES: tuple[str, ...] = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize after D2H
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # failure flag on "cuda"
 )
+# ModelOpt's megatron plugin synchronises CUDA when it serialises a quantizer's state (a
+# quantization-aware policy, models.quantization): patch 8, applied when a CPU worker
+# quantizes (enable_cpu_modelopt).
+_MODELOPT_STATE_MODULE = "modelopt.torch.opt.plugins.megatron"
 
 
 @contextlib.contextmanager

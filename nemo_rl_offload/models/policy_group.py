@@ -217,5 +217,10 @@ class PolicyGroup:
         """Load a checkpoint on every worker; the step it was saved at (0 for weights only)."""
         return max(self.group.run("load_checkpoint", directory, weights_only=weights_only))
 
+    def quantize(self, config_value: str, calibration: list[list[list[int]]]) -> dict[str, int]:
+        """Every worker makes its part of the policy quantization-aware (PolicyWorker.quantize);
+        what the first reports."""
+        return self.group.run("quantize", config_value, calibration)[0]
+
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -175,6 +175,7 @@ class PolicyWorker:
         self.scheduler: Any = None
         self.graphs: Any = None  # StepGraphs with cuda_graph_impl full_iteration
         self.layer_inputs: Any = None  # offload.layer_input.LayerInputOffloader, when on
+        self.quantized = False  # policy.quant_cfg applied (quantize)
         self.step = 0
 
     # ------------------------------------------------------------------------------ setup
@@ -276,6 +277,39 @@ class PolicyWorker:
             self._setup_training(model.config, megatron_cfg)
         params = sum(p.numel() for p in model.parameters())
         return {"warnings": warnings, "parameters": params, "device": str(self.device), **numa}
+
+    def quantize(self, config_value: str, calibration: list[list[list[int]]]) -> dict[str, int]:
+        """Make the policy quantization-aware (``policy.quant_cfg``, ``models.quantization``)
+        once its weights are final, calibrating on ``calibration`` (token id batches, the same
+        on every rank). Before a resume's load, which then restores the quantizers' state."""
+        import torch
+        from megatron.core import parallel_state as ps
+
+        from nemo_rl_offload.models import quantization
+
+        config = quantization.resolve(config_value, [Path.cwd()])
+        batches = [torch.tensor(b, dtype=torch.long, device=self.device) for b in calibration]
+        info = quantization.quantize(
+            self._unwrapped(),
+            config,
+            batches,
+            on_gpu=self.on_gpu,
+            pipeline_or_context_parallel=ps.get_pipeline_model_parallel_world_size() > 1
+            or ps.get_context_parallel_world_size() > 1,
+        )
+        self.quantized = True
+        return info
+
+    def _rollout_quantizers(self) -> contextlib.AbstractContextManager[None]:
+        """Rollouts of a quantized policy run without its quantizers unless
+        ``generation.quant_cfg`` asks for them (``config.quantization``)."""
+        from nemo_rl_offload.config.quantization import rollouts_quantized
+
+        if not self.quantized or rollouts_quantized(self.section):
+            return contextlib.nullcontext()
+        from nemo_rl_offload.models.quantization import quantizers_off
+
+        return quantizers_off(self._unwrapped())
 
     def parallel_layout(self) -> dict[str, int | bool]:
         """This rank's data-parallel coordinates, whether it returns outputs (the first
@@ -578,7 +612,7 @@ class PolicyWorker:
         from nemo_rl_offload.models.router_replay import replays_routes
 
         # The KV cache lives only inside this block: allocated for the call, freed after it.
-        with self.runtime.forward_only():
+        with self.runtime.forward_only(), self._rollout_quantizers():
             return sample(
                 self.model,
                 prompts,
@@ -632,6 +666,7 @@ class PolicyWorker:
                 step=self.step,
                 distributed_optimizer=self._distributed_optimizer,
                 on_gpu=self.on_gpu,
+                quant_cfg=self.section.get("quant_cfg") if self.quantized else None,
             )
 
     @contextlib.contextmanager

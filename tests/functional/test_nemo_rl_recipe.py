@@ -65,6 +65,15 @@ def _check(
 # recipe freezes the routers (freeze_moe_router: true), which runs as it does there.
 REPLAY = "++policy.router_replay.enabled=true"
 
+# policy.quant_cfg with the calibration keys of NeMo-RL's quantization-aware recipes.
+QUANTIZED = [
+    "++policy.quant_cfg=NVFP4_DEFAULT_CFG",
+    "++policy.generation.quant_cfg=NVFP4_DEFAULT_CFG",
+    "++policy.quant_calib_size=8",
+    "++policy.quant_batch_size=2",
+    "++policy.quant_sequence_length=32",
+]
+
 # What each CPU run changes beyond its recipe file: GRPO's file is the GPU run's. On CPU the
 # GRPO run takes the MoE preset with router replay, so one run covers both (the GPU runs the
 # dense model and the MoE with and without replay).
@@ -88,7 +97,10 @@ CPU_OVERRIDES = {
     ],
     "sft": [],
     "dpo": [],
-    "distillation": [],
+    # NeMo-RL's quantization-aware distillation (its qa_distillation recipe over this one):
+    # the student trains and samples with ModelOpt's NVFP4 quantizers, calibrated on the
+    # recipe's own prompts (its calibration dataset is a Hugging Face one).
+    "distillation": QUANTIZED,
 }
 
 
@@ -101,6 +113,8 @@ def test_nemo_rls_recipe_runs_on_cpu_workers(tmp_path, recipe):
     done, records = _run(tmp_path, recipe, *CPU_OVERRIDES[recipe])
     # CPU workers always run the distributed optimizer: nothing to say about precision.
     _check(done, records, steps=1, warned=("apply_rope_fusion",) if recipe == "grpo" else ())
+    if recipe == "distillation":
+        assert "policy quantization-aware with NVFP4_DEFAULT_CFG: " in done.stderr
     if recipe == "grpo":
         assert _routed(records) == [1.0]
         changed = [r["router_replay_changed"] for r in records if r.get("phase") == "train"]
@@ -129,3 +143,35 @@ def test_router_replay_on_an_moe_policy_on_a_gpu(tmp_path):
         runs[name] = records
     assert _routed(runs["replay"]) == [1.0, 1.0]
     assert "router_replay_routed" not in json.dumps(runs["no_replay"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantization_aware_grpo_on_a_gpu(tmp_path):
+    """llama-1b GRPO from the same weights and prompts: plain; NVFP4 MLP weights in training
+    and rollouts (NeMo-RL's W4A16 recipes); the same with unquantized rollouts; NVFP4 weights
+    and inputs in both (NeMo-RL's W4A4 recipes). Weight quantization is the same function of
+    the weights in the sampler and the trainer, so with both quantized their log-probabilities
+    agree as closely as the plain run's; with the sampler unquantized they do not.
+    ``QUANTIZATION_OUT``: a directory for the runs' metrics (benchmarks/results)."""
+    out = Path(os.environ.get("QUANTIZATION_OUT") or tmp_path)
+    weights = "NVFP4_MLP_WEIGHT_ONLY_CFG"
+    cases = {
+        "plain": [],
+        "nvfp4_mlp_weights": [
+            f"++policy.quant_cfg={weights}",
+            f"++policy.generation.quant_cfg={weights}",
+        ],
+        "nvfp4_mlp_weights_rollouts_plain": [f"++policy.quant_cfg={weights}"],
+        "nvfp4_w4a4": QUANTIZED,
+    }
+    error = {}
+    for name, extra in cases.items():
+        done, records = _run(out / name, "grpo", *extra)
+        _check(done, records, steps=2, warned=("apply_rope_fusion",))
+        if extra:
+            assert "policy quantization-aware with " in done.stderr
+        error[name] = [r["token_mult_prob_error"] for r in records if r.get("phase") == "train"]
+    plain = abs(error["plain"][0] - 1)
+    assert abs(error["nvfp4_mlp_weights"][0] - 1) < 2 * plain + 0.01, error
+    assert abs(error["nvfp4_mlp_weights_rollouts_plain"][0] - 1) > 2 * plain + 0.01, error
