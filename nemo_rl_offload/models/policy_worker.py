@@ -289,14 +289,24 @@ class PolicyWorker:
 
         config = quantization.resolve(config_value, [Path.cwd()])
         batches = [torch.tensor(b, dtype=torch.long, device=self.device) for b in calibration]
-        info = quantization.quantize(
-            self._unwrapped(),
-            config,
-            batches,
-            on_gpu=self.on_gpu,
-            pipeline_or_context_parallel=ps.get_pipeline_model_parallel_world_size() > 1
-            or ps.get_context_parallel_world_size() > 1,
-        )
+        # Megatron's DDP with overlap_param_gather keeps a forward pre-hook per submodule it
+        # saw when built; the quantizers are new submodules. Off and on again around the
+        # insertion, every module has one (no step has run: nothing to gather).
+        hooked = getattr(self.model, "use_forward_hook", False)
+        if hooked:
+            self.model.disable_forward_pre_hook(param_sync=False)
+        try:
+            info = quantization.quantize(
+                self._unwrapped(),
+                config,
+                batches,
+                on_gpu=self.on_gpu,
+                pipeline_or_context_parallel=ps.get_pipeline_model_parallel_world_size() > 1
+                or ps.get_context_parallel_world_size() > 1,
+            )
+        finally:
+            if hooked:
+                self.model.enable_forward_pre_hook()
         self.quantized = True
         return info
 

@@ -155,14 +155,21 @@ def test_quantization_aware_grpo_on_a_gpu(tmp_path):
     agree as closely as the plain run's; with the sampler unquantized they do not.
     ``QUANTIZATION_OUT``: a directory for the runs' metrics (benchmarks/results)."""
     out = Path(os.environ.get("QUANTIZATION_OUT") or tmp_path)
-    weights = "NVFP4_MLP_WEIGHT_ONLY_CFG"
+    # As NeMo-RL's W4A16 recipe files write it (format names), read with ModelOpt's reader.
+    mlp_weights = tmp_path / "nvfp4_mlp_weights.yaml"
+    mlp_weights.write_text(
+        "quantize:\n  algorithm: max\n  quant_cfg:\n"
+        "    - {quantizer_name: '*', enable: false}\n"
+        "    - quantizer_name: '*mlp*weight_quantizer'\n      enable: true\n"
+        "      cfg: {num_bits: e2m1, block_sizes: {-1: 16, type: dynamic, scale_bits: e4m3}}\n"
+    )
     cases = {
         "plain": [],
         "nvfp4_mlp_weights": [
-            f"++policy.quant_cfg={weights}",
-            f"++policy.generation.quant_cfg={weights}",
+            f"++policy.quant_cfg={mlp_weights}",
+            f"++policy.generation.quant_cfg={mlp_weights}",
         ],
-        "nvfp4_mlp_weights_rollouts_plain": [f"++policy.quant_cfg={weights}"],
+        "nvfp4_mlp_weights_rollouts_plain": ["++policy.quant_cfg=NVFP4_MLP_WEIGHT_ONLY_CFG"],
         "nvfp4_w4a4": QUANTIZED,
     }
     error = {}

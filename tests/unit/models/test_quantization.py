@@ -169,9 +169,14 @@ def _quantized_worker(policy: dict, calibration: list[list[list[int]]]):
 
 
 def test_a_quantized_policy_resumes_with_its_ranges_and_trains_bitwise(megatron_cpu, tmp_path):
-    policy = {**worker_ranks.section(), "quant_cfg": CALIBRATED}
+    # NeMo-RL's exemplars' optimizer: distributed, parameters gathered in the next forward.
+    exemplar = worker_ranks.section(
+        optimizer={"use_distributed_optimizer": True},
+        distributed_data_parallel_config={"overlap_param_gather": True},
+    )
+    policy = {**exemplar, "quant_cfg": CALIBRATED}
     trained = _quantized_worker(policy, [_ids(4).tolist()])
-    plain = worker_ranks.single_worker(worker_ranks.section())
+    plain = worker_ranks.single_worker(exemplar)
     first = trained.train(worker_ranks.step_batches(1), worker_ranks.LOSS)
     assert first["loss"] != plain.train(worker_ranks.step_batches(1), worker_ranks.LOSS)["loss"]
     trained.train(worker_ranks.step_batches(2), worker_ranks.LOSS)
