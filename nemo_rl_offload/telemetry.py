@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from nemo_rl_offload.config import quantization
 from nemo_rl_offload.config.batch_checks import check_batch_sizes
 from nemo_rl_offload.config.model_presets import section_architecture
 from nemo_rl_offload.distributed import cluster
@@ -103,6 +104,9 @@ def _run_steps(
             print(f"warning: {line}", file=err)
         vocab = section_architecture(section, base_dir=Path.cwd()).vocab_size
         rng = np.random.default_rng(seed)
+        quantized = _quantize_as_the_run_would(group, section, lengths[0], vocab, rng)
+        if quantized:
+            print(f"{name}: policy quantization-aware ({quantized})", file=err)
         records = []
         for step in range(1, steps + 1):
             length = lengths[(step - 1) % len(lengths)]
@@ -116,6 +120,25 @@ def _run_steps(
         return records
     finally:
         group.shutdown()
+
+
+def _quantize_as_the_run_would(
+    group: PolicyGroup, section: dict[str, Any], length: int, vocab: int, rng: np.random.Generator
+) -> str | None:
+    """A quantization-aware recipe (``policy.quant_cfg``) is measured quantized, as it trains.
+    Its calibration takes random tokens in the recipe's calibration shape (one batch of
+    ``quant_batch_size`` rows): the ranges differ from the run's, what a step costs does not.
+    Returns what was applied, for the log (None: nothing)."""
+    value = quantization.policy_config(section)
+    if value is None:
+        return None
+    batches: list[list[list[int]]] = []
+    if section.get("quant_calib_size"):
+        rows = int(section.get("quant_batch_size") or quantization.DEFAULT_CALIBRATION_BATCH)
+        cut = min(length, int(section.get("quant_sequence_length") or length))
+        batches = [rng.integers(0, vocab, (rows, cut)).tolist()]
+    info = group.quantize(value, batches)
+    return f"{value}: {info['quantizers']} quantizers"
 
 
 def environment() -> dict[str, Any]:

@@ -41,3 +41,23 @@ def test_each_algorithm_gets_one_step_small_batches_and_one_rank():
         assert layer["logger"] == {"wandb": {"name": "name"}}  # only the sinks the recipe has
         assert ("generation" in layer["policy"]) == (algorithm in ("grpo", "distillation"))
         assert ("teacher" in layer) == (algorithm == "distillation")
+
+
+def test_named_calibration_data_is_replaced_by_the_runs_own():
+    recipe = {"policy": {"model_name": "m", "quant_cfg": "X_CFG", "quant_calib_data": "cnn"}}
+    assert stand_ins(recipe, "grpo", "r")["policy"]["quant_calib_data"] is None
+    assert (
+        "quant_calib_data" not in stand_ins({"policy": {"model_name": "m"}}, "grpo", "r")["policy"]
+    )
+
+
+def test_only_the_models_absence_is_not_counted_against_a_recipe():
+    from nemo_rl_recipe_sweep import beyond_model
+
+    errors = [
+        "policy.model_name: Hugging Face model 'a/b' is not on this machine ...",
+        "policy.model_name: 'Follow instructions in ...' is neither a preset nor a local directory",
+        "teacher.model_name: 'x' is neither a preset nor a local directory",
+        "policy.quant_cfg: 'f.yaml' is neither a ModelOpt config name nor a file",
+    ]
+    assert beyond_model(errors) == errors[3:]
