@@ -12,8 +12,9 @@ training model, so they can be quantized with the policy's config or not at all.
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,9 +104,11 @@ def problems(
     dirs: Sequence[Path],
     peft_enabled: bool,
     graphs: Any,
+    config_names: Callable[[], set[str]] | None = None,
 ) -> tuple[list[str], list[str]]:
     """(errors, warnings), one line each, for the policy's quantization keys. ``graphs``: the
-    effective ``cuda_graph_impl``."""
+    effective ``cuda_graph_impl``; ``config_names``: ModelOpt's config names (asked only for a
+    recipe that names one; ``models.quantization.config_names``)."""
     policy = recipe.get("policy")
     if not isinstance(policy, Mapping):
         return [], []
@@ -134,7 +137,14 @@ def problems(
         return errors, warnings
     key = "policy.quant_cfg"
     if is_config_name(value):
-        if _ATTENTION_QUANTIZERS.search(value):
+        known = config_names() if config_names is not None else None
+        if known is not None and value not in known:
+            close = difflib.get_close_matches(value, sorted(known), n=1)
+            errors.append(
+                f"{key}: {value!r} is not a quantization config of ModelOpt"
+                + (f"; did you mean {close[0]}?" if close else f"; its configs: {sorted(known)}")
+            )
+        elif _ATTENTION_QUANTIZERS.search(value):
             errors.append(_attention_refusal(key, value))
     else:
         path = locate(value, dirs)

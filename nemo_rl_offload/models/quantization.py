@@ -45,22 +45,40 @@ def resolve(value: str, dirs: Sequence[Path]) -> dict[str, Any]:
         import modelopt.torch.quantization as mtq
 
         config = getattr(mtq, value, None)
-        if not isinstance(config, dict) or "quant_cfg" not in config:
-            names = sorted(n for n in dir(mtq) if n.endswith("_CFG") and n.isupper())
+        if value not in config_names():
             raise UserInputError(
                 f"{_KEY}: {value!r} is not a quantization config of ModelOpt "
-                f"{modelopt.__version__}; its configs: {', '.join(names)}"
+                f"{modelopt.__version__}; its configs: {', '.join(sorted(config_names()))}"
             )
         return {"algorithm": "max", **copy.deepcopy(config)}
     path = locate(value, dirs)
     if path is None:  # validate reports it; a run started without validate gets it here
         raise UserInputError(f"{_KEY}: no file {value!r}; give the file's absolute path")
-    read_recipe_file(path)  # the shape validate checks, one line if it is not that
+    try:
+        read_recipe_file(path)  # the shape validate checks
+    except (ValueError, OSError) as err:
+        raise UserInputError(
+            f"{_KEY}: {path} is not a ModelOpt quantization recipe: {err}"
+        ) from err
     # ModelOpt's own reader turns the file's format names (e2m1, e4m3) into its bit tuples.
     from modelopt.recipe import load_config
 
     document = load_config(str(path))
     return {"algorithm": "max", **document.get("quantize", document)}
+
+
+def config_names() -> set[str]:
+    """The quantization configs ``modelopt.torch.quantization`` defines (validate checks a
+    recipe's ``quant_cfg`` name against them)."""
+    import modelopt.torch.quantization as mtq
+
+    return {
+        name
+        for name in dir(mtq)
+        if name.endswith("_CFG")
+        and isinstance(getattr(mtq, name), dict)
+        and "quant_cfg" in getattr(mtq, name)
+    }
 
 
 def _check_megatron_plugin() -> None:

@@ -79,6 +79,7 @@ def test_a_modelopt_name_and_a_recipe_file_found_above_the_recipe_validate(nemo_
         ("quant_configs/empty.yaml", "holds no quant_cfg"),
         ("quant_configs/kv.yaml", "quantizes the KV cache"),
         ("FP8_KV_CFG", "quantizes the KV cache"),
+        ("NVFP4_DEFALT_CFG", "did you mean NVFP4_DEFAULT_CFG?"),
     ],
 )
 def test_a_config_this_backend_cannot_apply_is_one_line(nemo_rl_tree, value, says):
