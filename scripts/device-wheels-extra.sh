@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# After ../shared/device/make-wheels.sh: what the GPU machine also needs, within its 64 MiB
+# carry (the working tree plus .whl/):
+# - nvidia-modelopt (policy.quant_cfg; pure Python) and pulp (ModelOpt imports it; repacked
+#   without its bundled solver binaries, which ModelOpt's quantization never calls);
+# - Ray repacked without rllib, serve, tune, data and the dashboard's web build (not used here).
+# The GPU image already has scipy, triton and ninja. Usage: bash scripts/device-wheels-extra.sh
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+wheels="$root/.whl"
+[ -d "$wheels" ] || { echo "error: no $wheels; run bash ../shared/device/make-wheels.sh first" >&2; exit 1; }
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux_2_28_x86_64 -d "$tmp" "nvidia-modelopt==0.47.0" "pulp>=3,<4"
+cp "$tmp"/nvidia_modelopt-*.whl "$wheels/"
+repack() {  # repack WHEEL (a path) without the paths given after it
+  local wheel="$1"; shift
+  local dir="$tmp/x"; rm -rf "$dir"; mkdir "$dir"
+  (cd "$dir" && unzip -q "$wheel" && rm -rf "$@" && rm -f "$wheel.new" && zip -qr -9 "$wheel.new" .)
+  mv "$wheel.new" "$wheels/$(basename "$wheel")"
+}
+repack "$(ls "$tmp"/pulp-*.whl)" pulp/solverdir pulp/tests
+ray="$(ls "$wheels"/ray-*.whl)"
+cp "$ray" "$tmp/" && repack "$tmp/$(basename "$ray")" ray/rllib ray/serve ray/tune ray/data \
+  ray/dashboard/client/build
+du -sh "$wheels"
