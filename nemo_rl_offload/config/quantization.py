@@ -127,7 +127,14 @@ def problems(
             "that trains unquantized; rollouts here run on the training model: set "
             f"policy.quant_cfg to {wanted!r} too (quantization-aware training) or this to null"
         )
-    if isinstance(generation, Mapping) and generation.get("real_quant") is True and value:
+    real_quant = isinstance(generation, Mapping) and generation.get("real_quant") is True
+    if real_quant and not wanted:
+        errors.append(
+            "policy.generation.real_quant: true quantizes rollouts with their quant_cfg, and "
+            "policy.generation.quant_cfg is null (NeMo-RL refuses this too); set "
+            "generation.quant_cfg to policy.quant_cfg, or real_quant to false"
+        )
+    elif real_quant and value:
         warnings.append(
             "warning: policy.generation.real_quant: rollouts run the fake-quantized weights "
             "on megatron-core, the values NVFP4 kernels compute (up to summation order), "

@@ -108,6 +108,8 @@ def test_real_quant_warns_that_rollouts_run_the_fake_quantized_weights(nemo_rl_t
     (line,) = _lines(report, "real_quant")
     assert line.startswith("warning: policy.generation.real_quant: rollouts run the fake-quant")
     assert _lines(_check(nemo_rl_tree, *policy), "real_quant") == []
+    (alone,) = _check(nemo_rl_tree, policy[0], "++policy.generation.real_quant=true").errors
+    assert alone.startswith("policy.generation.real_quant: true quantizes rollouts")
 
 
 @pytest.mark.parametrize(
