@@ -433,12 +433,6 @@ def _check_unset_environment(recipe: dict[str, Any], report: Report, starting: b
         report.errors = [line for line in report.errors if not line.startswith(prefixes)]
 
 
-def _modelopt_config_names() -> set[str]:
-    from nemo_rl_offload.models.quantization import config_names
-
-    return config_names()
-
-
 def check_recipe(
     recipe: dict[str, Any],
     *,
@@ -539,13 +533,15 @@ def check_recipe(
             )
             report.errors += replay_errors
             report.warnings += replay_warnings
+            from nemo_rl_offload.models.quantization import config_names
+
             dirs = quantization.search_dirs(base_dir or Path.cwd(), recipe_path)
             quant_errors, quant_warnings = quantization.problems(
                 recipe,
                 dirs=dirs,
                 peft_enabled=peft.lora_settings(section) is not None,
                 graphs=effective.value("cuda_graph_impl"),
-                config_names=_modelopt_config_names,
+                config_names=config_names,
             )
             report.errors += quant_errors
             report.warnings += quant_warnings

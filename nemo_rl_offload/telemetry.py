@@ -106,7 +106,7 @@ def _run_steps(
         rng = np.random.default_rng(seed)
         quantized = _quantize_as_the_run_would(group, section, lengths[0], vocab, rng)
         if quantized:
-            print(f"{name}: policy quantization-aware ({quantized})", file=err)
+            print(f"{name}: {quantized}", file=err)
         records = []
         for step in range(1, steps + 1):
             length = lengths[(step - 1) % len(lengths)]
@@ -126,19 +126,16 @@ def _quantize_as_the_run_would(
     group: PolicyGroup, section: dict[str, Any], length: int, vocab: int, rng: np.random.Generator
 ) -> str | None:
     """A quantization-aware recipe (``policy.quant_cfg``) is measured quantized, as it trains.
-    Its calibration takes random tokens in the recipe's calibration shape (one batch of
-    ``quant_batch_size`` rows): the ranges differ from the run's, what a step costs does not.
-    Returns what was applied, for the log (None: nothing)."""
+    It calibrates on random sequences of the measured length cut as a run cuts its data
+    (``config.quantization.calibration_batches``): the ranges differ from the run's, what a
+    step costs does not. Returns the run's line for it (None: not quantized)."""
     value = quantization.policy_config(section)
     if value is None:
         return None
-    batches: list[list[list[int]]] = []
-    if section.get("quant_calib_size"):
-        rows = int(section.get("quant_batch_size") or quantization.DEFAULT_CALIBRATION_BATCH)
-        cut = min(length, int(section.get("quant_sequence_length") or length))
-        batches = [rng.integers(0, vocab, (rows, cut)).tolist()]
-    info = group.quantize(value, batches)
-    return f"{value}: {info['quantizers']} quantizers"
+    examples = int(section.get("quant_calib_size") or 0)
+    random = rng.integers(0, vocab, (examples, length)).tolist()
+    batches = quantization.calibration_batches(random, section)
+    return quantization.summary(value, group.quantize(value, batches))
 
 
 def environment() -> dict[str, Any]:

@@ -514,17 +514,12 @@ class Run:
 
     def _quantize(self, policy: Any, sequences: Sequence[TokenSequence]) -> None:
         """``policy.quant_cfg``: the workers quantize (``models.quantization``), calibrating on
-        :func:`calibration_batches` of the training sequences."""
+        ``config.quantization.calibration_batches`` of the training sequences."""
         value = quantization.policy_config(self.policy_cfg)
         if value is None:
             return
-        info = policy.quantize(value, calibration_batches(sequences, self.policy_cfg))
-        calibrated = info["calibration_batches"]
-        print(
-            f"policy quantization-aware with {value}: {info['quantizers']} quantizers"
-            + (f", calibrated on {calibrated} batches" if calibrated else ""),
-            file=sys.stderr,
-        )
+        batches = quantization.calibration_batches([s.ids for s in sequences], self.policy_cfg)
+        print(quantization.summary(value, policy.quantize(value, batches)), file=sys.stderr)
 
     def connect(self) -> None:
         """Start or join Ray: after the data has loaded, so a bad data file fails in seconds."""
@@ -594,23 +589,6 @@ def _not_quantized(policy_dir: Path, key: str) -> None:
             "from its checkpoint_dir); to start a new run from its weights, export them with "
             "nemo-rl-offload export-hf and give the directory as policy.model_name"
         )
-
-
-def calibration_batches(
-    sequences: Sequence[TokenSequence], policy_cfg: Mapping[str, Any]
-) -> list[list[list[int]]]:
-    """The calibration batches NeMo-RL's keys describe: the first ``quant_calib_size``
-    sequences laid end to end and cut into rows of ``quant_sequence_length`` tokens (no padding
-    enters the calibrated ranges; a short last row is dropped unless it is the only one),
-    ``quant_batch_size`` rows a batch."""
-    examples = int(policy_cfg.get("quant_calib_size") or 0)
-    length = int(policy_cfg.get("quant_sequence_length") or quantization.DEFAULT_CALIBRATION_LENGTH)
-    per_batch = int(policy_cfg.get("quant_batch_size") or quantization.DEFAULT_CALIBRATION_BATCH)
-    stream = [token for sequence in sequences[:examples] for token in sequence.ids]
-    rows = [stream[i : i + length] for i in range(0, len(stream), length)]
-    if len(rows) > 1 and len(rows[-1]) < length:
-        rows.pop()
-    return [rows[i : i + per_batch] for i in range(0, len(rows), per_batch)]
 
 
 def prepare(

@@ -605,7 +605,7 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             entries[f"{where}.{key}"] = Unused(_TEACHER_TRAINS_NOT, _always)
     else:
         # quant_calib_size, quant_batch_size and quant_sequence_length are implemented
-        # (algorithms/common.Run.quantize).
+        # (config/quantization.calibration_batches).
         entries[f"{where}.quant_calib_data"] = Unused(
             "NeMo-RL's calibration datasets are Hugging Face datasets, which this backend does "
             "not load; configs that calibrate activation ranges calibrate on the recipe's own "

@@ -77,11 +77,13 @@ def recipe_files(path: str | os.PathLike[str]) -> list[Path]:
     name files relative to where a recipe lives, e.g. ``config.quantization``). A file that
     cannot be read ends its branch: :func:`load_recipe` reports it."""
     found: list[Path] = []
+    seen: set[Path] = set()
     pending = [os.fspath(path)]
     while pending:
         current = os.path.normpath(pending.pop(0))
-        if Path(current).resolve() in {f.resolve() for f in found} or not os.path.isfile(current):
+        if Path(current).resolve() in seen or not os.path.isfile(current):
             continue
+        seen.add(Path(current).resolve())
         found.append(Path(current))
         try:
             data = _read_yaml(current)

@@ -98,6 +98,31 @@ def read_recipe_file(path: Path) -> dict[str, Any]:
     return {"algorithm": "max", **config}
 
 
+def calibration_batches(
+    sequences: Sequence[Sequence[int]], section: Mapping[str, Any]
+) -> list[list[list[int]]]:
+    """The calibration batches NeMo-RL's keys describe, from token id sequences (a run's
+    training data): the first ``quant_calib_size`` laid end to end and cut into rows of
+    ``quant_sequence_length`` tokens (no padding enters the calibrated ranges; a short last row
+    is dropped unless it is the only one), ``quant_batch_size`` rows a batch."""
+    examples = int(section.get("quant_calib_size") or 0)
+    length = int(section.get("quant_sequence_length") or DEFAULT_CALIBRATION_LENGTH)
+    per_batch = int(section.get("quant_batch_size") or DEFAULT_CALIBRATION_BATCH)
+    stream = [token for sequence in sequences[:examples] for token in sequence]
+    rows = [stream[i : i + length] for i in range(0, len(stream), length)]
+    if len(rows) > 1 and len(rows[-1]) < length:
+        rows.pop()
+    return [rows[i : i + per_batch] for i in range(0, len(rows), per_batch)]
+
+
+def summary(value: str, applied: Mapping[str, int]) -> str:
+    """The line a run prints once the workers quantized (``PolicyGroup.quantize``'s counts)."""
+    calibrated = applied["calibration_batches"]
+    return f"policy quantization-aware with {value}: {applied['quantizers']} quantizers" + (
+        f", calibrated on {calibrated} batches" if calibrated else ""
+    )
+
+
 def problems(
     recipe: Mapping[str, Any],
     *,

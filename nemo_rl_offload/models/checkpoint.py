@@ -398,15 +398,12 @@ def save(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     metadata = _metadata()
-    with _checkpoint_io(on_gpu):  # a quantized model's state is read under it too
-        state: dict[str, Any] = {
-            "model": model.sharded_state_dict(metadata=metadata),
-            "step": step,
-        }
-        if optimizer is not None:
-            state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=metadata)
-            state["scheduler"] = scheduler.state_dict()
-        state["rng_state"] = _rng_object(_rng_state(on_gpu))
+    state: dict[str, Any] = {"model": model.sharded_state_dict(metadata=metadata), "step": step}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], metadata=metadata)
+        state["scheduler"] = scheduler.state_dict()
+    state["rng_state"] = _rng_object(_rng_state(on_gpu))
+    with _checkpoint_io(on_gpu):
         dist_checkpointing.save(state, str(directory))  # ends with a barrier: parts written
     if torch.distributed.get_rank() == 0:
         layout = Layout.current(distributed_optimizer=distributed_optimizer)
@@ -452,25 +449,25 @@ def load(
     if full:
         check_resume(directory, saved, current)
     metadata = _metadata()
+    request: dict[str, Any] = {"model": model.sharded_state_dict(metadata=metadata)}
     restore_rng = full and saved.layout.same_ranks(current)
-    with _checkpoint_io(on_gpu):  # a quantized model's state is read and set under it too
-        request: dict[str, Any] = {"model": model.sharded_state_dict(metadata=metadata)}
-        if full:
-            _allocate_optimizer_state(optimizer)
-            request["optimizer"] = optimizer.sharded_state_dict(
-                request["model"], is_loading=True, metadata=metadata
-            )
-            if restore_rng:
-                request["rng_state"] = _rng_object(None)
-        try:
+    if full:
+        _allocate_optimizer_state(optimizer)
+        request["optimizer"] = optimizer.sharded_state_dict(
+            request["model"], is_loading=True, metadata=metadata
+        )
+        if restore_rng:
+            request["rng_state"] = _rng_object(None)
+    try:
+        with _checkpoint_io(on_gpu):
             state = dist_checkpointing.load(request, str(directory))
-        except (CheckpointingException, CheckpointException, OSError, RuntimeError) as exc:
-            raise UserInputError(
-                f"{directory}: cannot be read into this model on {current.describe()} (saved "
-                f"with {saved.layout.describe()}): {_reason(exc)}; check that the recipe's "
-                "model is the one that wrote it and that its files are complete"
-            ) from exc
-        model.load_state_dict(state["model"], strict=True)
+    except (CheckpointingException, CheckpointException, OSError, RuntimeError) as exc:
+        raise UserInputError(
+            f"{directory}: cannot be read into this model on {current.describe()} (saved "
+            f"with {saved.layout.describe()}): {_reason(exc)}; check that the recipe's model "
+            "is the one that wrote it and that its files are complete"
+        ) from exc
+    model.load_state_dict(state["model"], strict=True)
     if not full:
         if optimizer is not None:
             # Mixed precision and the distributed optimizer step float32 copies of the

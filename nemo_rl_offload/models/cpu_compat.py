@@ -36,16 +36,16 @@ Patches (module: name -> replacement, and why):
    with expert parallelism its split sizes become numpy arrays, as its device-to-host copy
    makes them on GPU (the collective takes a sequence of ints).
 
-8. ``torch`` as seen by ModelOpt's megatron plugin -> the stand-in of 1, once a CPU worker
-   quantizes (:func:`enable_cpu_modelopt`): it synchronises CUDA before serialising a
-   quantizer's state, and on CPU there is nothing to wait for.
-
 5. ``torch`` as seen by the modules in :data:`CUDA_ALLOCATION_MODULES` (Megatron's DDP
    helpers, optimizer, gradient clipping, multi-tensor utilities) -> the stand-in of 1 that also
    puts ``device="cuda"`` allocations (loss scale, found-inf flag, norm accumulators) on the CPU,
    and ``optimizer.clip_grad_by_total_norm_fp32`` -> the same scaling without its assertion that
    gradients are CUDA tensors. With these, Megatron's DistributedDataParallel and
    get_megatron_optimizer run unchanged on CPU workers, so data parallelism has one code path.
+
+8. ``torch`` as seen by ModelOpt's megatron plugin -> the stand-in of 1, once a CPU worker
+   quantizes (:func:`enable_cpu_modelopt`): it synchronises CUDA before serialising a
+   quantizer's state, and on CPU there is nothing to wait for.
 
 :func:`cpu_schedule_allocations` is separate and scoped to one call: Megatron's pipeline
 schedules allocate their token counter with ``device="cuda"`` unconditionally. So are
@@ -88,6 +88,8 @@ CUDA_ALLOCATION_MODULES: tuple[str, ...] = (
     "megatron.core.optimizer.clip_grads",  # gradient-norm accumulators
 )
 _OPTIMIZER = "megatron.core.optimizer.optimizer"
+# ModelOpt's megatron plugin (patch 8, enable_cpu_modelopt).
+_MODELOPT_STATE_MODULE = "modelopt.torch.opt.plugins.megatron"
 _FUSED_SOFTMAX = "megatron.core.fusions.fused_softmax"
 _RANDOM = "megatron.core.tensor_parallel.random"
 # Modules that import get_pos_emb_on_this_cp_rank by name (patch 7).
@@ -371,10 +373,6 @@ _CHECKPOINT_IO_MODULES: tuple[str, ...] = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize after D2H
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # failure flag on "cuda"
 )
-# ModelOpt's megatron plugin synchronises CUDA when it serialises a quantizer's state (a
-# quantization-aware policy, models.quantization): patch 8, applied when a CPU worker
-# quantizes (enable_cpu_modelopt).
-_MODELOPT_STATE_MODULE = "modelopt.torch.opt.plugins.megatron"
 
 
 @contextlib.contextmanager

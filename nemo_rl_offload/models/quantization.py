@@ -33,7 +33,7 @@ _OP = "tensorrt::dynamic_block_quantize_op"
 # arguments ModelOpt's dynamic block quantizer passes to _OP.
 _NVFP4_ARGS = (4, 2, 8, 4)
 _E2M1_MAX, _E4M3_MAX = 6.0, 448.0
-_cpu_kernel_installed = False
+# The registration of the CPU kernel, kept for the process (install_cpu_nvfp4).
 _cpu_library: torch.library.Library | None = None
 
 
@@ -44,13 +44,13 @@ def resolve(value: str, dirs: Sequence[Path]) -> dict[str, Any]:
         import modelopt
         import modelopt.torch.quantization as mtq
 
-        config = getattr(mtq, value, None)
-        if value not in config_names():
+        known = config_names()
+        if value not in known:
             raise UserInputError(
                 f"{_KEY}: {value!r} is not a quantization config of ModelOpt "
-                f"{modelopt.__version__}; its configs: {', '.join(sorted(config_names()))}"
+                f"{modelopt.__version__}; its configs: {', '.join(sorted(known))}"
             )
-        return {"algorithm": "max", **copy.deepcopy(config)}
+        return {"algorithm": "max", **copy.deepcopy(getattr(mtq, value))}
     path = locate(value, dirs)
     if path is None:  # validate reports it; a run started without validate gets it here
         raise UserInputError(f"{_KEY}: no file {value!r}; give the file's absolute path")
@@ -135,8 +135,8 @@ def _round_e2m1(a: torch.Tensor) -> torch.Tensor:
 def install_cpu_nvfp4() -> None:
     """Give ModelOpt's dynamic block quantizer op a CPU kernel for NVFP4 (module docstring);
     every other format keeps ModelOpt's own CPU kernel. Idempotent."""
-    global _cpu_kernel_installed
-    if _cpu_kernel_installed:
+    global _cpu_library
+    if _cpu_library is not None:
         return
     from modelopt.torch.quantization import tensor_quant
 
@@ -164,27 +164,25 @@ def install_cpu_nvfp4() -> None:
         )
 
     # ModelOpt registered one kernel for both devices; this replaces its CPU one only. The
-    # registration lives as long as its Library, kept here for the process.
+    # registration lives as long as its Library.
     import warnings
 
-    global _cpu_library
     library = torch.library.Library(_OP.split("::")[0], "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch notes that a kernel is overridden
         library.impl(_OP.split("::")[1], cpu_kernel, "CPU", allow_override=True)
     _cpu_library = library
-    _cpu_kernel_installed = True
 
 
-def enabled_quantizers(model: torch.nn.Module) -> list[str]:
-    """The names of the model's quantizers that act."""
+def enabled_quantizers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The model's quantizers that act, by name."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
-    return [
-        name
+    return {
+        name: module
         for name, module in model.named_modules()
         if isinstance(module, TensorQuantizer) and module.is_enabled
-    ]
+    }
 
 
 def quantize(
@@ -253,13 +251,7 @@ def quantize(
 def quantizers_off(model: torch.nn.Module) -> Iterator[None]:
     """The model without its quantizers for the duration (rollouts of a quantization-aware
     policy whose ``generation.quant_cfg`` is null, as NeMo-RL samples them unquantized)."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    acting = [
-        module
-        for module in model.modules()
-        if isinstance(module, TensorQuantizer) and module.is_enabled
-    ]
+    acting = list(enabled_quantizers(model).values())
     for module in acting:
         module.disable()
     try:

@@ -56,24 +56,19 @@ def test_the_cpu_nvfp4_kernel_is_modelopts_arithmetic():
     ]
 
 
-# A recipe file as NeMo-RL's quant_configs write them: format names, not ModelOpt's tuples.
-MLP_WEIGHTS_FILE = {
-    "metadata": {"recipe_type": "ptq"},
-    "quantize": {
-        "algorithm": "max",
-        "quant_cfg": [
-            {"quantizer_name": "*", "enable": False},
-            {
-                "quantizer_name": "*mlp*weight_quantizer",
-                "enable": True,
-                "cfg": {
-                    "num_bits": "e2m1",
-                    "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3"},
-                },
-            },
-        ],
-    },
-}
+def nvfp4_weights_file(quantizers: str) -> dict:
+    """A recipe file as NeMo-RL's quant_configs write them (format names, not ModelOpt's
+    tuples): NVFP4 weights, blocks of 16, for the weight quantizers ``quantizers`` matches."""
+    nvfp4 = {"num_bits": "e2m1", "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3"}}
+    return {
+        "metadata": {"recipe_type": "ptq"},
+        "quantize": {  # no algorithm: ModelOpt's max is the default
+            "quant_cfg": [
+                {"quantizer_name": "*", "enable": False},
+                {"quantizer_name": quantizers, "enable": True, "cfg": nvfp4},
+            ],
+        },
+    }
 
 
 @pytest.mark.parametrize("source", ["name", "file"])
@@ -83,7 +78,9 @@ def test_mlp_weight_quantization_changes_the_forward_and_lets_gradients_through(
     plain, _ = build_tiny()
     quantized, _ = build_tiny()
     if source == "file":
-        (tmp_path / "mlp.yaml").write_text(yaml.safe_dump(MLP_WEIGHTS_FILE))
+        (tmp_path / "mlp.yaml").write_text(
+            yaml.safe_dump(nvfp4_weights_file("*mlp*weight_quantizer"))
+        )
         config = quantization.resolve("mlp.yaml", [tmp_path])
     else:
         config = quantization.resolve(MLP_WEIGHTS, [])
@@ -129,25 +126,7 @@ def test_a_calibrating_config_needs_calibration_data_and_sets_its_ranges(build_t
 
 def test_a_config_that_names_no_layer_of_the_model_is_one_line(build_tiny, tmp_path):
     experts_only = tmp_path / "experts.yaml"
-    experts_only.write_text(
-        yaml.safe_dump(
-            {
-                "quantize": {
-                    "quant_cfg": [
-                        {"quantizer_name": "*", "enable": False},
-                        {
-                            "quantizer_name": "*.experts.*weight_quantizer",
-                            "enable": True,
-                            "cfg": {
-                                "num_bits": "e2m1",
-                                "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": "e4m3"},
-                            },
-                        },
-                    ]
-                }
-            }
-        )
-    )
+    experts_only.write_text(yaml.safe_dump(nvfp4_weights_file("*.experts.*weight_quantizer")))
     model, _ = build_tiny()
     config = quantization.resolve(str(experts_only), [])
     assert config["algorithm"] == "max"
