@@ -76,7 +76,13 @@ SAVE_ON_CPU = "save_on_cpu"  # not a recipe setting: torch.autograd.graph.save_o
 # the copies off already).
 MEGATRON_COPIES = "megatron_copies"
 MEGATRON_HOOKS = "megatron_hooks"
-RUNTIME_CHOICES = {MEGATRON_COPIES: "strided_copies", MEGATRON_HOOKS: "lean_hooks"}
+# ... or with a copy per saved tensor, as Megatron makes, instead of one per saved storage.
+PER_TENSOR_COPIES = "per_tensor_copies"
+RUNTIME_CHOICES = {
+    MEGATRON_COPIES: "strided_copies",
+    MEGATRON_HOOKS: "lean_hooks",
+    PER_TENSOR_COPIES: "one_copy_per_storage",
+}
 # A policy setting, not a megatron_cfg one: the section's own key (``mixed_case``'s ``lp:N``).
 LOGPROB_CHUNK = "logprob_chunk_size"
 BENCHMARK_ONLY = (SAVE_ON_CPU, LOGPROB_CHUNK, *RUNTIME_CHOICES)
@@ -214,8 +220,10 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
     ``CASE_graph_inflight_N``
     is an offload case of the matrix under full-iteration graphs with
     max inflight N, ``CASE_megatron_copies`` an offload case with Megatron's own copies of
-    non-contiguous tensors and ``CASE_megatron_hooks`` one with Megatron's own hook code (to
-    measure the runtime's strided copies or lean hooks in the same run)."""
+    non-contiguous tensors, ``CASE_megatron_hooks`` one with Megatron's own hook code and
+    ``CASE_per_tensor_copies`` one that copies every saved tensor, views of one storage
+    included (to measure the runtime's strided copies, lean hooks or one copy per storage in
+    the same run)."""
     import re
 
     matrix = cases_for(model)

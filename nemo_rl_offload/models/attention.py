@@ -60,6 +60,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from nemo_rl_offload.models.context_parallel import gathered_order
 from nemo_rl_offload.models.kv_cache import KVCache
+from nemo_rl_offload.offload.shared_copies import keep_on_gpu
 
 
 class SDPACoreAttention(MegatronModule):
@@ -141,7 +142,35 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params: PackedSeqParams | None = None,
     ) -> Tensor:
         """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> context [sq, b, np * hn];
-        packed (THD): query [t, np, hn], key/value [t, ng, hn] -> context [t, np * hn]."""
+        packed (THD): query [t, np, hn], key/value [t, ng, hn] -> context [t, np * hn].
+
+        The kernel saves its output for its backward, and the output projection saves the
+        same bytes as its input. When ``core_attn`` is offloaded and ``attn_proj`` is not, the
+        projection keeps them on the GPU, so copying them out with the attention's group would
+        free nothing: they are marked to stay (:func:`.shared_copies.keep_on_gpu`)."""
+        context = self._attend(
+            query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+        )
+        if self.training and self._projection_keeps_output:
+            keep_on_gpu(context)
+        return context
+
+    @property
+    def _projection_keeps_output(self) -> bool:
+        config = self.config
+        modules = config.offload_modules or () if config.fine_grained_activation_offloading else ()
+        return "core_attn" in modules and "attn_proj" not in modules
+
+    def _attend(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None,
+        attention_bias: Tensor | None,
+        packed_seq_params: PackedSeqParams | None,
+    ) -> Tensor:
         if attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention: attention_bias is not supported")
         if packed_seq_params is not None:

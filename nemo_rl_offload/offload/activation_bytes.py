@@ -157,6 +157,9 @@ class Row:
     offload: str | None
     recompute: str | None
     movable: bool = True
+    # The offload modules of the other modules that saved the same storage (None: one that
+    # has none): its bytes leave the GPU only when all of them are offloaded too.
+    also_needs: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,8 @@ class ActivationTable:
     ) -> ActivationTable:
         """The table of a recipe's shape and parallel settings (its offload and recompute
         settings play no part: they are evaluated later)."""
+        from nemo_rl_offload.offload.ledger import removal
+
         tokens = ledger.tokens_per_microbatch
         sizes = parallel_sizes(effective)
         tp, pp = sizes["tensor_model_parallel_size"], sizes["pipeline_model_parallel_size"]
@@ -254,8 +259,9 @@ class ActivationTable:
                 nbytes = e.bytes_at(tokens) * tp_share(e.owner, effective)
                 per_tensor = nbytes / max(1, e.tensors) / dtype_bytes(e.dtype)
                 movable = per_tensor >= (minimum or 0) and layers > 1
+                needs = tuple(removal(o, kind.kind, chunked=False)[0] for o in e.shared_with)
                 rows.append(
-                    Row(e.owner, kind.kind, layers, nbytes, e.offload, e.recompute, movable)
+                    Row(e.owner, kind.kind, layers, nbytes, e.offload, e.recompute, movable, needs)
                 )
         sp = tp if effective.value("sequence_parallel") else 1
         layer_input = int(effective.value("hidden_size")) * tokens * activation_bytes / sp
@@ -300,7 +306,12 @@ class ActivationTable:
         saved = row.nbytes * row.layers
         if row.recompute in freed:
             return ModuleBytes(row.owner, saved, 0.0, f"recompute {row.recompute}")
-        if row.offload and row.offload in settings.offload and row.movable:
+        offloaded = settings.offload
+        if (
+            row.offload in offloaded
+            and row.movable
+            and all(needed in offloaded for needed in row.also_needs)
+        ):
             moved = saved * settings.fraction * (row.layers - 1) / row.layers
             return ModuleBytes(row.owner, saved, saved - moved, f"offload {row.offload}")
         return ModuleBytes(row.owner, saved, saved)

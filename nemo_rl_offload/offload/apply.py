@@ -157,12 +157,15 @@ class RuntimeChoices:
     - ``strided_copies``: permuted tensors copied as they lie;
     - ``pool_expert_groups``: expert groups draw pinned buffers from the pool once their plan is
       recorded (their shapes recur only with drop-and-pad dispatch);
-    - ``lean_hooks``: the hooks' work in less host time."""
+    - ``lean_hooks``: the hooks' work in less host time;
+    - ``one_copy_per_storage``: tensors that view one storage are copied once, and what a
+      later module keeps on the GPU is not copied (eager steps: it acts in the lean hooks)."""
 
     fraction_placement: str = DEFAULT_FRACTION_PLACEMENT
     strided_copies: bool = True
     pool_expert_groups: bool = False
     lean_hooks: bool = True
+    one_copy_per_storage: bool = True
 
 
 def runtime_choices(

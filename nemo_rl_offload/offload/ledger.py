@@ -291,11 +291,15 @@ def _owner(name: str) -> tuple[bool, str]:
     return False, name
 
 
-def _grouped(recorder: Any) -> dict[tuple[bool, str, str], list[Any]]:
-    groups: dict[tuple[bool, str, str], list[Any]] = {}
+def _grouped(recorder: Any) -> dict[tuple[bool, str, str, tuple[str, ...]], list[Any]]:
+    """Saved storages by (in a layer, owner, dtype, the other owners that saved them too):
+    storages another module also saved are an entry of their own, since they leave the GPU
+    only when every module that saved them offloads them."""
+    groups: dict[tuple[bool, str, str, tuple[str, ...]], list[Any]] = {}
     for item in recorder.saved:
         in_layer, owner = _owner(item.owner)
-        groups.setdefault((in_layer, owner, item.dtype), []).append(item)
+        sharers = tuple(sorted({_owner(o)[1] for o in item.also} - {owner}))
+        groups.setdefault((in_layer, owner, item.dtype, sharers), []).append(item)
     return groups
 
 
@@ -350,7 +354,7 @@ def entries(
     for key in sorted(set(a) | set(b), key=lambda k: min(i.order for i in (b.get(k) or a[k]))):
         if key[0] != in_layer:
             continue
-        _, owner, dtype = key
+        _, owner, dtype, shared = key
         small = sum(i.nbytes for i in a.get(key, []))
         large = sum(i.nbytes for i in b.get(key, []))
         per_token = (large - small) / (lengths[1] - lengths[0])
@@ -360,7 +364,6 @@ def entries(
             a.get(key, []), b.get(key, []), lengths
         ):
             recompute, note = "full", FUSED_ATTENTION_NOTE
-        shared = sorted({_owner(o)[1] for i in items for o in i.also} - {owner})
         if offload is None:  # reached through another module that saved the same storage
             offload = next(
                 (m for o in shared if (m := removal(o, kind, chunked)[0]) is not None), None
@@ -380,7 +383,7 @@ def entries(
                     recompute_flops_per_token(recompute, effective, seq) if recompute else None
                 ),
                 note=note,
-                shared_with=shared,
+                shared_with=list(shared),
             )
         )
     return out

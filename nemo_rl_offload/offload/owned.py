@@ -25,7 +25,10 @@ manager creates :class:`OwnedChunkHandler` handlers, and the plans share one
 - ``copy_timer``: CUDA events around each group's copies, for a :class:`CopyTimer` (copy time
   and achieved bandwidth in the step metrics);
 - ``lean_hooks``: the same hook work in less host time, outside CUDA graph capture (an eager
-  step that is host-bound pays every microsecond of the hooks).
+  step that is host-bound pays every microsecond of the hooks);
+- ``one_copy_per_storage`` (with ``lean_hooks``): tensors of one micro-batch that view one
+  storage are copied once, and a storage the model marks as kept on the GPU is not copied
+  (:mod:`.shared_copies`).
 
 No Megatron class or module attribute is replaced: Megatron's classes keep their own methods for
 any other user in the process. The subclasses override or re-implement Megatron methods and read
@@ -56,6 +59,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.offload.shared_copies import SharedCopies, SharedView, is_dense_permutation
 
 # The megatron-core release whose offload code the subclasses below were checked against.
 CHECKED_MEGATRON_VERSION = "0.19.2"
@@ -109,6 +113,7 @@ class PlanChoices:
     - ``pool_expert_groups``: :meth:`OwnedOffloadManager.post_warmup_callback`;
     - ``pool_every_group``: :meth:`OwnedChunkHandler.offload` (the pool serves any size);
     - ``lean_hooks``: the hooks of :class:`OwnedChunkHandler`;
+    - ``one_copy_per_storage``: its lean offload (:mod:`.shared_copies`) and the offload check;
     - ``copy_timer``: where the copies' CUDA events go (None: the copies are not timed).
     """
 
@@ -118,6 +123,7 @@ class PlanChoices:
     pool_expert_groups: bool = False
     pool_every_group: bool = False
     lean_hooks: bool = False
+    one_copy_per_storage: bool = False
     copy_timer: CopyTimer | None = None
 
     def __post_init__(self) -> None:
@@ -128,7 +134,10 @@ class PlanChoices:
 
 
 def _state_bytes(state: Any) -> int:
-    """Bytes of an offloaded tensor's host copy (Megatron keeps (device, host tensor, pooled))."""
+    """Bytes an offloaded tensor's reload copies (Megatron keeps (device, host tensor, pooled);
+    a view of a shared copy moves the storage once)."""
+    if isinstance(state, SharedView):
+        return state.moved_bytes()
     host = state[1]
     return host.numel() * host.element_size()
 
@@ -136,19 +145,6 @@ def _state_bytes(state: Any) -> int:
 def _timing_wanted() -> bool:
     """Copies are timed except while a CUDA graph is captured (its events would be captured)."""
     return not torch.cuda.is_current_stream_capturing()
-
-
-def is_dense_permutation(tensor: Any) -> bool:
-    """Whether the tensor's elements fill its memory span exactly, in some order of its
-    dimensions (a transpose or permute of a contiguous tensor), so that its bytes can be copied
-    as one block. Dimensions of size 1 have no meaningful stride and are skipped."""
-    expected = 1
-    laid_out = zip(tensor.shape, tensor.stride(), strict=True)
-    for stride, size in sorted((stride, size) for size, stride in laid_out if size != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def spread_choice(count: int, fraction: float) -> list[bool]:
@@ -528,6 +524,7 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         choices: PlanChoices,
     ) -> None:
         self.choices = choices
+        self.shared_copies = SharedCopies()
         super().__init__(
             min_offloaded_tensor_size, cpu_tensor_pool, max_inflight_offloads=max_inflight_offloads
         )
@@ -633,7 +630,12 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         """Reload a tensor :meth:`offload` kept with its strides into a GPU tensor of the same
         strides; anything else is Megatron's reload.
 
+        A view of a shared copy (``one_copy_per_storage``) is a strided view of the one GPU
+        copy of its storage, which the first of its views to be reloaded makes.
+
         Stands in for: as :meth:`offload`. Remove when: as :meth:`offload`."""
+        if isinstance(state, SharedView):
+            return state.reload(self.cpu_tensor_pool, non_blocking)
         device, host, use_cpu_pool = state
         if host.is_contiguous():
             return super().reload(state, non_blocking=non_blocking)
@@ -759,7 +761,12 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         """Megatron's check with ``lean_hooks`` (also under graph capture: it records nothing),
         its tensor types looked up once, the same answers.
 
+        With ``one_copy_per_storage``, a tensor whose storage the model marked as kept on the
+        GPU (:func:`.shared_copies.keep_on_gpu`) is not offloaded.
+
         Stands in for / remove when: as :meth:`on_group_commit_forward`."""
+        if self.choices.one_copy_per_storage and self.shared_copies.kept(tensor):
+            return False
         if not self.choices.lean_hooks:
             return super().tensor_need_offloading_checker(tensor)
         if (
@@ -778,15 +785,22 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         if timer is not None:
             start = timer.event()
             start.record(d2h)
+        shared = self.shared_copies if self.choices.one_copy_per_storage else None
         _STREAMS.use(d2h)
         try:
             for tag, tensor in group._tensors.items():
                 if self.tensor_need_offloading_checker(tensor):
+                    view = shared.view_of(tensor) if shared is not None else None
+                    if view is not None:  # its bytes were copied by an earlier saver
+                        group.push_tensor(tag, view)
+                        continue
                     state = self.offload(tensor, use_cpu_pool=group.use_cpu_pool)
                     if self.is_warmup:
                         group.update_offload_info(tensor)
                     tensor.record_stream(d2h)
                     group.push_tensor(tag, state)
+                    if shared is not None:
+                        shared.note(group, tag, tensor, state)
             group.record_offload_event(d2h)
         finally:
             _STREAMS.use(compute)

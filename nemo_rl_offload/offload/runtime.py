@@ -250,6 +250,7 @@ class OffloadRuntime:
             pool_expert_groups=choices.pool_expert_groups,
             pool_every_group=True,
             lean_hooks=choices.lean_hooks,
+            one_copy_per_storage=choices.one_copy_per_storage,
             copy_timer=owned.CopyTimer(),
         )
 

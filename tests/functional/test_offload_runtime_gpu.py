@@ -123,11 +123,26 @@ def test_hundred_rl_steps_bitwise_bounded_and_flat(kind, vocab):
     check_records(kind, modules, records, summary)
 
 
-def test_flash_attention_within_the_spread_of_two_plain_passes(vocab):
+@pytest.mark.parametrize(
+    "modules",
+    [
+        MODELS["dense"][1],  # the attention's output: SDPA's and the projection's, copied once
+        [
+            "attn_norm",
+            "core_attn",
+            "mlp_norm",
+        ],  # ... kept on the GPU, where the projection holds it
+    ],
+    ids=["five", "without_attn_proj"],
+)
+def test_flash_attention_within_the_spread_of_two_plain_passes(vocab, modules):
     """Default attention kernels (not deterministic mode): the plain model runs each step twice
-    on the same weights (lr 0), which measures the spread; the offloading one must fall in it."""
+    on the same weights (lr 0), which measures the spread; the offloading one must fall in it.
+    The fused kernel saves its output, which the output projection saves too (one storage):
+    deterministic mode's math kernel does not, so only these runs share a copy of it
+    (offload/shared_copies.py)."""
     torch.use_deterministic_algorithms(False)  # the tests above turned it on process-wide
-    model, modules = MODELS["dense"]
+    model = MODELS["dense"][0]
     fgo = gpu_worker(policy_section(model, modules, offload=True, deterministic=False, lr=0.0))
     plain = gpu_worker(policy_section(model, modules, offload=False, deterministic=False, lr=0.0))
     try:
@@ -150,7 +165,8 @@ def test_flash_attention_within_the_spread_of_two_plain_passes(vocab):
                     "plain_vs_plain": max_abs_diff(grads(plain), first),
                 }
             )
-        write_results("offload_runtime_flash_spread", {"steps": rows})
+        name = "five" if "attn_proj" in modules else "without_attn_proj"
+        write_results(f"offload_runtime_flash_spread_{name}", {"modules": modules, "steps": rows})
     finally:
         release(fgo, plain)
     # Two passes of one nondeterministic model differ by a few bf16 rounding steps at some

@@ -24,7 +24,7 @@ def test_graph_cases_default_to_max_inflight_4_and_take_any_cap():
     assert graphed["offload_modules"] == ["qkv_linear", "core_attn", "attn_proj"]
 
 
-@pytest.mark.parametrize("key", [bench.MEGATRON_COPIES, bench.MEGATRON_HOOKS])
+@pytest.mark.parametrize("key", list(bench.RUNTIME_CHOICES))
 def test_megatron_handler_cases_are_built_from_offload_cases_and_compose_with_graphs(key):
     name = f"fgo:core_attn+attn_proj_{key}_graph_inflight_4"
     settings = bench.resolve_cases("llama-1b", [name])[name]
@@ -43,7 +43,11 @@ def test_both_megatron_handler_suffixes_compose():
 
 @pytest.mark.parametrize(
     ("key", "choice"),
-    [(bench.MEGATRON_COPIES, "strided_copies"), (bench.MEGATRON_HOOKS, "lean_hooks")],
+    [
+        (bench.MEGATRON_COPIES, "strided_copies"),
+        (bench.MEGATRON_HOOKS, "lean_hooks"),
+        (bench.PER_TENSOR_COPIES, "one_copy_per_storage"),
+    ],
 )
 def test_a_megatron_handler_case_turns_off_only_its_runtime_choice(key, choice):
     from nemo_rl_offload.offload.runtime import OffloadRuntime
@@ -52,11 +56,11 @@ def test_a_megatron_handler_case_turns_off_only_its_runtime_choice(key, choice):
     worker = SimpleNamespace(runtime=OffloadRuntime(config))
     bench.use_megatron_handler(worker, {key: True})
     assert getattr(worker.runtime.choices, choice) is False
-    other = next(c for k, c in bench.RUNTIME_CHOICES.items() if k != key)
-    assert getattr(worker.runtime.choices, other) is True
+    for other in (c for k, c in bench.RUNTIME_CHOICES.items() if k != key):
+        assert getattr(worker.runtime.choices, other) is True
     untouched = SimpleNamespace(runtime=OffloadRuntime(config))
     bench.use_megatron_handler(untouched, {})  # a case without a suffix
-    assert untouched.runtime.choices.strided_copies is untouched.runtime.choices.lean_hooks is True
+    assert all(getattr(untouched.runtime.choices, c) for c in bench.RUNTIME_CHOICES.values())
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,11 @@ def test_every_dense_offload_module_covers_a_measured_entry(dense):
     stats = [e for e in attention if max(len(s) for s in e.shapes) == 3]
     assert kept and all(e.recompute == "full" and e.offload == "core_attn" for e in kept)
     assert all(e.note == ledger.FUSED_ATTENTION_NOTE for e in kept)
+    # The output (the projection's input too) is an entry of its own: it leaves the GPU only
+    # when attn_proj is offloaded beside core_attn.
+    (output,) = [e for e in attention if e.shared_with]
+    assert output.shared_with == ["self_attention.linear_proj"] and output.tensors == 1
+    assert not any(e.shared_with for e in layer.entries if e is not output)
     assert all(e.recompute == "core_attn" and e.recompute_flops_per_token > 0 for e in stats)
     assert all(e.bytes_per_token >= 0 for e in layer.entries)
 

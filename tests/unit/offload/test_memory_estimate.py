@@ -145,6 +145,23 @@ def test_offload_modules_remove_their_entries_but_the_last_layers():
     assert sum(half.removed_by().values()) == pytest.approx(removed / 2)
 
 
+def test_the_attentions_output_leaves_only_when_the_projection_offloads_it_too():
+    """SDPA and the output projection save the attention's output (one storage): offloading
+    core_attn alone leaves it on the GPU, where the projection keeps it (the runtime does not
+    copy it either: offload/shared_copies.py); with attn_proj it goes, once."""
+    alone = _estimate(
+        _section(fine_grained_activation_offloading=True, offload_modules=["core_attn"])
+    )
+    pair = _estimate(
+        _section(
+            fine_grained_activation_offloading=True, offload_modules=["core_attn", "attn_proj"]
+        )
+    )
+    output = 6144 * 8192 * 27  # bytes per token x tokens x the layers but the last
+    assert alone.activations.total - pair.activations.total == pytest.approx(output, rel=1e-6)
+    assert pair.activations.offloaded - alone.activations.offloaded == pytest.approx(output)
+
+
 def test_selective_recompute_removes_its_entries():
     cfg = {
         "activation_checkpointing": True,

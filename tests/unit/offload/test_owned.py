@@ -339,9 +339,10 @@ def cpu_streams(monkeypatch):
 
 
 def _chunk_state(chunk) -> dict:
-    return {
-        k: v for k, v in vars(chunk).items() if k not in ("choices", "d2h_stream", "h2d_stream")
-    }
+    """A handler's state but what the owned handler adds (its plan's choices and the record
+    of its shared copies) and the streams."""
+    own = ("choices", "shared_copies", "d2h_stream", "h2d_stream")
+    return {k: v for k, v in vars(chunk).items() if k not in own}
 
 
 def _manager_state(manager) -> dict:
