@@ -26,9 +26,9 @@ manager creates :class:`OwnedChunkHandler` handlers, and the plans share one
   and achieved bandwidth in the step metrics);
 - ``lean_hooks``: the same hook work in less host time, outside CUDA graph capture (an eager
   step that is host-bound pays every microsecond of the hooks);
-- ``one_copy_per_storage`` (with ``lean_hooks``): tensors of one micro-batch that view one
-  storage are copied once, and a storage the model marks as kept on the GPU is not copied
-  (:mod:`.shared_copies`).
+- ``one_copy_per_storage``: a storage the model marks as kept on the GPU is not copied, and
+  (in the lean hooks, so eagerly) tensors of one micro-batch that view one storage are copied
+  once (:mod:`.shared_copies`).
 
 No Megatron class or module attribute is replaced: Megatron's classes keep their own methods for
 any other user in the process. The subclasses override or re-implement Megatron methods and read
@@ -113,7 +113,8 @@ class PlanChoices:
     - ``pool_expert_groups``: :meth:`OwnedOffloadManager.post_warmup_callback`;
     - ``pool_every_group``: :meth:`OwnedChunkHandler.offload` (the pool serves any size);
     - ``lean_hooks``: the hooks of :class:`OwnedChunkHandler`;
-    - ``one_copy_per_storage``: its lean offload (:mod:`.shared_copies`) and the offload check;
+    - ``one_copy_per_storage``: the offload check (kept storages) and the lean offload (shared
+      copies; :mod:`.shared_copies`);
     - ``copy_timer``: where the copies' CUDA events go (None: the copies are not timed).
     """
 
