@@ -13,7 +13,8 @@ Megatron's offload groups copy per saved tensor, so
 Here (:class:`SharedCopies`, one per micro-batch handler):
 
 - a tensor that spans its whole storage and whose host copy lies as its GPU bytes do
-  (:func:`is_storage_image`) is noted when its group offloads it;
+  (:func:`is_storage_image`; a permuted tensor only with the runtime's strided copies, which
+  eager MoE plans leave off) is noted when its group offloads it;
 - a later tensor of the same micro-batch that views the same storage (the same storage
   object, held by weak reference, so a freed storage is never matched by address) is not
   copied again: both become :class:`SharedView` states of one :class:`SharedCopy`, and
