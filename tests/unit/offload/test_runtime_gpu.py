@@ -98,3 +98,49 @@ def test_a_permuted_tensor_is_copied_by_one_memcpy_each_way_without_a_kernel():
     assert back.stride() == view.stride() and torch.equal(back, view)
     assert not any("kernel" in name.lower() for name in kinds), kinds
     assert sum("memcpy" in name.lower() for name in kinds) == 2, kinds
+
+
+def test_two_groups_saving_one_storage_move_it_once_each_way():
+    """SDPA's saved output and the output projection's input are one storage: with one copy
+    per storage, the second group's offload copies nothing, the two reloads copy it back once,
+    and both views come back with their values and strides (offload/shared_copies.py)."""
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    from nemo_rl_offload.offload import owned, shared_copies
+
+    handler = object.__new__(owned.OwnedChunkHandler)
+    handler.choices = owned.PlanChoices(
+        strided_copies=True, lean_hooks=True, one_copy_per_storage=True
+    )
+    handler.cpu_tensor_pool = owned.OwnedHostPool(device="cpu", pin_memory=True)
+    handler.shared_copies = shared_copies.SharedCopies()
+    handler.min_offloaded_tensor_size = 1
+    handler.is_warmup = True
+    handler.d2h_stream = torch.cuda.Stream()
+    handler._max_inflight_offloads = None
+    buffer = torch.randn(1, 4096, 32, 64, device="cuda", dtype=torch.bfloat16)  # [b, s, h, d]
+    out = buffer.transpose(1, 2)  # SDPA's saved output, [b, h, s, d]
+    projection_input = out.permute(2, 0, 1, 3).reshape(4096, 1, 32 * 64)
+    expected_out, expected_input = out.clone(), projection_input.clone()
+    groups = []
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for name, tensor in (("core_attn", out), ("attn_proj", projection_input)):
+            group = fgo.OffloadTensorGroup(name)
+            group.push_tensor((name, 0), tensor)
+            handler._lean_bulk_offload_group(group)
+            groups.append(group)
+        handler.d2h_stream.synchronize()
+        del buffer, out, projection_input
+        states = [group._tensors[(group._name, 0)] for group in groups]
+        back_input = handler.reload(states[1])  # backward: the projection first
+        back_out = handler.reload(states[0])
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" in e.name]
+    assert len(copies) == 2, copies  # one device-to-host, one host-to-device
+    assert torch.equal(back_out, expected_out) and back_out.stride() == expected_out.stride()
+    assert torch.equal(back_input, expected_input)
+    assert back_input.stride() == expected_input.stride()
+    assert back_out.untyped_storage().data_ptr() == back_input.untyped_storage().data_ptr()
+    assert handler.cpu_tensor_pool.in_use() == 0
