@@ -172,7 +172,9 @@ class SharedCopies:
         self._kept.put(storage, True)
 
     def kept(self, tensor: Tensor) -> bool:
-        return self._kept.get(tensor.untyped_storage()) is not None
+        """Whether ``tensor``'s storage was marked; no storage lookup while none is (the offload
+        check asks this of every saved tensor)."""
+        return bool(self._kept) and self._kept.get(tensor.untyped_storage()) is not None
 
     def view_of(self, tensor: Tensor) -> SharedView | None:
         """A view of the copy already made of ``tensor``'s storage in this micro-batch (the
