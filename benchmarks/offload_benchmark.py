@@ -192,7 +192,8 @@ def mixed_case(name: str) -> dict[str, Any]:
     """The settings of a case written as its parts joined by ``__``: ``fgo:MOD+MOD`` (offload
     modules), ``rc:MOD+MOD`` (selective recompute modules), ``frac:F`` (offload fraction),
     ``lp:N`` (``policy.logprob_chunk_size``: the loss's float32 softmax not kept, N positions
-    at a time). Raises KeyError naming the case when a part is none of these."""
+    at a time), ``fp8:RECIPE`` (``megatron_cfg.fp8_cfg`` on, e4m3, with ``blockwise`` or
+    ``tensorwise`` scaling). Raises KeyError naming the case when a part is none of these."""
     settings: dict[str, Any] = {}
     for part in name.split("__"):
         kind, _, value = part.partition(":")
@@ -200,6 +201,13 @@ def mixed_case(name: str) -> dict[str, Any]:
             settings.update(FGO, offload_modules=value.split("+"))
         elif kind == "rc" and value:
             settings.update(_selective(value.split("+")))
+        elif kind == "fp8" and value:
+            settings["fp8_cfg"] = {
+                "enabled": True,
+                "fp8": "e4m3",
+                "fp8_recipe": value,
+                "fp8_param": False,
+            }
         elif kind in NUMBER_PARTS and value:
             key, parse = NUMBER_PARTS[kind]
             try:
@@ -248,7 +256,7 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
             base = resolve(name.removesuffix(f"_{left_out}"))
             if base.get("fine_grained_activation_offloading"):
                 return {**base, left_out: True}
-        elif name.startswith(("fgo:", "rc:", "lp:")):
+        elif name.startswith(("fgo:", "rc:", "lp:", "fp8:")):
             return mixed_case(name)
         raise KeyError(name)
 
@@ -318,18 +326,29 @@ def recipe_section(
 
 
 def check_section(section: dict[str, Any]) -> list[str]:
-    """The offload rules' verdict on a case (a case the rules reject is reported, not run)."""
+    """The offload and FP8 rules' verdict on a case (a case the rules reject is reported, not
+    run)."""
+    from nemo_rl_offload.config import fp8
     from nemo_rl_offload.config.model_presets import architecture_for
     from nemo_rl_offload.offload.capabilities import detect
     from nemo_rl_offload.offload.rules import check_policy
 
-    return check_policy(
+    caps = detect()
+    offload_errors = check_policy(
         section,
         where="policy",
         architecture=architecture_for(section["model_name"]),
-        caps=detect(),
+        caps=caps,
         gpus_per_node=1,
     ).errors
+    fp8_errors, _ = fp8.problems(
+        section,
+        "policy",
+        transformer_impl="transformer_engine" if caps.has_transformer_engine else "local",
+        peft_enabled=False,
+        quantized=False,
+    )
+    return offload_errors + fp8_errors
 
 
 def use_megatron_handler(worker: Any, settings: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from nemo_rl_offload.config import (
     checkpointing,
     dtensor_recipes,
+    fp8,
     grpo_options,
     ignored_keys,
     peft,
@@ -510,6 +511,15 @@ def check_recipe(
         effective = apply.effective_settings(
             section, architecture, where=where, te_installed=caps.has_transformer_engine
         )
+        fp8_errors, fp8_warnings = fp8.problems(
+            section,
+            where,
+            transformer_impl=effective.value("transformer_impl"),
+            peft_enabled=peft.lora_settings(section) is not None,
+            quantized=quantization.policy_config(section) is not None,
+        )
+        report.errors += fp8_errors
+        report.warnings += fp8_warnings
         if where == "policy":  # a teacher's peft and MTP keys are inert or refused elsewhere
             report.errors += _mtp_loss_problems(recipe, algorithm, effective)
             m = f"{where}.megatron_cfg"

@@ -16,9 +16,10 @@ github:NVIDIA-NeMo/RL`). It needs no GPU; each recipe is one CLI run:
 
     python3 scripts/nemo_rl_recipe_sweep.py --nemo-rl /path/to/RL --out sweep.json [--only a,b]
 
-Writes, per recipe: the algorithm, the stand-in model, the exit code, the seconds taken, and the
-last lines of a failure. Recipes that validate with errors beyond their Hugging Face model are
-listed as skipped, with those errors.
+Writes, per recipe: the algorithm, the stand-in model, the exit code, the seconds taken, the
+lines saying what the run applied (FP8 linears, quantizers), and the last lines of a failure.
+Recipes that validate with errors beyond their Hugging Face model are listed as skipped, with
+those errors.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ KEYS = REPO / "tests" / "unit" / "reference_configs" / "nemo_rl_keys.json"
 COMMANDS = {"grpo": "grpo", "sft": "sft", "dpo": "dpo", "distillation": "distill"}
 # A recipe whose model name says experts gets the MoE preset.
 EXPERTS = re.compile(r"a3b|a12b|a17b|a22b|moe|moonlight|mixtral|deepseek|gpt-oss|nano|super", re.I)
+# The lines a run prints about what it applied (FP8 linears, quantizers), kept per recipe.
+APPLIED = re.compile(r"linears make FP8 products|quantization-aware with")
 DATA = {
     "_override_": True,
     "dataset_name": "arithmetic",
@@ -169,6 +172,7 @@ def run_one(path: Path, work: Path) -> dict[str, Any]:
         "rc": done.returncode,
         "seconds": round(time.time() - began),
         "tail": lines[-4:] if done.returncode else [],
+        "applied": [line for line in lines if APPLIED.search(line)],
     }
 
 

@@ -560,6 +560,8 @@ class Run:
         self.groups.append(group)
         for line in group.warnings:
             print(f"warning: {line}", file=sys.stderr)
+        if group.fp8_linears:
+            print(f"{where}: {group.fp8_linears} linears make FP8 products", file=sys.stderr)
         return group
 
     def close(self) -> None:

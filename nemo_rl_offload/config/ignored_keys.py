@@ -395,7 +395,6 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             "the Hugging Face weights are converted at every start (no conversion cache)",
             _always,
         ),
-        f"{m}.fp8_cfg": _not_yet_section(f"{m}.fp8_cfg", "FP8 training and inference"),
         f"{m}.freeze_config": train_only(
             Unused(
                 "freezing the language model is not implemented yet by this backend (the "

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from nemo_rl_offload.config.fp8 import Fp8Settings
 from nemo_rl_offload.config.model_presets import Architecture
 from nemo_rl_offload.config.peft import LoraSettings
 from nemo_rl_offload.errors import UserInputError
@@ -64,6 +65,9 @@ def transformer_config_for(
     if impl == "local":
         for name, value in LOCAL_SPEC_DEFAULTS.items():
             kwargs.setdefault(name, value)
+    elif effective.fp8 is not None:  # Transformer Engine's own FP8, as NeMo-RL sets it
+        kwargs["fp8"] = "hybrid" if effective.fp8.hybrid else "e4m3"
+        kwargs["fp8_recipe"] = effective.fp8.recipe
     elif not on_gpu:
         raise UserInputError(
             f"{_megatron_cfg_path(effective, 'transformer_impl')}: '{impl}' needs a GPU; "
@@ -94,6 +98,7 @@ def layer_spec(
     mlp_offload_modules: frozenset[str] = frozenset(),
     recompute_modules: frozenset[str] = frozenset(),
     lora: LoraSettings | None = None,
+    fp8: Fp8Settings | None = None,
 ) -> Any:
     """The transformer layer spec for ``config.transformer_impl`` (for the local spec, this
     pipeline stage's block spec where its final norm had to be replaced: see
@@ -101,8 +106,9 @@ def layer_spec(
     (:mod:`models.mlp_offload`; the rules allow them on the local spec's dense MLP only), and
     on the local spec the selective recompute that runs there through this package
     (:mod:`models.local_recompute`: ``layernorm`` from ``config``, and this package's
-    ``recompute_modules``, which TransformerConfig does not hold), and the LoRA adapters
-    ``lora`` (:mod:`models.lora`; dense local spec only, as validate checks first)."""
+    ``recompute_modules``, which TransformerConfig does not hold), the LoRA adapters
+    ``lora`` (:mod:`models.lora`; dense local spec only, as validate checks first), and on the
+    local spec the FP8 linears of ``fp8`` (:mod:`models.fp8_linear`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if mlp_offload_modules and (config.transformer_impl != "local" or config.num_moe_experts):
@@ -166,7 +172,19 @@ def layer_spec(
         from nemo_rl_offload.models.grouped_linear import with_local_grouped_experts
 
         spec.submodules.mlp = with_local_grouped_experts(spec.submodules.mlp)
-    return _with_local_norms(_with_replay_router(spec, config), config)
+    spec = _with_local_norms(_with_replay_router(spec, config), config)
+    if fp8 is not None:
+        from nemo_rl_offload.models import fp8_linear
+
+        recomputed = frozenset(recompute_modules) | frozenset(
+            config.recompute_modules or [] if config.recompute_granularity == "selective" else []
+        )
+        spec = fp8_linear.with_fp8_linears(
+            spec,
+            fp8_linear.recipe_for(fp8),
+            fp8_linear.linears_keeping_original_inputs(recomputed),
+        )
+    return spec
 
 
 def _with_replay_router(spec: Any, config: Any) -> Any:
@@ -255,6 +273,7 @@ def build_gpt_model(
         mlp_modules,
         apply.project_recompute_modules(effective),
         effective.lora,
+        effective.fp8,
     )
     if effective.lora is not None:
         from nemo_rl_offload.models.lora import prepare
@@ -296,13 +315,15 @@ def gpt_model_for(
     mlp_offload_modules: frozenset[str] = frozenset(),
     recompute_modules: frozenset[str] = frozenset(),
     lora: LoraSettings | None = None,
+    fp8: Fp8Settings | None = None,
 ) -> GPTModel:
     """The GPTModel of ``config`` for this pipeline stage, on the CPU, with the dense MLP's
-    offload points ``mlp_offload_modules``, this package's ``recompute_modules`` and the LoRA
-    adapters ``lora`` (initialised by ``models.lora.prepare``, which freezes the rest)."""
+    offload points ``mlp_offload_modules``, this package's ``recompute_modules``, the LoRA
+    adapters ``lora`` (initialised by ``models.lora.prepare``, which freezes the rest) and the
+    FP8 linears of ``fp8``."""
     from megatron.core import parallel_state
 
-    spec = layer_spec(config, mlp_offload_modules, recompute_modules, lora)
+    spec = layer_spec(config, mlp_offload_modules, recompute_modules, lora, fp8)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -308,12 +308,18 @@ class _LocalGroupedLinear(torch.nn.Module):
         weights = self.weights
         add_bias = self.use_bias and not self.skip_bias_add
         params = weights + (self.biases if add_bias else [])
-        out = _GroupedLinearFunction.apply(x2d, counts, _use_grouped_mm(x2d, weights[0]), *params)
+        out = self._products(x2d, counts, params)
         if x.dim() != 2:
             out = out.view(*x.shape[:-1], self.out_features)
         if self.use_bias and self.skip_bias_add:
             return out, self.biases
         return out, None
+
+    def _products(
+        self, x2d: torch.Tensor, counts: tuple[int, ...], params: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """The experts' products (the seam models.fp8_linear overrides with FP8 ones)."""
+        return _GroupedLinearFunction.apply(x2d, counts, _use_grouped_mm(x2d, params[0]), *params)
 
     def backward_dw(self) -> None:
         """No-op: weight gradients are computed in the backward pass, never delayed."""

@@ -142,6 +142,11 @@ class PolicyGroup:
         return len(self.dp_rank_of)
 
     @property
+    def fp8_linears(self) -> int:
+        """How many of a worker's linears make FP8 products (``fp8_cfg``; 0 without)."""
+        return max((info.get("fp8_linears", 0) for info in self.setup_info), default=0)
+
+    @property
     def warnings(self) -> list[str]:
         return sorted({line for info in self.setup_info for line in info.get("warnings", [])})
 

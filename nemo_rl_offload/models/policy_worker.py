@@ -227,6 +227,7 @@ class PolicyWorker:
             where=self.where,
             te_installed=detect().has_transformer_engine,
         )
+        _refuse_fp8_problems(self.section, self.where, effective)
         # The offload rules refuse CUDA graphs on CPU workers; this guards in-process use.
         graphed = self.on_gpu and effective.value("cuda_graph_impl") == "full_iteration"
         initialize_megatron_parallel(
@@ -276,7 +277,15 @@ class PolicyWorker:
         if self.trainable:
             self._setup_training(model.config, megatron_cfg)
         params = sum(p.numel() for p in model.parameters())
-        return {"warnings": warnings, "parameters": params, "device": str(self.device), **numa}
+        from nemo_rl_offload.models.fp8_linear import count_fp8_linears
+
+        return {
+            "warnings": warnings,
+            "parameters": params,
+            "device": str(self.device),
+            "fp8_linears": count_fp8_linears(model),
+            **numa,
+        }
 
     def quantize(self, config_value: str, calibration: list[list[list[int]]]) -> dict[str, int]:
         """Make the policy quantization-aware (``policy.quant_cfg``, ``models.quantization``)
@@ -791,3 +800,21 @@ class PolicyWorker:
         from megatron.core.utils import unwrap_model
 
         return unwrap_model(self.model)
+
+
+def _refuse_fp8_problems(section: dict[str, Any], where: str, effective: Any) -> None:
+    """A worker started without validate (a benchmark, a script) refuses an ``fp8_cfg`` that
+    validate would refuse, rather than train in the training dtype without saying so."""
+    from nemo_rl_offload.config import fp8
+    from nemo_rl_offload.config.quantization import policy_config
+    from nemo_rl_offload.errors import UserInputError
+
+    errors, _ = fp8.problems(
+        section,
+        where,
+        transformer_impl=effective.value("transformer_impl"),
+        peft_enabled=effective.lora is not None,
+        quantized=policy_config(section) is not None,
+    )
+    if errors:
+        raise UserInputError(errors[0])

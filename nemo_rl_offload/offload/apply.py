@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nemo_rl_offload.config import multi_token_prediction, peft, router_replay
+from nemo_rl_offload.config import fp8, multi_token_prediction, peft, router_replay
+from nemo_rl_offload.config.fp8 import Fp8Settings
 from nemo_rl_offload.config.model_presets import Architecture, has_experts
 from nemo_rl_offload.config.peft import LoraSettings
 from nemo_rl_offload.offload.capabilities import (
@@ -113,6 +114,8 @@ class EffectiveSettings:
     unavailable_fusions: list[str] = field(default_factory=list)
     # megatron_cfg.freeze_moe_router (:func:`freezes_moe_router`).
     freeze_moe_router: bool = False
+    # megatron_cfg.fp8_cfg (config.fp8): the layers' linears make FP8 products; None without.
+    fp8: Fp8Settings | None = None
 
     def value(self, name: str, default: Any = None) -> Any:
         setting = self.settings.get(name)
@@ -289,6 +292,7 @@ def effective_settings(
         peft.lora_settings(policy_cfg),
         unavailable,
         freezes_moe_router(policy_cfg),
+        fp8.fp8_settings(policy_cfg),
     )
 
 

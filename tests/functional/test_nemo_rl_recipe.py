@@ -182,3 +182,35 @@ def test_quantization_aware_grpo_on_a_gpu(tmp_path):
     plain = abs(error["plain"][0] - 1)
     assert abs(error["nvfp4_mlp_weights"][0] - 1) < 2 * plain + 0.01, error
     assert abs(error["nvfp4_mlp_weights_rollouts_plain"][0] - 1) > 2 * plain + 0.01, error
+
+
+def _fp8(recipe: str) -> list[str]:
+    """NeMo-RL's fp8_cfg keys (its FP8 recipes: e4m3, no FP8 master weights)."""
+    keys = {"enabled": "true", "fp8": "e4m3", "fp8_recipe": recipe, "fp8_param": "false"}
+    return [f"++policy.megatron_cfg.fp8_cfg.{k}={v}" for k, v in keys.items()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_grpo_on_a_gpu(tmp_path):
+    """llama-1b GRPO from the same weights and prompts, plain and with the layers' linears in
+    FP8 (blockwise and tensorwise scaling), rollouts and training both. FP8 rounding turns the
+    small differences between the KV-cached sampler and the packed trainer into whole steps,
+    more so with one scale per tensor (taken over a decode step's few tokens in the sampler,
+    over the whole batch in the trainer) than with per-token 1x128 blocks, which quantize a
+    token the same wherever it is computed. ``FP8_OUT``: a directory for the runs' metrics
+    (benchmarks/results)."""
+    out = Path(os.environ.get("FP8_OUT") or tmp_path)
+    error = {}
+    for name, extra in (
+        ("plain", []),
+        ("fp8_blockwise", _fp8("blockwise")),
+        ("fp8_tensorwise", _fp8("tensorwise")),
+    ):
+        done, records = _run(out / name, "grpo", *extra)
+        _check(done, records, steps=2, warned=("apply_rope_fusion",))
+        assert ("linears make FP8 products" in done.stderr) == bool(extra)
+        assert "is emulated on this GPU" not in done.stderr
+        error[name] = [r["token_mult_prob_error"] for r in records if r.get("phase") == "train"]
+    off = {name: abs(values[0] - 1) for name, values in error.items()}
+    assert off["plain"] < off["fp8_blockwise"] < off["fp8_tensorwise"] < 0.5, error

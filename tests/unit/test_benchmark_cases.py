@@ -140,9 +140,26 @@ def test_mixed_cases_name_offload_recompute_and_fraction_and_unknown_parts_are_r
     )
     assert plain["logprob_chunk_size"] == 512
     assert "offload_modules" not in plain["megatron_cfg"]
-    for bad in ("fgo:core_attn__frac:half", "fgo:core_attn__xx:1", "rc:", "lp:half"):
+    for bad in ("fgo:core_attn__frac:half", "fgo:core_attn__xx:1", "rc:", "lp:half", "fp8:"):
         with pytest.raises(KeyError):
             bench.resolve_cases("llama-1b", [bad])
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_an_fp8_case_part_turns_on_nemo_rls_fp8_keys_and_validates(recipe):
+    name = f"fgo:core_attn__rc:layernorm+mlp_act__fp8:{recipe}"
+    section = bench.section_for("llama-1b", 4096, bench.resolve_cases("llama-1b", [name])[name])
+    assert section["megatron_cfg"]["fp8_cfg"] == {
+        "enabled": True,
+        "fp8": "e4m3",
+        "fp8_recipe": recipe,
+        "fp8_param": False,
+    }
+    assert bench.check_section(section) == []
+    wrong = bench.section_for(
+        "llama-1b", 4096, bench.resolve_cases("llama-1b", ["fp8:delayed"])["fp8:delayed"]
+    )
+    assert any("fp8_recipe" in line for line in bench.check_section(wrong))
 
 
 DROP_AND_PAD = {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}

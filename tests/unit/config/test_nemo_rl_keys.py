@@ -117,10 +117,6 @@ def test_a_key_ignoring_which_changes_nothing_warns_once_and_is_silent_when_iner
     ("recipe", "key"),
     [
         ({"teacher": {"megatron_cfg": {"peft": {"enabled": True}}}}, "teacher.megatron_cfg.peft"),
-        (
-            {"policy": {"megatron_cfg": {"fp8_cfg": {"enabled": True}}}},
-            "policy.megatron_cfg.fp8_cfg",
-        ),
         ({"env": {"should_use_nemo_gym": True}}, "env.should_use_nemo_gym"),
         (
             {"policy": {"generation": {"top_p": 1.0, "val_top_p": 0.9}}},
