@@ -256,3 +256,31 @@ def test_router_replay_agrees_on_every_layout(replay_single, megatron_cfg, tmp_p
     # The share of routes replay changed, counted over every rank's tokens and layers.
     assert 0.5 < single["changed"] < 1.0
     assert all(r["changed"] == pytest.approx(single["changed"], abs=0.01) for r in results)
+
+
+# FP8 linears (policy.megatron_cfg.fp8_cfg), blockwise with power-of-two scales (the default):
+# each tensor-parallel shard quantizes its own blocks (a row-parallel shard's 1x128 blocks end at
+# its edge, so a shard's scale may differ from one rank's), but rounding to e4m3 does not depend
+# on a power-of-two scale (away from the format's smallest and largest values), so every layout
+# computes the same products and agrees within float32's tolerance, as without FP8.
+FP8 = {"fp8_cfg": {"enabled": True, "fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": False}}
+
+
+@pytest.fixture(scope="module")
+def fp8_single(tmp_path_factory) -> tuple[dict, Path]:
+    return _single(tmp_path_factory.mktemp("fp8_single"), section(**FP8))
+
+
+@pytest.mark.parametrize(
+    "megatron_cfg",
+    [
+        {"tensor_model_parallel_size": 2},
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    ],
+    ids=["tp2", "tp2_sp"],
+)
+def test_every_pass_agrees_with_fp8_linears(fp8_single, megatron_cfg, tmp_path):
+    single, ckpt = fp8_single
+    _assert_same_passes(
+        single, _reported(_every_pass(section(**megatron_cfg, **FP8), ckpt, tmp_path))
+    )
