@@ -330,6 +330,7 @@ def check_section(section: dict[str, Any]) -> list[str]:
     run)."""
     from nemo_rl_offload.config import fp8
     from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.offload.apply import resolve_transformer_impl
     from nemo_rl_offload.offload.capabilities import detect
     from nemo_rl_offload.offload.rules import check_policy
 
@@ -341,13 +342,10 @@ def check_section(section: dict[str, Any]) -> list[str]:
         caps=caps,
         gpus_per_node=1,
     ).errors
-    fp8_errors, _ = fp8.problems(
-        section,
-        "policy",
-        transformer_impl="transformer_engine" if caps.has_transformer_engine else "local",
-        peft_enabled=False,
-        quantized=False,
+    impl = resolve_transformer_impl(
+        section["megatron_cfg"].get("transformer_impl"), caps.has_transformer_engine
     )
+    fp8_errors, _ = fp8.problems(section, "policy", transformer_impl=impl)
     return offload_errors + fp8_errors
 
 

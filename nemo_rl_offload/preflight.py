@@ -512,11 +512,7 @@ def check_recipe(
             section, architecture, where=where, te_installed=caps.has_transformer_engine
         )
         fp8_errors, fp8_warnings = fp8.problems(
-            section,
-            where,
-            transformer_impl=effective.value("transformer_impl"),
-            peft_enabled=peft.lora_settings(section) is not None,
-            quantized=quantization.policy_config(section) is not None,
+            section, where, transformer_impl=effective.value("transformer_impl")
         )
         report.errors += fp8_errors
         report.warnings += fp8_warnings

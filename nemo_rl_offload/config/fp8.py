@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_rl_offload.config import peft, quantization
+
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("blockwise", "tensorwise")
 # Transformer Engine's switch from power-of-two to float32 block scales (NeMo-RL's FP8 recipes
@@ -70,21 +72,18 @@ def fp8_settings(policy_cfg: Mapping[str, Any]) -> Fp8Settings | None:
     )
 
 
-def _choice(key: str, value: Any, choices: tuple[str, ...], hint: str = "") -> str:
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     close = difflib.get_close_matches(str(value), choices, n=1)
     did_you_mean = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"{key}: {value!r} is not one of {', '.join(choices)}{did_you_mean}{hint}"
+    return f"{key}: {value!r} is not one of {', '.join(choices)}{did_you_mean}"
 
 
 def problems(
-    policy_cfg: Mapping[str, Any],
-    where: str,
-    *,
-    transformer_impl: Any,
-    peft_enabled: bool,
-    quantized: bool,
+    policy_cfg: Mapping[str, Any], where: str, *, transformer_impl: Any
 ) -> tuple[list[str], list[str]]:
-    """(errors, warnings), one line each, for ``{where}.megatron_cfg.fp8_cfg``."""
+    """(errors, warnings), one line each, for ``{where}.megatron_cfg.fp8_cfg``, with the
+    section's LoRA and ModelOpt keys it cannot run beside. Validate and a worker started
+    without it (``models.policy_worker``) both ask."""
     section = _section(policy_cfg)
     if section is None:
         return [], []
@@ -112,12 +111,12 @@ def problems(
             f"{key}.fp8_param: true (FP8 master weights) is not implemented by this backend; "
             "set it to false (weights stay in the training dtype, products run in FP8)"
         )
-    if peft_enabled:
+    if peft.lora_settings(policy_cfg) is not None:
         errors.append(
             f"{key}.enabled: FP8 linears with LoRA adapters are not implemented yet; turn one "
             f"of them off ({where}.megatron_cfg.peft.enabled or this)"
         )
-    if quantized:
+    if quantization.policy_config(policy_cfg) is not None:
         errors.append(
             f"{key}.enabled: FP8 training with ModelOpt quantization-aware training "
             f"({where}.quant_cfg) is not implemented; use one of them"

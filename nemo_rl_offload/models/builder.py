@@ -62,12 +62,13 @@ def transformer_config_for(
                 "not applied on CPU workers"
             )
 
+    if impl != "local" and effective.fp8 is not None:
+        # Transformer Engine's own FP8, as NeMo-RL sets it (the local spec's is this package's).
+        kwargs["fp8"] = "hybrid" if effective.fp8.hybrid else "e4m3"
+        kwargs["fp8_recipe"] = effective.fp8.recipe
     if impl == "local":
         for name, value in LOCAL_SPEC_DEFAULTS.items():
             kwargs.setdefault(name, value)
-    elif effective.fp8 is not None:  # Transformer Engine's own FP8, as NeMo-RL sets it
-        kwargs["fp8"] = "hybrid" if effective.fp8.hybrid else "e4m3"
-        kwargs["fp8_recipe"] = effective.fp8.recipe
     elif not on_gpu:
         raise UserInputError(
             f"{_megatron_cfg_path(effective, 'transformer_impl')}: '{impl}' needs a GPU; "
@@ -176,9 +177,9 @@ def layer_spec(
     if fp8 is not None:
         from nemo_rl_offload.models import fp8_linear
 
-        recomputed = frozenset(recompute_modules) | frozenset(
-            config.recompute_modules or [] if config.recompute_granularity == "selective" else []
-        )
+        selective = config.recompute_granularity == "selective"
+        megatron_recompute = config.recompute_modules if selective else None
+        recomputed = recompute_modules | frozenset(megatron_recompute or [])
         spec = fp8_linear.with_fp8_linears(
             spec,
             fp8_linear.recipe_for(fp8),

@@ -16,8 +16,8 @@ back into real values (``dequantized = data * scale_inv``, per block), the facto
 scaled matrix product takes. :func:`matmul_nt` multiplies two of them with torch's FP8 kernels
 where this GPU and torch have them (``torch.nn.functional.scaled_mm``: the block-scaled kernels
 need an SM 9.x GPU; per-tensor scales SM 8.9+), and otherwise computes the same product from
-the dequantized values in float32 (:func:`kernel_for` says which, once per shape kind). The two
-agree up to the order of float32 accumulation.
+the dequantized values in float32 (:func:`kernel_for` says which; a GPU warns once per kind of
+product it emulates). The two agree up to the order of float32 accumulation.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ RecipeName = Literal["blockwise", "tensorwise"]
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
-    """What the FP8 layers quantize and how (built by :func:`config.fp8.fp8_settings`)."""
+    """What the FP8 layers quantize and how (``models.fp8_linear.recipe_for`` makes it from the
+    checked ``config.fp8.Fp8Settings``)."""
 
     recipe: RecipeName
     # Forward operands (activations, weights): e4m3. Gradients: e4m3, or e5m2 for "hybrid".
@@ -163,9 +164,8 @@ def _quantize(
 
 class _CompiledQuantize:
     """:func:`_quantize` under torch.compile, for GPU tensors: eagerly each quantization is
-    several kernels over float32 copies, several times the products' own time on a transformer
-    layer; compiled, the transpose, padding, scaling and cast fuse
-    (``benchmarks/results/2026-11-26_h100_fp8_training.md`` has both). Shapes are dynamic.
+    several kernels over float32 copies, slower than the products it feeds (both forms are
+    timed in ``benchmarks/results/2026-11-26_h100_fp8_training.md``). Shapes are dynamic.
     Where compiling fails (no triton), the eager form runs, with one warning."""
 
     def __init__(self) -> None:
@@ -187,6 +187,7 @@ class _CompiledQuantize:
 _COMPILED = _CompiledQuantize()
 
 
+@functools.cache
 def _scaling_types() -> dict[Layout, object] | None:
     """torch's names for the three layouts (``ScalingType``; spelled differently across torch
     versions), or None where torch has no ``scaled_mm``."""
@@ -215,7 +216,8 @@ def kernel_for(a: Quantized, b: Quantized) -> bool:
     """Whether torch's FP8 kernel computes ``a @ b.T`` here (else :func:`matmul_nt` emulates).
 
     Block scales: an SM 9.x GPU (cuBLAS's DeepSeek-style kernels exist only there), e4m3 on
-    both sides, whole 128-blocks along every dimension but the rows of a 1x128 operand.
+    both sides, whole 128-blocks along the contraction and ``b``'s rows (and a 128x128 ``a``'s
+    rows).
     Per-tensor scales: SM 8.9+, not e5m2 on both sides. The contraction and ``b``'s rows a
     multiple of 16 (``a``'s rows are padded to one)."""
     if not a.data.is_cuda or _scaling_types() is None:

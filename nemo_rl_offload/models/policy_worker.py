@@ -806,15 +806,8 @@ def _refuse_fp8_problems(section: dict[str, Any], where: str, effective: Any) ->
     """A worker started without validate (a benchmark, a script) refuses an ``fp8_cfg`` that
     validate would refuse, rather than train in the training dtype without saying so."""
     from nemo_rl_offload.config import fp8
-    from nemo_rl_offload.config.quantization import policy_config
     from nemo_rl_offload.errors import UserInputError
 
-    errors, _ = fp8.problems(
-        section,
-        where,
-        transformer_impl=effective.value("transformer_impl"),
-        peft_enabled=effective.lora is not None,
-        quantized=policy_config(section) is not None,
-    )
+    errors, _ = fp8.problems(section, where, transformer_impl=effective.value("transformer_impl"))
     if errors:
         raise UserInputError(errors[0])

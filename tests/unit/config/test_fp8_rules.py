@@ -10,13 +10,12 @@ from nemo_rl_offload.config import fp8
 RUNS = {"enabled": True, "fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": False}
 
 
-def _policy(fp8_cfg: dict | None = None, **extra) -> dict:
-    return {"megatron_cfg": {"fp8_cfg": {**RUNS, **(fp8_cfg or {})}, **extra}}
+def _policy(fp8_cfg: dict | None = None, **megatron_cfg) -> dict:
+    return {"megatron_cfg": {"fp8_cfg": {**RUNS, **(fp8_cfg or {})}, **megatron_cfg}}
 
 
-def _problems(policy: dict, **kwargs) -> tuple[list[str], list[str]]:
-    args = {"transformer_impl": "local", "peft_enabled": False, "quantized": False, **kwargs}
-    return fp8.problems(policy, "policy", **args)
+def _problems(policy: dict, transformer_impl: str = "local") -> tuple[list[str], list[str]]:
+    return fp8.problems(policy, "policy", transformer_impl=transformer_impl)
 
 
 @pytest.mark.parametrize(
@@ -35,37 +34,44 @@ def test_off_is_silent_whatever_its_other_keys_say():
 
 
 @pytest.mark.parametrize(
-    ("fp8_cfg", "key", "fix"),
+    ("fp8_cfg", "key", "fix", "names_a_recipe"),
     [
-        ({"fp8_recipe": "delayed"}, "fp8_recipe", "use tensorwise"),
-        ({"fp8_recipe": "mxfp8"}, "fp8_recipe", "Blackwell"),
-        ({"fp8_recipe": "blockwize"}, "fp8_recipe", "did you mean 'blockwise'"),
-        ({"fp8": "e5m2"}, "fp8", "not one of e4m3, hybrid"),
-        ({"fp8": "hybrid"}, "fp8", "set fp8 to e4m3, or fp8_recipe to tensorwise"),
-        ({"fp8_param": True}, "fp8_param", "set it to false"),
-        ({"fp8": None}, "fp8", "missing"),
+        ({"fp8_recipe": "delayed"}, "fp8_recipe", "use tensorwise", False),
+        ({"fp8_recipe": "mxfp8"}, "fp8_recipe", "Blackwell", False),
+        ({"fp8_recipe": "blockwize"}, "fp8_recipe", "did you mean 'blockwise'", False),
+        ({"fp8": "e5m2"}, "fp8", "not one of e4m3, hybrid", False),
+        ({"fp8": None}, "fp8", "missing", False),
+        ({"fp8": "hybrid"}, "fp8", "set fp8 to e4m3, or fp8_recipe to tensorwise", True),
+        ({"fp8_param": True}, "fp8_param", "set it to false", True),
     ],
 )
-def test_what_does_not_run_is_refused_naming_the_key_and_the_fix(fp8_cfg, key, fix):
+def test_what_does_not_run_is_refused_naming_the_key_and_the_fix(fp8_cfg, key, fix, names_a_recipe):
+    """Refused by the rules, one line each. Settings exist only where the keys name a format
+    and a recipe (a worker refuses through the same rules before it would build them)."""
     errors, _ = _problems(_policy(fp8_cfg))
     assert len(errors) == 1, errors
     assert errors[0].startswith(f"policy.megatron_cfg.fp8_cfg.{key}: ") and fix in errors[0]
-    assert (
-        fp8.fp8_settings(_policy(fp8_cfg)) is None or key == "fp8_param" or "hybrid" in str(fp8_cfg)
-    )
+    assert (fp8.fp8_settings(_policy(fp8_cfg)) is not None) == names_a_recipe
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "names"),
-    [({"peft_enabled": True}, "peft.enabled"), ({"quantized": True}, "quant_cfg")],
+    ("beside", "names"),
+    [
+        (lambda p: p["megatron_cfg"].update(peft={"enabled": True}), "peft.enabled"),
+        (lambda p: p.update(quant_cfg="NVFP4_DEFAULT_CFG"), "quant_cfg"),
+    ],
+    ids=["lora", "modelopt"],
 )
-def test_combinations_not_implemented_are_refused(kwargs, names):
-    errors, _ = _problems(_policy(), **kwargs)
+def test_combinations_not_implemented_are_refused(beside, names):
+    policy = _policy()
+    assert _problems(policy) == ([], [])
+    beside(policy)
+    errors, _ = _problems(policy)
     assert len(errors) == 1 and names in errors[0]
 
 
 def test_transformer_engine_runs_its_own_fp8_with_a_warning():
-    errors, warnings = _problems(_policy(), transformer_impl="transformer_engine")
+    errors, warnings = _problems(_policy(), "transformer_engine")
     assert errors == [] and len(warnings) == 1 and "Transformer Engine" in warnings[0]
 
 

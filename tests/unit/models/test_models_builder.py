@@ -66,10 +66,24 @@ def test_fgo_is_reported_not_applied_on_cpu(build_tiny):
     assert model.config.offload_modules == []
 
 
-def test_cpu_worker_rejects_transformer_engine(megatron_cpu, effective_for):
-    effective = effective_for("tiny-dense", transformer_impl="transformer_engine")
+FP8_CFG = {"enabled": True, "fp8": "e4m3", "fp8_recipe": "blockwise", "fp8_param": False}
+
+
+@pytest.mark.parametrize("fp8_cfg", [None, FP8_CFG], ids=["bf16", "fp8"])
+def test_cpu_worker_rejects_transformer_engine(megatron_cpu, effective_for, fp8_cfg):
+    effective = effective_for("tiny-dense", transformer_impl="transformer_engine", fp8_cfg=fp8_cfg)
     with pytest.raises(UserInputError, match="transformer_impl.*needs a GPU"):
         build_gpt_model(effective, architecture_for("tiny-dense"), on_gpu=False)
+
+
+def test_transformer_engine_gets_megatrons_own_fp8_fields(effective_for):
+    from nemo_rl_offload.models.builder import transformer_config_for
+
+    te = effective_for("tiny-dense", transformer_impl="transformer_engine", fp8_cfg=FP8_CFG)
+    kwargs, _ = transformer_config_for(te, on_gpu=True)
+    assert (kwargs["fp8"], kwargs["fp8_recipe"]) == ("e4m3", "blockwise")
+    local, _ = transformer_config_for(effective_for("tiny-dense", fp8_cfg=FP8_CFG), on_gpu=False)
+    assert "fp8" not in local  # the local spec's FP8 is this package's linears
 
 
 def test_per_token_loss_cannot_be_turned_off(megatron_cpu, effective_for):
