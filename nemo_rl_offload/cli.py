@@ -242,6 +242,12 @@ def _cmd_export_hf(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    from nemo_rl_offload.serving.serve import serve
+
+    return serve(args.config, args.overrides, checkpoint=args.checkpoint)
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from nemo_rl_offload.demo import run_demo
 
@@ -366,6 +372,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export_hf.add_argument("overrides", nargs="*", help="Hydra-style overrides of the recipe")
     export_hf.set_defaults(handler=_cmd_export_hf)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a recipe's policy over OpenAI-compatible HTTP endpoints",
+        description="Start the recipe's policy workers (weights from --checkpoint, else "
+        "policy.init_checkpoint, else the model's own) behind megatron-core's OpenAI-compatible "
+        "endpoints (/v1/chat/completions, /v1/completions, /v1/models, /health) and serve until "
+        "interrupted. Port: policy.generation.port_range_low/high, else any free one; parsers: "
+        "policy.generation.mcore_generation_config.parsers.",
+    )
+    serve.add_argument("--config", required=True, help="recipe YAML file (any algorithm)")
+    serve.add_argument(
+        "--checkpoint", default=None, help="a step directory or checkpoint_dir (its latest step)"
+    )
+    serve.add_argument("overrides", nargs="*", help="Hydra-style overrides")
+    serve.set_defaults(handler=_job(_run_serve))
     for name, module, function, what in _TRAINING_COMMANDS:
         command = commands.add_parser(
             name,

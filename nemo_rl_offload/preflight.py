@@ -18,6 +18,7 @@ from nemo_rl_offload.config import (
     dtensor_recipes,
     fp8,
     grpo_options,
+    http_server,
     ignored_keys,
     peft,
     quantization,
@@ -518,6 +519,9 @@ def check_recipe(
         report.warnings += fp8_warnings
         if where == "policy":  # a teacher's peft and MTP keys are inert or refused elsewhere
             report.errors += _mtp_loss_problems(recipe, algorithm, effective)
+            serving_errors, serving_warnings = http_server.problems(section, where, algorithm)
+            report.errors += serving_errors
+            report.warnings += serving_warnings
             m = f"{where}.megatron_cfg"
             replay_errors, replay_warnings = router_replay.problems(
                 section,

@@ -215,6 +215,8 @@ class Run:
     gpu_monitor: Any = None
     # The worker groups start_group began, shut down by close in that order.
     groups: list[PolicyGroup] = field(default_factory=list)
+    # The policy's HTTP servers (expose_http_server), stopped by close before the workers.
+    servers: list[Any] = field(default_factory=list)
 
     @property
     def policy_cfg(self) -> dict[str, Any]:
@@ -564,9 +566,27 @@ class Run:
             print(f"{where}: {group.fp8_linears} linears make FP8 products", file=sys.stderr)
         return group
 
+    def serve(self, policy: PolicyGroup, *, seed: int) -> None:
+        """Serve the policy over HTTP when the recipe exposes it
+        (``mcore_generation_config.expose_http_server``; :mod:`nemo_rl_offload.serving`);
+        each completion reports the last step trained as its ``policy_epoch``."""
+        from nemo_rl_offload.serving.policy_endpoint import serve_policy
+
+        server = serve_policy(
+            self.policy_cfg,
+            policy,
+            self.tokenizer,
+            seed=seed,
+            policy_epoch=lambda: self.last_step or self.start_step,
+        )
+        if server is not None:
+            self.servers.append(server)
+
     def close(self) -> None:
-        """Shut down the workers, the GPU monitor, the logger and Ray (if this run started
-        it)."""
+        """Stop the policy's HTTP servers, shut down the workers, the GPU monitor, the logger
+        and Ray (if this run started it)."""
+        for server in self.servers:
+            server.stop()
         for group in self.groups:
             group.shutdown()
         if self.gpu_monitor is not None:
@@ -593,18 +613,9 @@ def _not_quantized(policy_dir: Path, key: str) -> None:
         )
 
 
-def prepare(
-    report: Report, algorithm: str, *, total_steps_key: str, started: float | None = None
-) -> Run:
-    """From a recipe checked for ``algorithm`` (and planned, with a budget:
-    :mod:`nemo_rl_offload.plan_at_start`): load the tokenizer, find a checkpoint to resume
-    (Ray starts later, in :meth:`Run.connect`). ``started``: when the command started
-    (``time.monotonic``), which checkpoint_must_save_by counts from; by default, now."""
-    started = time.monotonic() if started is None else started
-    for line in report.warnings:
-        print(line, file=sys.stderr)
-    recipe = report.recipe
-    policy = recipe["policy"]
+def policy_tokenizer(policy: Mapping[str, Any]) -> Tokenizer:
+    """The policy section's tokenizer, checked against its model (and the model's Hugging Face
+    directory checked, so that a bad one fails here rather than in the workers)."""
     architecture = section_architecture(policy, base_dir=Path.cwd())
     tokenizer_cfg = policy.get("tokenizer") or {}
     tokenizer = load_tokenizer(
@@ -618,7 +629,22 @@ def prepare(
     if architecture.hf_directory and not policy.get("init_checkpoint"):
         from nemo_rl_offload.models.hf_checkpoint import check_hf_directory
 
-        check_hf_directory(architecture)  # a bad directory fails here, not in the workers
+        check_hf_directory(architecture)
+    return tokenizer
+
+
+def prepare(
+    report: Report, algorithm: str, *, total_steps_key: str, started: float | None = None
+) -> Run:
+    """From a recipe checked for ``algorithm`` (and planned, with a budget:
+    :mod:`nemo_rl_offload.plan_at_start`): load the tokenizer, find a checkpoint to resume
+    (Ray starts later, in :meth:`Run.connect`). ``started``: when the command started
+    (``time.monotonic``), which checkpoint_must_save_by counts from; by default, now."""
+    started = time.monotonic() if started is None else started
+    for line in report.warnings:
+        print(line, file=sys.stderr)
+    recipe = report.recipe
+    tokenizer = policy_tokenizer(recipe["policy"])
     ckpt = recipe["checkpointing"]
     resume_from, start_step, driver_state = None, 0, {}
     existing = []

@@ -84,6 +84,7 @@ def start(run: Run) -> loop.Steps:
             file=sys.stderr,
         )
     run.restore(policy, train)
+    run.serve(policy, seed=seed)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts = int(cfg["num_prompts_per_step"])
     group = int(cfg.get("num_generations_per_prompt", 1))

@@ -389,6 +389,7 @@ def start(run: Run) -> loop.Steps:
         logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
     )
     run.restore(policy, train)
+    run.serve(policy, seed=seed)
     meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts, group = (

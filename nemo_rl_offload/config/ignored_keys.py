@@ -626,6 +626,11 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
     for engine, label in (("vllm", "vLLM"), ("sglang", "SGLang"), ("trtllm", "TensorRT-LLM")):
         # Another engine's settings: ignored unless the recipe asks for that engine.
         reason = f"{label} is not used: generation runs with megatron-core"
+        if engine == "vllm":
+            reason += (
+                " (of this section, expose_http_server and http_server_serving_chat_kwargs are "
+                "honored: docs/serving.md)"
+            )
         unless_chosen = _unless(f"{g}.backend", engine)
         entries[f"{g}.{engine}_cfg"] = Unused(reason, unless_chosen)
         entries[f"{g}.{engine}_kwargs"] = Unused(reason, _any_inert(_empty, unless_chosen))
@@ -639,8 +644,7 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             f"{g}.colocated": Unused(
                 "generation always runs on the training workers (colocated)", _switched_on
             ),
-            f"{g}.port_range_low": Unused("no generation server is started", _always),
-            f"{g}.port_range_high": Unused("no generation server is started", _always),
+            # port_range_low/high are implemented (config/http_server.py).
             f"{g}.use_async_rollouts": Unused(
                 "each step's rollouts are sampled as one batch", _one_of(False)
             ),
@@ -665,12 +669,12 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
 
 # policy.generation.mcore_generation_config: the sampler acts on buffer_size_gb (the KV cache's
 # limit), cuda_graph_impl and num_cuda_graphs (decode-step CUDA graphs); see docs/generation.md.
+# expose_http_server and parsers are implemented (config/http_server.py, docs/serving.md).
 _DYNAMIC_ENGINE_KEYS = (
     "block_size_tokens",
     "buffer_guaranteed_fraction",
     "enable_chunked_prefill",
     "enable_prefix_caching",
-    "expose_http_server",
     "inference_cuda_graph_scope",
     "inference_grouped_gemm_backend",
     "kv_cache_management_mode",
@@ -680,7 +684,6 @@ _DYNAMIC_ENGINE_KEYS = (
     "materialize_only_last_token_logits",
     "max_model_len",
     "max_tokens",
-    "parsers",
     "refit_backend",
     "unified_memory_level",
     "use_cuda_graphs_for_non_decode_steps",

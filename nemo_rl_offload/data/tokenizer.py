@@ -9,7 +9,8 @@ A Hugging Face tokenizer is only loaded from a local directory (model hubs are n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -107,6 +108,41 @@ class ByteTokenizer:
         parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
 
+    @property
+    def chat_template(self) -> str:
+        return BYTE_CHAT_TEMPLATE
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """The ids of ``messages`` in :data:`BYTE_CHAT_TEMPLATE`'s layout."""
+        ids: list[int] = []
+        if tools:
+            ids += self.encode(f"<|tools|>\n{json.dumps(tools, sort_keys=True)}\n")
+        for message in messages:
+            calls = "".join(
+                f"<tool_call>{json.dumps(call.get('function'), sort_keys=True)}</tool_call>"
+                for call in message.get("tool_calls") or []
+            )
+            ids += self.encode(f"<|{message['role']}|>\n{message.get('content') or ''}{calls}")
+            ids += [self.EOS_ID] if message["role"] == "assistant" else self.encode("\n")
+        if add_generation_prompt:
+            ids += self.encode("<|assistant|>\n")
+        return ids
+
+
+# What the tiny presets (which have no tokenizer files) render chats as: tools as JSON up front,
+# then each message as ``<|role|>`` and a newline, its text and its tool calls as JSON in
+# <tool_call> tags; an assistant turn ends with the end-of-sequence token (as a sampled turn
+# does, so a conversation's earlier turns tokenize as they were sampled), any other with a
+# newline; the generation prompt is ``<|assistant|>`` and a newline.
+BYTE_CHAT_TEMPLATE = "<|role|>\\n{content}{tool calls} then <eos> (assistant) or \\n (others)"
+
 
 class HFTokenizer:
     """A local Hugging Face tokenizer directory behind the :class:`Tokenizer` interface."""
@@ -170,6 +206,30 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The directory's chat template (None for a tokenizer without one)."""
+        return getattr(self._tok, "chat_template", None)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """The ids of ``messages`` rendered by the tokenizer's own chat template."""
+        encoded = self._tok.apply_chat_template(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            **template_kwargs,
+        )
+        ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
+        return [int(i) for i in ids]
 
 
 def tokenizer_source(name: str | None, model_name: str | None) -> str | None:

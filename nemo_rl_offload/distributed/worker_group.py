@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -77,6 +78,10 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name = name
+        # Calls are submitted to every worker under this lock: two threads calling the group
+        # (the policy's HTTP server sampling while the loop trains) must reach all workers in
+        # the same order, or their collectives would wait on each other.
+        self._submitting = threading.Lock()
         bundle: dict[str, float] = {"CPU": cpus_per_worker}
         if gpus_per_worker:
             bundle["GPU"] = gpus_per_worker
@@ -119,14 +124,18 @@ class WorkerGroup:
         return the results in rank order. Raises WorkerError as soon as any worker fails
         (UserInputError when that failure is one: a problem in the user's input)."""
         futures = []
-        for rank, worker in enumerate(self.workers):
-            call_args, call_kwargs = per_worker[rank] if per_worker is not None else (args, kwargs)
-            futures.append(getattr(worker, method).remote(*call_args, **call_kwargs))
+        with self._submitting:
+            for rank, worker in enumerate(self.workers):
+                call_args, call_kwargs = (
+                    per_worker[rank] if per_worker is not None else (args, kwargs)
+                )
+                futures.append(getattr(worker, method).remote(*call_args, **call_kwargs))
         return self._gather(futures, method, timeout_s)
 
     def run_on(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on one worker only (with the same failure handling as :meth:`run`)."""
-        future = getattr(self.workers[rank], method).remote(*args, **kwargs)
+        with self._submitting:
+            future = getattr(self.workers[rank], method).remote(*args, **kwargs)
         return self._gather([future], method, None, ranks=[rank])[0]
 
     def _gather(

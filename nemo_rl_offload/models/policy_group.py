@@ -193,8 +193,13 @@ class PolicyGroup:
     ) -> list[Any]:
         """Each prompt's ``generation.Generated`` (ids and log-probabilities, and with
         ``record_routes`` its positions' experts), in order."""
+        if not prompts:
+            return []
         shards = split(list(range(len(prompts))), self.dp_size)
-        per_dp = [[prompts[i] for i in shard] for shard in shards]
+        # Every rank samples at least one prompt (fewer prompts than data-parallel ranks: the
+        # first one again, its result dropped): the sampler's ranks agree on their KV cache's
+        # size with a collective that a rank without prompts would never join.
+        per_dp = [[prompts[i] for i in shard] or [prompts[0]] for shard in shards]
         options = {"pad_id": pad_id, "record_routes": record_routes}
         results = self.group.run(
             "generate",

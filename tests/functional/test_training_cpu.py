@@ -129,6 +129,7 @@ def test_distillation_kl_falls(sft_run, tmp_path):
 
 
 PIPELINE_2 = ["pipeline_model_parallel_size=2", "pipeline_dtype=float32"]
+EXPOSE = "policy.generation.mcore_generation_config.expose_http_server"
 
 
 @pytest.mark.parametrize(
@@ -136,7 +137,8 @@ PIPELINE_2 = ["pipeline_model_parallel_size=2", "pipeline_dtype=float32"]
     [
         ("sft", []),
         ("dpo", []),
-        ("grpo", []),
+        # Served over HTTP while it trains (the endpoints are tested in test_serve_cpu.py).
+        ("grpo", [f"++{EXPOSE}=true"]),
         # The teacher at tensor parallel 2: its top-k gathers the vocabulary over its ranks.
         ("distillation", ["teacher.megatron_cfg.tensor_model_parallel_size=2"]),
     ],
@@ -160,6 +162,8 @@ def test_every_algorithm_trains_at_pipeline_parallel_2(sft_run, tmp_path, algori
         *extra,
     )
     assert result.returncode == 0, result.stderr[-4000:]
+    served = "policy: OpenAI-compatible endpoints at http://" in result.stderr
+    assert served == any(EXPOSE in setting for setting in extra)
     train = metrics(tmp_path, "train")
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train)

@@ -22,6 +22,13 @@ class EchoWorker:
     def whoami(self, suffix: str = "") -> str:
         return f"{self.rank}/{self.world}{suffix}"
 
+    def record(self, tag: str) -> int:
+        self.seen = [*getattr(self, "seen", []), tag]
+        return len(self.seen)
+
+    def history(self) -> list[str]:
+        return getattr(self, "seen", [])
+
     def env(self, key: str) -> str | None:
         return os.environ.get(key)
 
@@ -71,6 +78,29 @@ def test_calls_reach_every_worker_in_rank_order(ray_cluster):
             "1/2b",
         ]
         assert group.run("env", "NVTE_CPU_OFFLOAD_V1") == ["1", "1"]
+    finally:
+        group.shutdown()
+
+
+def test_calls_from_two_threads_reach_every_worker_in_the_same_order(ray_cluster):
+    """The policy's HTTP server samples from its own thread while the loop trains: workers
+    that took two threads' calls in different orders would wait on each other's collectives."""
+    import threading
+
+    group = _group()
+    try:
+
+        def call(name: str) -> None:
+            for index in range(150):
+                group.run("record", f"{name}{index}")
+
+        threads = [threading.Thread(target=call, args=(name,)) for name in "ab"]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        first, second = group.run("history")
+        assert len(first) == 300 and first == second
     finally:
         group.shutdown()
 

@@ -1,0 +1,204 @@
+"""``policy.generation.mcore_generation_config.expose_http_server``: the rules and the settings.
+
+NeMo-RL's Megatron backend serves the policy being trained over megatron-core's
+OpenAI-compatible HTTP endpoints when ``expose_http_server`` is true (what NeMo-Gym's model
+servers and other agents sample from), with megatron-core's response ``parsers`` (reasoning
+and tool calls) applied to what it generates; ``policy.generation.port_range_low`` /
+``port_range_high`` bound the port. Here the same endpoints front this backend's sampler
+(:mod:`nemo_rl_offload.serving`), during GRPO and distillation runs and under
+``nemo-rl-offload serve``.
+
+This module owns the decision of what is served and what is refused; the serving package
+applies :class:`ServingSettings`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["SERVING_ALGORITHMS", "ServingSettings", "parser_names", "problems", "serving_settings"]
+
+# The algorithms whose policy samples (SFT and DPO never generate).
+SERVING_ALGORITHMS = ("grpo", "distillation")
+
+
+def parser_names() -> tuple[str, ...]:
+    """The response parsers served: megatron-core's and this backend's (serving/parsers.py)."""
+    from megatron.core.tokenizers.text.parsers import PARSER_MAPPING
+
+    from nemo_rl_offload.serving.parsers import OWN_PARSERS
+
+    return tuple(sorted({*PARSER_MAPPING, *OWN_PARSERS}))
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    expose: bool = False
+    parsers: tuple[str, ...] = ()
+    port_range: tuple[int, int] | None = None  # [low, high); None: any free port
+    # vLLM's server-side chat template and template arguments (NeMo-RL's vllm_cfg.
+    # http_server_serving_chat_kwargs); a request's chat_template_kwargs win over the defaults.
+    chat_template: str | None = None
+    template_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Where the settings came from, for messages.
+    source: str = "policy.generation.mcore_generation_config"
+
+
+# The generation backends whose vLLM settings NeMo-RL's HTTP server reads.
+_VLLM_BACKENDS = ("vllm", "dynamo")
+_CHAT_KWARGS = "http_server_serving_chat_kwargs"
+_SERVED_CHAT_KWARGS = (
+    "enable_auto_tools",
+    "reasoning_parser",
+    "tool_parser",
+    "chat_template",
+    "default_chat_template_kwargs",
+)
+
+
+def _generation(section: Mapping[str, Any]) -> Mapping[str, Any]:
+    generation = section.get("generation")
+    return generation if isinstance(generation, Mapping) else {}
+
+
+def _sub(mapping: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = mapping.get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _uses_vllm_cfg(section: Mapping[str, Any]) -> bool:
+    """NeMo-RL reads expose_http_server from the chosen backend's section: vllm_cfg for vLLM
+    and Dynamo, mcore_generation_config for Megatron."""
+    return _generation(section).get("backend") in _VLLM_BACKENDS
+
+
+def serving_settings(section: Mapping[str, Any]) -> ServingSettings:
+    """The settings of a policy section that :func:`problems` passed."""
+    from nemo_rl_offload.serving.parsers import VLLM_EQUIVALENTS
+
+    generation = _generation(section)
+    low, high = generation.get("port_range_low"), generation.get("port_range_high")
+    port_range = (int(low), int(high)) if low is not None and high is not None else None
+    if _uses_vllm_cfg(section):
+        vllm = _sub(generation, "vllm_cfg")
+        chat = _sub(vllm, _CHAT_KWARGS)
+        parsers = tuple(
+            VLLM_EQUIVALENTS[kind][chat[kind]]
+            for kind in ("reasoning_parser", "tool_parser")
+            if chat.get(kind) is not None
+        )
+        return ServingSettings(
+            expose=vllm.get("expose_http_server") is True,
+            parsers=parsers,
+            port_range=port_range,
+            chat_template=chat.get("chat_template"),
+            template_defaults=dict(chat.get("default_chat_template_kwargs") or {}),
+            source="policy.generation.vllm_cfg",
+        )
+    mcore = _sub(generation, "mcore_generation_config")
+    return ServingSettings(
+        expose=mcore.get("expose_http_server") is True,
+        parsers=tuple(mcore.get("parsers") or ()),
+        port_range=port_range,
+    )
+
+
+def _vllm_problems(section: Mapping[str, Any], where: str) -> list[str]:
+    from nemo_rl_offload.serving.parsers import VLLM_EQUIVALENTS
+
+    vllm = _sub(_generation(section), "vllm_cfg")
+    key = f"{where}.generation.vllm_cfg"
+    errors = []
+    expose = vllm.get("expose_http_server", False)
+    if expose is not None and not isinstance(expose, bool):
+        errors.append(f"{key}.expose_http_server: {expose!r} must be true or false")
+    chat = vllm.get(_CHAT_KWARGS)
+    if chat is None:
+        return errors
+    if not isinstance(chat, Mapping):
+        return [*errors, f"{key}.{_CHAT_KWARGS}: {chat!r} must be a mapping"]
+    for name, value in chat.items():
+        where_key = f"{key}.{_CHAT_KWARGS}.{name}"
+        if name in VLLM_EQUIVALENTS:
+            if value is not None and value not in VLLM_EQUIVALENTS[name]:
+                errors.append(
+                    f"{where_key}: {value!r} is not served by this backend (its parsers for "
+                    f"{name}: {sorted(VLLM_EQUIVALENTS[name])}); use one of them, or set "
+                    "backend: megatron with mcore_generation_config.parsers"
+                )
+        elif name == "enable_auto_tools":
+            if not isinstance(value, bool):
+                errors.append(f"{where_key}: {value!r} must be true or false")
+        elif name == "chat_template":
+            if value is not None and not isinstance(value, str):
+                errors.append(f"{where_key}: must be a Jinja template string")
+        elif name == "default_chat_template_kwargs":
+            if value is not None and not isinstance(value, Mapping):
+                errors.append(f"{where_key}: {value!r} must be a mapping")
+        else:
+            errors.append(
+                f"{where_key}: not implemented by this backend's HTTP server (it serves "
+                f"{', '.join(_SERVED_CHAT_KWARGS)}); remove it"
+            )
+    return errors
+
+
+def problems(
+    section: Mapping[str, Any], where: str, algorithm: str | None
+) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of the serving keys of a policy section ``where``: the chosen
+    backend's section (mcore_generation_config, or vllm_cfg for vLLM and Dynamo) and the
+    port range."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    generation = _generation(section)
+    mcore = _sub(generation, "mcore_generation_config")
+    key = f"{where}.generation.mcore_generation_config"
+    expose = mcore.get("expose_http_server", False)
+    if expose is not None and not isinstance(expose, bool):
+        errors.append(f"{key}.expose_http_server: {expose!r} must be true or false")
+    parsers = mcore.get("parsers")
+    if parsers is not None:
+        known = parser_names()
+        if not isinstance(parsers, list) or not all(isinstance(p, str) for p in parsers):
+            errors.append(
+                f"{key}.parsers: {parsers!r} must be a list of parser names (of {list(known)})"
+            )
+        else:
+            for name in parsers:
+                if name not in known:
+                    errors.append(
+                        f"{key}.parsers: {name!r} is not one of the response parsers "
+                        f"{list(known)}; use one of them (or remove it)"
+                    )
+            if len(set(parsers)) != len(parsers):
+                errors.append(f"{key}.parsers: {parsers!r} names a parser twice; name it once")
+    if _uses_vllm_cfg(section):
+        errors += _vllm_problems(section, where)
+    low = generation.get("port_range_low")
+    high = generation.get("port_range_high")
+    g = f"{where}.generation"
+    if (low is None) != (high is None):
+        errors.append(
+            f"{g}.port_range_low/high: give both ends of the port range or neither "
+            f"(got low {low!r}, high {high!r})"
+        )
+    elif low is not None and not (
+        isinstance(low, int) and isinstance(high, int) and 0 < low < high <= 65536
+    ):
+        errors.append(
+            f"{g}.port_range_low/high: [{low!r}, {high!r}) is not a range of ports; give "
+            "integers with 0 < low < high <= 65536"
+        )
+    if errors:
+        return errors, warnings
+    settings = serving_settings(section)
+    if settings.expose and algorithm is not None and algorithm not in SERVING_ALGORITHMS:
+        warnings.append(
+            f"warning: {settings.source}.expose_http_server: {algorithm} never samples from "
+            "the policy, so nothing is served (the HTTP server runs in grpo and distillation "
+            "runs, and under nemo-rl-offload serve)"
+        )
+    return errors, warnings

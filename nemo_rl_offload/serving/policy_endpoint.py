@@ -1,0 +1,87 @@
+"""Serve a run's policy workers (:class:`~nemo_rl_offload.models.policy_group.PolicyGroup`)
+over HTTP when the recipe exposes them (``config.http_server``): the one place a GRPO or
+distillation run and ``nemo-rl-offload serve`` start the server."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nemo_rl_offload.config import http_server
+from nemo_rl_offload.models.generation import Generated, SamplingSettings
+from nemo_rl_offload.serving.http_server import PolicyServer
+from nemo_rl_offload.serving.sampler_client import SamplerClient
+
+__all__ = ["MAX_REQUESTS_PER_CALL", "serve_policy"]
+
+# The most requests one sampler call takes; the sampler splits a call whose KV cache would not
+# fit into chunks that do (models.generation), so this bounds latency, not memory.
+MAX_REQUESTS_PER_CALL = 1024
+
+
+def _advertised_host() -> str:
+    """The address other machines reach this one at (Ray's node address when Ray runs)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        pass
+    return "127.0.0.1"
+
+
+def serve_policy(
+    policy_cfg: Mapping[str, Any],
+    policy: Any,
+    tokenizer: Any,
+    *,
+    seed: int,
+    policy_epoch: Callable[[], int] = lambda: 0,
+    force: bool = False,
+) -> PolicyServer | None:
+    """Start the server in front of ``policy`` when ``policy_cfg`` exposes it (always with
+    ``force``, for ``nemo-rl-offload serve``); None otherwise. The caller stops it."""
+    settings = http_server.serving_settings(policy_cfg)
+    if not (settings.expose or force):
+        return None
+    generation = policy_cfg.get("generation") or {}
+    pad_id = tokenizer.pad_id
+
+    def generate(
+        prompts: list[list[int]], sampling: SamplingSettings, seed: int
+    ) -> list[Generated]:
+        return policy.generate(prompts, dataclasses.asdict(sampling), seed=seed, pad_id=pad_id)
+
+    client = SamplerClient(
+        generate,
+        decode=tokenizer.decode,
+        max_len=int(policy_cfg["max_total_sequence_length"]),
+        eos_id=tokenizer.eos_id,
+        stop_token_ids=generation.get("stop_token_ids") or (),
+        vocab_limit=tokenizer.vocab_size,
+        seed=seed,
+        max_batch=MAX_REQUESTS_PER_CALL,
+        policy_epoch=policy_epoch,
+    )
+    server = PolicyServer(
+        client,
+        tokenizer,
+        model_name=str(policy_cfg["model_name"]),
+        parsers=settings.parsers,
+        chat_template=settings.chat_template,
+        template_defaults=settings.template_defaults,
+        host="0.0.0.0",
+        port_range=settings.port_range,
+        advertised_host=_advertised_host(),
+    ).start()
+    parsers = f" with parsers {', '.join(settings.parsers)}" if settings.parsers else ""
+    print(
+        f"policy: OpenAI-compatible endpoints at {server.base_url} (chat/completions, "
+        f"completions, models){parsers}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return server

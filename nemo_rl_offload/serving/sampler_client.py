@@ -1,0 +1,247 @@
+"""The sampler behind megatron-core's HTTP endpoints: what its ``InferenceClient`` is to them.
+
+megatron-core's text generation server (the endpoints NeMo-RL's Megatron backend exposes with
+``mcore_generation_config.expose_http_server``) turns an OpenAI request into prompt token ids
+and :class:`megatron.core.inference.sampling_params.SamplingParams`, calls
+``client.add_request(prompt_tokens, sampling_params)`` once per choice, and formats the records
+that come back (text, token ids, log-probabilities) as the OpenAI response; parsing reasoning
+and tool calls out of the text is the endpoints' own (``parsers``). Its own client speaks to the
+dynamic inference engine's coordinator; this one speaks to this backend's sampler
+(:mod:`models.generation`, on the policy's workers), which is the seam: the endpoints read the
+client from the app's config.
+
+Why batching here: the sampler runs one call at a time over a batch of prompts that share their
+sampling settings. Requests arriving while a call runs wait and go together into the next call,
+grouped by their settings (temperature, top-p, top-k, greedy, stop tokens); each group runs with
+the longest ``max_tokens`` of its requests and every row is cut at its own (autoregressive
+sampling makes a row's first n tokens the same draw either way). A request the sampler cannot
+serve as asked gets a failed record whose message the endpoints return with HTTP 400, naming
+the parameter and what to send instead; an over-long prompt's message carries megatron-core's
+``MaxSequenceLengthOverflowError`` wording, which NeMo-Gym's model server reads as a finish by
+length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nemo_rl_offload.models.generation import Generated, SamplingSettings
+
+__all__ = ["GenerateFn", "SamplerClient"]
+
+# The sampler: prompts, their shared settings and a seed -> one Generated per prompt, in order.
+GenerateFn = Callable[[list[list[int]], SamplingSettings, int], list[Generated]]
+
+# Seeds of consecutive sampler calls are this far apart (a call's rows draw from one generator).
+_SEED_STRIDE = 7919
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    settings: SamplingSettings
+    future: asyncio.Future[dict[str, Any]]
+
+
+class SamplerClient:
+    """``add_request`` for megatron-core's endpoints, backed by ``generate``.
+
+    ``max_len`` is ``policy.max_total_sequence_length`` (prompt and new tokens together);
+    ``stop_token_ids`` the recipe's stops besides ``eos_id``; ``vocab_limit`` the tokenizer's
+    vocabulary (ids beyond it are never sampled); ``max_batch`` the most requests one sampler
+    call takes (``policy.generation_batch_size``); ``policy_epoch`` says which weights sampled
+    (the training step), reported with every completion as megatron-core's server does.
+    """
+
+    def __init__(
+        self,
+        generate: GenerateFn,
+        *,
+        decode: Callable[[Sequence[int]], str],
+        max_len: int,
+        eos_id: int,
+        stop_token_ids: Sequence[int] = (),
+        vocab_limit: int | None = None,
+        seed: int = 0,
+        max_batch: int = 64,
+        policy_epoch: Callable[[], int] = lambda: 0,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self._generate = generate
+        self._decode = decode
+        self.max_len = int(max_len)
+        self._eos_id = int(eos_id)
+        self._stops = tuple(int(s) for s in stop_token_ids)
+        self._vocab_limit = vocab_limit
+        self._seed = int(seed)
+        self._max_batch = int(max_batch)
+        self._policy_epoch = policy_epoch
+        self._calls = 0
+        self._queue: asyncio.Queue[_Pending] | None = None
+        self._batcher: asyncio.Task[None] | None = None
+        # One sampler call at a time, off the event loop (the policy's calls block).
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "policy-sampler")
+
+    # ------------------------------------------------------------------ the endpoints' API
+    async def add_request(self, prompt_tokens: Sequence[int], sampling_params: Any) -> dict:
+        """The record of one completion of ``prompt_tokens`` (megatron-core's record keys), or
+        a failed record naming what cannot be served."""
+        prompt = [int(t) for t in prompt_tokens]
+        settings = self.settings_for(prompt, sampling_params)
+        if isinstance(settings, str):
+            return _failed(settings)
+        loop = asyncio.get_running_loop()
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            self._batcher = loop.create_task(self._run_batches())
+        pending = _Pending(prompt, settings, loop.create_future())
+        await self._queue.put(pending)
+        return await pending.future
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for the next sampler call."""
+        return 0 if self._queue is None else self._queue.qsize()
+
+    def stop(self) -> None:
+        """Cancel the batcher (the server's loop is ending) and let the sampler thread go."""
+        if self._batcher is not None:
+            self._batcher.cancel()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ request -> settings
+    def settings_for(self, prompt: list[int], params: Any) -> SamplingSettings | str:
+        """The sampler's settings for one request, or the message of why it cannot be served
+        (a 400 for the client)."""
+        if not prompt:
+            return "the prompt is empty: it needs at least one token"
+        top_n = int(getattr(params, "top_n_logprobs", 0) or 0)
+        if top_n > 0:
+            return (
+                f"top_logprobs: {top_n} is not served: this sampler returns the log-probability "
+                "of each sampled token only; send top_logprobs 0"
+            )
+        if getattr(params, "return_log_probs", False) and not getattr(
+            params, "skip_prompt_log_probs", True
+        ):
+            return (
+                "prompt log-probabilities (echo with logprobs) are not served: this sampler "
+                "returns the log-probabilities of the new tokens only; send echo false"
+            )
+        if getattr(params, "stop_words", None):
+            return (
+                f"stop: {params.stop_words!r} is not served: this sampler stops at token ids "
+                "only (the end-of-sequence token and policy.generation.stop_token_ids); remove "
+                "stop"
+            )
+        wanted = getattr(params, "num_tokens_to_generate", None)
+        total = getattr(params, "num_tokens_total", None)
+        room = self.max_len - len(prompt)
+        if wanted is None and total is not None:
+            wanted = int(total) - len(prompt)
+        if wanted is not None and int(wanted) < 1:
+            return f"max_tokens: {wanted} must be at least 1 (or left out: the rest of the context)"
+        new_tokens = room if wanted is None else int(wanted)
+        if new_tokens < 1 or new_tokens > room:
+            return (
+                f"MaxSequenceLengthOverflowError: this model's maximum context length is "
+                f"{self.max_len} tokens (policy.max_total_sequence_length); the prompt has "
+                f"{len(prompt)} and {new_tokens} more were requested"
+            )
+        termination = getattr(params, "termination_id", None)
+        if termination is None:
+            stops = (*self._stops, self._eos_id)
+        elif int(termination) < 0:  # ignore_eos
+            stops = ()
+        else:
+            stops = (int(termination),)
+        temperature = float(getattr(params, "temperature", 1.0))
+        top_k = int(getattr(params, "top_k", 0) or 0)
+        top_p = float(getattr(params, "top_p", 0.0) or 0.0)
+        greedy = temperature == 0.0 or top_k == 1
+        return SamplingSettings(
+            max_new_tokens=new_tokens,
+            temperature=1.0 if greedy else temperature,
+            # megatron-core's 0 means "off" for both.
+            top_p=1.0 if greedy or top_p <= 0.0 else top_p,
+            top_k=None if greedy or top_k <= 0 else top_k,
+            greedy=greedy,
+            stop_token_ids=stops,
+            vocab_limit=self._vocab_limit,
+        )
+
+    # ------------------------------------------------------------------ batching
+    async def _run_batches(self) -> None:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._max_batch and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            for group in _by_settings(batch):
+                longest = max(p.settings.max_new_tokens for p in group)
+                settings = replace(group[0].settings, max_new_tokens=longest)
+                seed = self._seed + _SEED_STRIDE * self._calls
+                self._calls += 1
+                prompts = [p.prompt for p in group]
+                try:
+                    generated = await loop.run_in_executor(
+                        self._executor, self._generate, prompts, settings, seed
+                    )
+                except Exception as exc:  # the policy failed: every request of the call fails
+                    message = f"the policy's sampler failed: {type(exc).__name__}: {exc}"
+                    for p in group:
+                        _resolve(p.future, _failed(message, transient=True))
+                    continue
+                epoch = self._policy_epoch()
+                for p, g in zip(group, generated, strict=True):
+                    _resolve(p.future, self._record(p, g, epoch))
+
+    def _record(self, pending: _Pending, generated: Generated, epoch: int) -> dict[str, Any]:
+        limit = pending.settings.max_new_tokens
+        ids = [int(t) for t in generated.ids[:limit]]
+        logprobs = [float(x) for x in generated.logprobs[:limit]]
+        return {
+            "status": "COMPLETED",
+            "events": [],
+            "prompt_tokens": pending.prompt,
+            "prompt_length": len(pending.prompt),
+            "generated_tokens": ids,
+            "generated_text": self._decode(ids),
+            "log_probs": logprobs,
+            "generated_log_probs": logprobs,
+            "generated_top_n_logprobs": None,
+            "prompt_log_probs": None,
+            "prompt_top_n_logprobs": None,
+            # A stop token ends a row before its limit; the endpoints call a full row "length".
+            "sampling_params": {"num_tokens_to_generate": limit},
+            "num_cached_tokens": 0,
+            "policy_epoch": epoch,
+            "kv_cache_epoch": epoch,
+            "routing_indices": None,
+        }
+
+
+def _by_settings(batch: list[_Pending]) -> list[list[_Pending]]:
+    """Requests grouped by everything but their token limit, in arrival order."""
+    groups: dict[SamplingSettings, list[_Pending]] = {}
+    for pending in batch:
+        key = replace(pending.settings, max_new_tokens=1)
+        groups.setdefault(key, []).append(pending)
+    return list(groups.values())
+
+
+def _resolve(future: asyncio.Future[dict[str, Any]], record: dict[str, Any]) -> None:
+    if not future.done():  # the client may have gone (a cancelled request)
+        future.set_result(record)
+
+
+def _failed(message: str, *, transient: bool = False) -> dict[str, Any]:
+    """megatron-core's failed record: its endpoints answer 400 for a non-transient error."""
+    kind = "ERROR_TRANSIENT" if transient else "ERROR_NONTRANSIENT"
+    return {"status": "FAILED", "events": [{"type": kind, "payload": message}]}

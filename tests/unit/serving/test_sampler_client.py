@@ -1,0 +1,76 @@
+"""megatron-core's sampling parameters as this sampler's settings, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+from megatron.core.inference.sampling_params import SamplingParams
+
+from nemo_rl_offload.models.generation import SamplingSettings
+from nemo_rl_offload.serving.sampler_client import SamplerClient
+
+EOS = 9
+
+
+def _client(**kwargs) -> SamplerClient:
+    return SamplerClient(
+        lambda prompts, settings, seed: [],
+        decode=str,
+        max_len=32,
+        eos_id=EOS,
+        stop_token_ids=(7,),
+        vocab_limit=100,
+        **kwargs,
+    )
+
+
+def test_sampling_parameters_map_to_the_samplers_settings():
+    client = _client()
+    prompt = [1, 2, 3]
+    settings = client.settings_for(
+        prompt, SamplingParams(temperature=0.7, top_p=0.9, top_k=20, num_tokens_to_generate=5)
+    )
+    assert settings == SamplingSettings(
+        max_new_tokens=5,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        stop_token_ids=(7, EOS),
+        vocab_limit=100,
+    )
+    # megatron-core's defaults: top_p 0 and top_k 0 are "off"; no limit is the rest of the
+    # context
+    settings = client.settings_for(prompt, SamplingParams(temperature=1.0))
+    assert (settings.top_p, settings.top_k, settings.max_new_tokens) == (1.0, None, 29)
+    # temperature 0 (the endpoints turn it into top_k 1) is greedy
+    greedy = client.settings_for(prompt, SamplingParams(temperature=0.0, top_k=1))
+    assert greedy.greedy and greedy.top_k is None and greedy.temperature == 1.0
+    # ignore_eos: no stop token; a termination id of the request's own: that one only
+    assert client.settings_for(prompt, SamplingParams(termination_id=-1)).stop_token_ids == ()
+    assert client.settings_for(prompt, SamplingParams(termination_id=4)).stop_token_ids == (4,)
+    total = client.settings_for(prompt, SamplingParams(num_tokens_total=10))
+    assert total.max_new_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        (SamplingParams(num_tokens_to_generate=30), "MaxSequenceLengthOverflowError"),
+        (SamplingParams(num_tokens_to_generate=0), "max_tokens: 0 must be at least 1"),
+        (SamplingParams(return_log_probs=True, top_n_logprobs=3), "top_logprobs: 3"),
+        (
+            SamplingParams(return_log_probs=True, skip_prompt_log_probs=False),
+            "prompt log-probabilities",
+        ),
+        (SamplingParams(stop_words=["</s>"]), "stop: ['</s>'] is not served"),
+    ],
+)
+def test_what_cannot_be_served_is_named(params, expected):
+    message = _client().settings_for([1, 2, 3], params)
+    assert isinstance(message, str) and expected in message
+
+
+def test_the_prompt_fills_the_context():
+    assert "context length" in _client().settings_for(list(range(32)), SamplingParams())
+    assert _client().settings_for([], SamplingParams()) == (
+        "the prompt is empty: it needs at least one token"
+    )
