@@ -29,6 +29,19 @@ class TokenSequence:
     # The sampler's experts of each position [len(ids), MoE layers, k] (policy.router_replay,
     # config/router_replay.py), None when not recorded.
     routes: np.ndarray | None = None
+    # Token ranges [start, end) after the prompt that the policy did not sample (a multi-turn
+    # rollout's tool results and user turns): they condition later turns but never train.
+    env_spans: tuple[tuple[int, int], ...] = ()
+
+    def label_mask(self) -> np.ndarray:
+        """The loss mask on the label positions (position t holds token t+1's): the loss
+        multiplier where the label is a token the policy sampled, 0 over the prompt and the
+        environment's spans."""
+        sampled = np.zeros(len(self.ids), dtype=np.float32)
+        sampled[self.prompt_len :] = self.loss_multiplier
+        for start, end in self.env_spans:
+            sampled[start:end] = 0.0
+        return sampled[1:]
 
 
 def routes_array(sequences: Sequence[TokenSequence], rows: int, length: int) -> np.ndarray | None:
@@ -70,7 +83,7 @@ def make_microbatch(
         n = len(seq.ids)
         input_ids[row, :n] = seq.ids
         labels[row, : n - 1] = seq.ids[1:]
-        loss_mask[row, max(seq.prompt_len - 1, 0) : n - 1] = seq.loss_multiplier
+        loss_mask[row, : n - 1] = seq.label_mask()
     batch = {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask}
     routes = routes_array(sequences, rows, length)
     if routes is not None:

@@ -45,14 +45,6 @@ def generation_rows(
     return rows
 
 
-def response_mask(sequence: TokenSequence) -> np.ndarray:
-    """A sequence's loss mask on its label positions (position t holds token t+1's): its
-    loss multiplier over the response, 0 over the prompt, as the training micro-batch has it."""
-    mask = np.zeros(len(sequence.ids) - 1, dtype=np.float32)
-    mask[max(sequence.prompt_len - 1, 0) :] = sequence.loss_multiplier
-    return mask
-
-
 def seq_logprob_error(
     sequences: Sequence[TokenSequence],
     generation: Sequence[np.ndarray],
@@ -68,7 +60,7 @@ def seq_logprob_error(
     rows, packs and token-budgeted batches alike."""
     errors, live = [], []
     for sequence, gen, prev in zip(sequences, generation, old, strict=True):
-        mask = response_mask(sequence)
+        mask = sequence.label_mask()
         n = len(mask)
         diff = np.abs(
             np.asarray(gen, dtype=np.float64)[:n] - np.asarray(prev, dtype=np.float64)[:n]
@@ -109,7 +101,7 @@ def positive_nll_scale(
     rewards and this scale go on the micro-batches (``rewards``, ``positive_nll_scale``)."""
     positive_tokens, count = 0.0, 0.0
     for sequence, reward in zip(sequences, rewards, strict=True):
-        tokens = float(response_mask(sequence).sum())
+        tokens = float(sequence.label_mask().sum())
         positive_tokens += tokens if reward > 0 else 0.0
         count += tokens if token_level else float(tokens > 0)
     return count / positive_tokens if positive_tokens else 0.0

@@ -206,7 +206,7 @@ def pack_microbatch(sequences: Sequence[Any], *, pad_id: int, length: int) -> di
         end = offset + n
         input_ids[0, offset:end] = seq.ids
         labels[0, offset : end - 1] = seq.ids[1:]
-        loss_mask[0, offset + max(seq.prompt_len - 1, 0) : end - 1] = seq.loss_multiplier
+        loss_mask[0, offset : end - 1] = seq.label_mask()
         position_ids[0, offset:end] = np.arange(n)
         segment_ids[0, offset:end] = index
         place_routes(routes, 0, offset, seq)

@@ -336,6 +336,11 @@ def _not_yet_section(key: str, what: str) -> Unused:
 
 
 _SPEED_ONLY = "a speed or memory setting of NeMo-RL's; it does not change what is trained"
+_GYM_PENALTY = "it penalizes flagged turns of NeMo-Gym rollouts, which are not run here yet"
+_NOT_READ_BY_NEMO_RL = (
+    "NeMo-RL's GRPO accepts this key and does not read it (the penalties are "
+    "grpo.invalid_tool_call_advantage and grpo.malformed_thinking_advantage)"
+)
 _ROLLOUT_PUMP = (
     "the single controller's rollout pump capacity; rollouts are sampled between steps here, "
     "each step's as one batch"
@@ -956,20 +961,19 @@ def _other_entries() -> dict[str, Unused]:
                 _one_of(0),
             ),
             "grpo.calculate_advantages_on_gpu": Unused(_SPEED_ONLY, _one_of(False)),
+            # The message-level penalties flag NeMo-Gym rollouts' turns
+            # (environments/nemo_gym_results.py); NeMo-RL refuses them without NeMo-Gym too.
             "grpo.invalid_tool_call_advantage": _not_yet(
-                "grpo.invalid_tool_call_advantage", None, "tool calls"
-            ),
-            "grpo.penalize_invalid_tool_call": _not_yet(
-                "grpo.penalize_invalid_tool_call", False, "tool calls"
-            ),
-            "grpo.invalid_tool_call_strategy": Unused(
-                "tool calls are not implemented (grpo.penalize_invalid_tool_call is refused)",
-                _always,
+                "grpo.invalid_tool_call_advantage", None, _GYM_PENALTY
             ),
             "grpo.malformed_thinking_advantage": _not_yet(
-                "grpo.malformed_thinking_advantage", None
+                "grpo.malformed_thinking_advantage", None, _GYM_PENALTY
             ),
-            "grpo.penalize_malformed_thinking": _not_yet("grpo.penalize_malformed_thinking", False),
+            # NeMo-RL's GRPO config accepts these and reads none of them (the penalties are the
+            # *_advantage keys): ignoring them here is NeMo-RL's meaning.
+            "grpo.penalize_invalid_tool_call": Unused(_NOT_READ_BY_NEMO_RL, _always),
+            "grpo.penalize_malformed_thinking": Unused(_NOT_READ_BY_NEMO_RL, _always),
+            "grpo.invalid_tool_call_strategy": Unused(_NOT_READ_BY_NEMO_RL, _always),
             "grpo.adv_estimator": Unused(
                 f"{_NOT_YET} (advantages are GRPO's, set by grpo.normalize_rewards and "
                 "grpo.use_leave_one_out_baseline)",

@@ -1,5 +1,5 @@
-"""Forward-only passes in their own micro-batch size (policy.logprob_batch_size), and the
-loss multiplier of a row (data.max_input_seq_length)."""
+"""Forward-only passes in their own micro-batch size (policy.logprob_batch_size), the loss
+multiplier of a row (data.max_input_seq_length), and a multi-turn rollout's environment spans."""
 
 from __future__ import annotations
 
@@ -60,3 +60,18 @@ def test_a_zero_loss_multiplier_masks_its_row_only():
     kept, cut = TokenSequence([1, 2, 3, 4], 2), TokenSequence([1, 2, 3, 4], 2, loss_multiplier=0.0)
     mb = batching.make_microbatch([kept, cut], pad_id=PAD)
     np.testing.assert_array_equal(mb["loss_mask"], [[0, 1, 1, 0], [0, 0, 0, 0]])
+
+
+def test_a_multi_turn_rollouts_environment_spans_never_train():
+    """Prompt [0, 3), the policy's turn [3, 5), a tool result [5, 8), the policy again [8, 10):
+    only labels that are the policy's tokens count (position t holds token t+1)."""
+    rollout = TokenSequence(list(range(1, 11)), 3, env_spans=((5, 8),), loss_multiplier=0.5)
+    mask = rollout.label_mask()
+    np.testing.assert_array_equal(mask, [0, 0, 0.5, 0.5, 0, 0, 0, 0.5, 0.5])
+    mb = batching.make_microbatch([rollout, TokenSequence([1, 2, 3, 4], 2)], pad_id=PAD)
+    np.testing.assert_array_equal(mb["loss_mask"][0, :9], mask)
+    assert mb["loss_mask"][0, 9] == 0
+    np.testing.assert_array_equal(mb["loss_mask"][1], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0])
+    # without spans, the same as a single-turn sequence
+    single = TokenSequence(list(range(1, 11)), 3)
+    np.testing.assert_array_equal(single.label_mask(), [0, 0, 1, 1, 1, 1, 1, 1, 1])

@@ -66,6 +66,7 @@ def test_a_sequence_longer_than_the_pack_is_refused():
 
 def test_a_pack_holds_each_sequence_as_its_padded_row_would():
     sequences = _sequences([7, 4, 9], advantages=True)
+    sequences[2].env_spans = ((5, 7),)  # a multi-turn rollout's tool result
     packed = packing.pack_microbatch(sequences, pad_id=PAD, length=24)
     padded = make_microbatch(sequences, pad_id=PAD)
     assert packed["input_ids"].shape == (1, 24)
@@ -82,6 +83,8 @@ def test_a_pack_holds_each_sequence_as_its_padded_row_would():
         start += n
     assert packed["loss_mask"][0, 20:].sum() == 0 and set(packed["segment_ids"][0, 20:]) == {-1}
     assert packed["loss_mask"][0, 6] == 0  # a sequence's last token has no label in the pack
+    # the tool result's tokens are no labels that train (positions 4 and 5 predict them)
+    assert packed["loss_mask"][0, 11 + 4 : 11 + 6].tolist() == [0, 0]
 
 
 def _settings(mode, **kw):
