@@ -20,6 +20,7 @@ from nemo_rl_offload.config import (
     grpo_options,
     http_server,
     ignored_keys,
+    nemo_gym,
     peft,
     quantization,
     router_replay,
@@ -488,6 +489,9 @@ def check_recipe(
     unused_errors, unused_warnings = ignored_keys.check(recipe, starting=starting)
     report.errors += unused_errors
     report.warnings += unused_warnings
+    gym_errors, gym_warnings = nemo_gym.problems(recipe, algorithm, starting=starting)
+    report.errors += gym_errors
+    report.warnings += gym_warnings
     cluster = recipe.get("cluster")
     gpus_per_node = cluster.get("gpus_per_node") if isinstance(cluster, dict) else None
     workers = _workers(cluster)

@@ -20,6 +20,7 @@ replay buffer is, so a resumed run trains on the same rollouts as an uninterrupt
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from nemo_rl_offload.algorithms.batching import TokenSequence
+from nemo_rl_offload.environments.nemo_gym_results import GymTurn
 
 # The driver state's key for the rollouts waiting for their step (checkpoint state.json).
 STATE_KEY = "async_rollouts"
@@ -122,6 +124,10 @@ def _rollouts_json(rollouts: Rollouts) -> dict[str, Any]:
                 "truncated": g.truncated,
                 "logprobs": g.logprobs,
                 "routes": [_array_json(r) for r in g.routes],
+                # NeMo-Gym rollouts (algorithms/gym_rollouts.py): empty otherwise
+                "env_spans": [[list(span) for span in spans] for spans in g.env_spans],
+                "turns": [[dataclasses.asdict(t) for t in turns] for turns in g.turns],
+                "masked": g.masked,
             }
             for g in rollouts.groups
         ],
@@ -138,6 +144,9 @@ def _rollouts_from_json(data: Mapping[str, Any], group_type: type) -> Rollouts:
             truncated=list(g["truncated"]),
             logprobs=[list(lp) for lp in g["logprobs"]],
             routes=[_array_from_json(r) for r in g.get("routes") or []],
+            env_spans=[tuple(tuple(span) for span in spans) for spans in g.get("env_spans", [])],
+            turns=[tuple(GymTurn(**t) for t in turns) for turns in g.get("turns", [])],
+            masked=list(g.get("masked", [])),
         )
         for g in data["groups"]
     ]

@@ -566,10 +566,17 @@ class Run:
             print(f"{where}: {group.fp8_linears} linears make FP8 products", file=sys.stderr)
         return group
 
-    def serve(self, policy: PolicyGroup, *, seed: int) -> None:
-        """Serve the policy over HTTP when the recipe exposes it
-        (``mcore_generation_config.expose_http_server``; :mod:`nemo_rl_offload.serving`);
-        each completion reports the last step trained as its ``policy_epoch``."""
+    def serve(
+        self,
+        policy: PolicyGroup,
+        *,
+        seed: int,
+        force: bool = False,
+        stop_token_ids: Sequence[int] | None = None,
+    ) -> Any:
+        """Serve the policy over HTTP when the recipe exposes it (``expose_http_server``) or
+        ``force`` says so (:mod:`nemo_rl_offload.serving`); each completion reports the last
+        step trained as its ``policy_epoch``. The server, stopped by :meth:`close`, or None."""
         from nemo_rl_offload.serving.policy_endpoint import serve_policy
 
         server = serve_policy(
@@ -578,9 +585,12 @@ class Run:
             self.tokenizer,
             seed=seed,
             policy_epoch=lambda: self.last_step or self.start_step,
+            force=force,
+            stop_token_ids=stop_token_ids,
         )
         if server is not None:
             self.servers.append(server)
+        return server
 
     def close(self) -> None:
         """Stop the policy's HTTP servers, shut down the workers, the GPU monitor, the logger

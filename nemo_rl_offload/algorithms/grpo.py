@@ -16,7 +16,14 @@ import numpy as np
 import torch
 
 from nemo_rl_offload import losses
-from nemo_rl_offload.algorithms import async_rollouts, loop, loss_inputs, rewards, throughput
+from nemo_rl_offload.algorithms import (
+    async_rollouts,
+    gym_rollouts,
+    loop,
+    loss_inputs,
+    rewards,
+    throughput,
+)
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     EpochSampler,
@@ -27,6 +34,7 @@ from nemo_rl_offload.config import batch_checks, grpo_options, router_replay
 from nemo_rl_offload.config.router_replay import NO_ROUTE
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.environments.math import MathEnvironment
+from nemo_rl_offload.environments.nemo_gym_results import GymTurn
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.generation import SamplingSettings
 from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
@@ -199,6 +207,12 @@ class PromptGroup:
     truncated: list[bool]
     logprobs: list[list[float]]
     routes: list[np.ndarray | None] = dataclasses.field(default_factory=list)
+    # NeMo-Gym rollouts, per response (empty otherwise): the environment's token ranges in
+    # prompt + response, the generated turns (for the message-level penalties), and whether
+    # the environment masked the sample out of the loss.
+    env_spans: list[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=list)
+    turns: list[tuple[GymTurn, ...]] = dataclasses.field(default_factory=list)
+    masked: list[bool] = dataclasses.field(default_factory=list)
 
 
 def make_groups(
@@ -210,9 +224,15 @@ def make_groups(
     cfg: Mapping[str, Any],
     stop_ids: tuple[int, ...],
     routes: list[Any] | None = None,
+    gym: gym_rollouts.GymSamples | None = None,
 ) -> list[PromptGroup]:
-    """A generation batch's samples as prompt groups, rewards scaled and shaped."""
-    truncated = [rewards.truncated(r, stop_ids) for r in responses]
+    """A generation batch's samples as prompt groups, rewards scaled and shaped (``gym``: a
+    NeMo-Gym batch, which says which samples are truncated)."""
+    truncated = (
+        list(gym.truncated)
+        if gym is not None
+        else [rewards.truncated(r, stop_ids) for r in responses]
+    )
     scaled = rewards.scale_rewards(
         torch.tensor(scores, dtype=torch.float32), cfg.get("reward_scaling")
     )
@@ -228,6 +248,9 @@ def make_groups(
             truncated[start : start + group],
             logprobs[start : start + group],
             [] if routes is None or routes[start] is None else routes[start : start + group],
+            [] if gym is None else gym.env_spans[start : start + group],
+            [] if gym is None else gym.turns[start : start + group],
+            [] if gym is None else gym.masked[start : start + group],
         )
         for start in range(0, len(prompts), group)
     ]
@@ -241,13 +264,16 @@ def collect_groups(
     sampler: EpochSampler,
     *,
     seed: int,
+    gym_batch: Callable[[list[int]], gym_rollouts.GymSamples] | None = None,
 ) -> tuple[list[PromptGroup], dict[str, float]]:
     """A step's ``num_prompts_per_step`` prompt groups and the metrics of their gathering.
 
     Without dynamic sampling, one generation batch of that many prompts. With it, batches of
     ``num_prompts_per_step x batch_multiplier`` prompts until that many groups with varied
     rewards are gathered (:class:`rewards.DynamicSampling`); ``reward`` is then the mean of
-    everything generated and ``filtered_reward`` that of the groups kept."""
+    everything generated and ``filtered_reward`` that of the groups kept. ``gym_batch``:
+    NeMo-Gym's rollouts of the picked rows (each repeated for its group) instead of the
+    sampler and the math environment."""
     cfg = run.recipe["grpo"]
     needed, group = int(cfg["num_prompts_per_step"]), int(cfg["num_generations_per_prompt"])
     dynamic = bool(cfg.get("use_dynamic_sampling", False))
@@ -265,19 +291,32 @@ def collect_groups(
     policy.phase_peak_gib()  # a new count: the sampling phase's peak is read after it
     while not done:
         began = time.perf_counter()
-        prompts, responses, scores, logprobs, routes = rollout(
-            run,
-            policy,
-            env,
-            *data,
-            sampler.take(per_batch),
-            group,
-            seed=seed + gathering.batches * _BATCH_SEED_STRIDE,
-        )
+        batch = None
+        if gym_batch is not None:
+            batch = gym_batch(sampler.take(per_batch))
+            prompts, responses, scores, logprobs = (
+                batch.prompts,
+                batch.responses,
+                batch.rewards,
+                batch.logprobs,
+            )
+            routes = None
+        else:
+            prompts, responses, scores, logprobs, routes = rollout(
+                run,
+                policy,
+                env,
+                *data,
+                sampler.take(per_batch),
+                group,
+                seed=seed + gathering.batches * _BATCH_SEED_STRIDE,
+            )
         seconds += time.perf_counter() - began
         new_tokens += sum(len(r) for r in responses)
         sequence_tokens += sum(len(p.ids) for p in prompts) + sum(len(r) for r in responses)
-        groups = make_groups(prompts, responses, scores, logprobs, group, cfg, stop_ids, routes)
+        groups = make_groups(
+            prompts, responses, scores, logprobs, group, cfg, stop_ids, routes, gym=batch
+        )
         generated += [g.rewards for g in groups]
         keep = (
             rewards.varied(torch.stack([g.scaled for g in groups])).tolist()
@@ -314,7 +353,8 @@ def training_sequences(
     """The step's sequences with their advantages (GRPO's group advantages, then clamped by
     ``advantage_clip_low`` / ``advantage_clip_high``). With ``overlong_filtering`` a
     truncated response gets loss multiplier 0 but still counts in its group's baseline and
-    standard deviation (NeMo-RL's order: advantages first, the filter only masks the loss)."""
+    standard deviation (NeMo-RL's order: advantages first, the filter only masks the loss); so
+    does a NeMo-Gym sample its environment masked."""
     advantages = losses.group_advantages(
         torch.stack([g.rewards for g in groups]),
         normalize=bool(cfg.get("normalize_rewards", True)),
@@ -326,11 +366,18 @@ def training_sequences(
     filtering = bool(cfg.get("overlong_filtering", False))
     sequences = []
     for g in groups:
-        routes = g.routes or [None] * len(g.responses)
-        for response, cut, route in zip(g.responses, g.truncated, routes, strict=True):
-            multiplier = 0.0 if filtering and cut else g.prompt.loss_multiplier
+        count = len(g.responses)
+        routes = g.routes or [None] * count
+        spans = g.env_spans or [()] * count
+        masked = g.masked or [False] * count
+        for response, cut, route, env, mask in zip(
+            g.responses, g.truncated, routes, spans, masked, strict=True
+        ):
+            multiplier = 0.0 if (filtering and cut) or mask else g.prompt.loss_multiplier
             sequences.append(
-                TokenSequence(g.prompt.ids + response, len(g.prompt.ids), {}, multiplier, route)
+                TokenSequence(
+                    g.prompt.ids + response, len(g.prompt.ids), {}, multiplier, route, env
+                )
             )
     for sequence, advantage in zip(sequences, advantages.tolist(), strict=True):
         sequence.extras["advantages"] = float(advantage)
@@ -371,10 +418,18 @@ def start(run: Run) -> loop.Steps:
     """Load the prompts, start the workers, and give the loop GRPO's step body."""
     cfg, loss_cfg, data_cfg = run.recipe["grpo"], run.recipe["loss_fn"], run.recipe["data"]
     policy_cfg, seed = run.policy_cfg, int(cfg["seed"])
-    train_raw = load_split(data_cfg, "prompts", "train")
-    val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
-    train = run.encode(train_raw, "train")
-    val = run.encode(val_raw, "val")
+    max_val = cfg.get("max_val_samples", 256)  # null: every validation example
+    max_val = None if max_val is None else int(max_val)
+    gym_on = gym_rollouts.enabled(run.recipe)
+    if gym_on:  # NeMo-Gym's rows: its agents render the prompts
+        train_rows, val_rows = gym_rollouts.load_rows(data_cfg)
+        val_rows = val_rows[:max_val]
+        train_raw, val_raw, train, val = [], [], [], []
+    else:
+        train_raw = load_split(data_cfg, "prompts", "train")
+        val_raw = load_split(data_cfg, "prompts", "val")[:max_val]
+        train = run.encode(train_raw, "train")
+        val = run.encode(val_raw, "val")
     kl_penalty = losses.effective_kl_penalty(loss_cfg)
     options = losses.PolicyLossOptions.from_recipe(loss_cfg)
     error_threshold = cfg.get("seq_logprob_error_threshold")
@@ -389,7 +444,9 @@ def start(run: Run) -> loop.Steps:
         logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
     )
     run.restore(policy, train)
-    run.serve(policy, seed=seed)
+    gym = gym_rollouts.start(run, policy, seed=seed) if gym_on else None
+    if gym is None:
+        run.serve(policy, seed=seed)
     meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts, group = (
@@ -403,12 +460,29 @@ def start(run: Run) -> loop.Steps:
         key="grpo.num_prompts_per_step",
         what=f"{num_prompts} prompts x {group} generations",
     )
-    sampler = run.sampler(len(train), seed)
+    sampler = run.sampler(len(train_rows) if gym_on else len(train), seed)
     val_answers = [str(v["answer"]) for v in val_raw]
     val_samples = int(cfg.get("val_num_generations_per_prompt", 1))
     stop_when = stop_rule(cfg)
+    generation = policy_cfg.get("generation") or {}
+    mask_flagged = (run.recipe.get("env") or {}).get("should_mask_flagged_samples") is not False
+
+    def gym_batch(picked: list[int]) -> gym_rollouts.GymSamples:
+        rows = gym_rollouts.request_rows(
+            [train_rows[i] for i in picked for _ in range(group)],
+            generation,
+            temperature=float(generation.get("temperature", 1.0)),
+            top_p=float(generation.get("top_p", 1.0)),
+        )
+        batch = gym_rollouts.samples(gym, rows, max_len=run.max_len, mask_flagged=mask_flagged)
+        gym_rollouts.check_group_prompts(batch.prompts, group)
+        return batch
 
     def validate_at(step: int) -> dict[str, float]:
+        if gym is not None:
+            return gym_rollouts.validate(
+                gym, val_rows, generation, max_len=run.max_len, samples_per_prompt=val_samples
+            )
         return validate(
             run, policy, env, val, val_answers, seed, step=step, samples_per_prompt=val_samples
         )
@@ -418,7 +492,13 @@ def start(run: Run) -> loop.Steps:
     def collect(target: int) -> tuple[list[PromptGroup], dict[str, float]]:
         """The groups step ``target`` trains on, sampled by the weights of now."""
         return collect_groups(
-            run, policy, env, (train, train_raw), sampler, seed=seed * 1000003 + target
+            run,
+            policy,
+            env,
+            (train, train_raw),
+            sampler,
+            seed=seed * 1000003 + target,
+            gym_batch=gym_batch if gym is not None else None,
         )
 
     # grpo.async_grpo or async_rl: each step's rollouts sampled `lead` steps ahead
@@ -445,12 +525,19 @@ def start(run: Run) -> loop.Steps:
             groups = taken.groups
             gathered = {**taken.metrics, "avg_trajectory_age": float(async_rollouts.age(taken))}
         sequences, _ = training_sequences(groups, cfg)
+        penalties = (
+            gym_rollouts.advantages_with_penalties(
+                sequences, [t for g in groups for t in g.turns], cfg
+            )
+            if gym is not None
+            else {}
+        )
         replayed = routed_share(sequences)
         final_rewards = torch.cat([g.rewards for g in groups]).tolist()
         generation = loss_inputs.generation_rows(
             sequences, [lp for g in groups for lp in g.logprobs]
         )
-        loss_metrics: dict[str, float] = {}
+        loss_metrics: dict[str, float] = dict(penalties)
         old_logprobs = None
         logprobs_began = time.perf_counter()
         if options.needs_old_logprobs or error_threshold is not None:

@@ -162,6 +162,16 @@ def _unless(dotted: str, *active: Any) -> Callable[[Any, Mapping[str, Any]], boo
     return inert
 
 
+def _unless_not(dotted: str, active: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
+    """Inert when the recipe's ``dotted`` key holds ``active`` (the key acts then)."""
+
+    def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
+        here = _at(recipe, dotted)
+        return type(here) is type(active) and here == active
+
+    return inert
+
+
 def _any_inert(
     *checks: Callable[[Any, Mapping[str, Any]], bool],
 ) -> Callable[[Any, Mapping[str, Any]], bool]:
@@ -327,6 +337,16 @@ def _not_yet(key: str, default: Any, what: str = "") -> Unused:
     )
 
 
+def _gym_penalty(key: str) -> Unused:
+    """A message-level penalty: it acts on NeMo-Gym rollouts' turns
+    (algorithms/gym_rollouts.py); without NeMo-Gym it is refused, as NeMo-RL refuses it."""
+    return Unused(
+        _GYM_PENALTY,
+        _any_inert(_is_none, _unless_not("env.should_use_nemo_gym", True)),
+        refuse=f"set env.should_use_nemo_gym: true (its rollouts flag the turns) or remove {key}",
+    )
+
+
 def _not_yet_section(key: str, what: str) -> Unused:
     return Unused(
         f"{_NOT_YET} ({what})",
@@ -336,7 +356,7 @@ def _not_yet_section(key: str, what: str) -> Unused:
 
 
 _SPEED_ONLY = "a speed or memory setting of NeMo-RL's; it does not change what is trained"
-_GYM_PENALTY = "it penalizes flagged turns of NeMo-Gym rollouts, which are not run here yet"
+_GYM_PENALTY = "it penalizes flagged turns of NeMo-Gym rollouts (NeMo-RL refuses it without them)"
 _NOT_READ_BY_NEMO_RL = (
     "NeMo-RL's GRPO accepts this key and does not read it (the penalties are "
     "grpo.invalid_tool_call_advantage and grpo.malformed_thinking_advantage)"
@@ -785,16 +805,33 @@ def _nemo_rl_data_or(
     return inert
 
 
+def _gym_rows(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """NeMo-Gym's rows (NemoGymDataset) are loaded, with env.should_use_nemo_gym on
+    (data/nemo_gym_rows.py); config/nemo_gym.py checks the rest."""
+    from nemo_rl_offload.data.nemo_gym_rows import uses_gym_rows
+
+    data = recipe.get("data")
+    return _at(recipe, "env.should_use_nemo_gym") is True and uses_gym_rows(data or {})
+
+
 def _other_entries() -> dict[str, Unused]:
     """The NeMo-RL keys outside the policy sections that this backend does not act on."""
     entries: dict[str, Unused] = {
         # data
-        "data.train": Unused(_NEMO_RL_DATA, refuse=_DATA_FIX, at_start=True),
+        "data.train": Unused(
+            _NEMO_RL_DATA, _any_inert(_is_none, _gym_rows), refuse=_DATA_FIX, at_start=True
+        ),
         "data.validation": Unused(
-            _NEMO_RL_DATA, _nemo_rl_data_or(_is_none), refuse=_DATA_FIX, at_start=True
+            _NEMO_RL_DATA,
+            _any_inert(_nemo_rl_data_or(_is_none), _gym_rows),
+            refuse=_DATA_FIX,
+            at_start=True,
         ),
         "data.default": Unused(
-            _NEMO_RL_DATA, _nemo_rl_data_or(_is_none), refuse=_DATA_FIX, at_start=True
+            _NEMO_RL_DATA,
+            _any_inert(_nemo_rl_data_or(_is_none), _gym_rows),
+            refuse=_DATA_FIX,
+            at_start=True,
         ),
         "data.num_workers": Unused(_SPEED_ONLY),
     }
@@ -884,17 +921,12 @@ def _other_entries() -> dict[str, Unused]:
                 "the response)"
             ),
             "env.dapo": Unused("only env.math is started; its num_workers sets the reward workers"),
-            "env.should_use_nemo_gym": _not_yet("env.should_use_nemo_gym", False, "NeMo-Gym"),
-            "env.nemo_gym": Unused(
-                f"{_NOT_YET} (NeMo-Gym)",
-                _unless("env.should_use_nemo_gym", True),
-                refuse="set env.should_use_nemo_gym to false and remove env.nemo_gym",
-            ),
+            # env.should_use_nemo_gym, env.nemo_gym and env.should_mask_flagged_samples are
+            # implemented for GRPO (config/nemo_gym.py, algorithms/gym_rollouts.py).
             "env.should_log_nemo_gym_responses": Unused(
-                "NeMo-Gym is not implemented (env.should_use_nemo_gym is refused)", _always
-            ),
-            "env.should_mask_flagged_samples": Unused(
-                "NeMo-Gym is not implemented (env.should_use_nemo_gym is refused)", _always
+                "NeMo-Gym's responses are not written to the metrics (NeMo-Gym's own log is "
+                "logger.log_dir/nemo_gym/nemo_gym.log)",
+                _one_of(False),
             ),
             # NeMo-RL features this backend does not have
             "reward_penalties": Unused(
@@ -963,12 +995,8 @@ def _other_entries() -> dict[str, Unused]:
             "grpo.calculate_advantages_on_gpu": Unused(_SPEED_ONLY, _one_of(False)),
             # The message-level penalties flag NeMo-Gym rollouts' turns
             # (environments/nemo_gym_results.py); NeMo-RL refuses them without NeMo-Gym too.
-            "grpo.invalid_tool_call_advantage": _not_yet(
-                "grpo.invalid_tool_call_advantage", None, _GYM_PENALTY
-            ),
-            "grpo.malformed_thinking_advantage": _not_yet(
-                "grpo.malformed_thinking_advantage", None, _GYM_PENALTY
-            ),
+            "grpo.invalid_tool_call_advantage": _gym_penalty("grpo.invalid_tool_call_advantage"),
+            "grpo.malformed_thinking_advantage": _gym_penalty("grpo.malformed_thinking_advantage"),
             # NeMo-RL's GRPO config accepts these and reads none of them (the penalties are the
             # *_advantage keys): ignoring them here is NeMo-RL's meaning.
             "grpo.penalize_invalid_tool_call": Unused(_NOT_READ_BY_NEMO_RL, _always),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nemo_rl_offload.config import http_server
@@ -41,9 +41,11 @@ def serve_policy(
     seed: int,
     policy_epoch: Callable[[], int] = lambda: 0,
     force: bool = False,
+    stop_token_ids: Sequence[int] | None = None,
 ) -> PolicyServer | None:
     """Start the server in front of ``policy`` when ``policy_cfg`` exposes it (always with
-    ``force``, for ``nemo-rl-offload serve``); None otherwise. The caller stops it."""
+    ``force``: ``nemo-rl-offload serve``, NeMo-Gym); None otherwise. The caller stops it.
+    ``stop_token_ids``: the stops besides end-of-sequence (default: the recipe's)."""
     settings = http_server.serving_settings(policy_cfg)
     if not (settings.expose or force):
         return None
@@ -60,7 +62,9 @@ def serve_policy(
         decode=tokenizer.decode,
         max_len=int(policy_cfg["max_total_sequence_length"]),
         eos_id=tokenizer.eos_id,
-        stop_token_ids=generation.get("stop_token_ids") or (),
+        stop_token_ids=(
+            generation.get("stop_token_ids") or () if stop_token_ids is None else stop_token_ids
+        ),
         vocab_limit=tokenizer.vocab_size,
         seed=seed,
         max_batch=MAX_REQUESTS_PER_CALL,

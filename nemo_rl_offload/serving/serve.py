@@ -26,6 +26,9 @@ from nemo_rl_offload.serving.policy_endpoint import serve_policy
 
 __all__ = ["serve"]
 
+# How often the serving loop looks for a signal or the stop event.
+_POLL_S = 0.2
+
 
 def _seed(recipe: dict[str, Any], algorithm: str | None) -> int:
     section = recipe.get(algorithm or "") if algorithm else None
@@ -63,9 +66,12 @@ def serve(
     tokenizer = policy_tokenizer(policy_cfg)
     stop = stop or threading.Event()
     info = cluster.start_or_join(recipe["cluster"], num_cpus=max(os.cpu_count() or 1, 4))
-    # After Ray's start, which sets its own SIGTERM handler in the driver.
+    # After Ray's start, which sets its own SIGTERM handler in the driver. The handler only
+    # records the signal: setting an Event from a handler can deadlock on the Event's lock,
+    # which the interrupted main thread may hold.
+    signalled: list[int] = []
     previous = {
-        sig: signal.signal(sig, lambda *_: stop.set())
+        sig: signal.signal(sig, lambda number, _frame: signalled.append(number))
         for sig in (signal.SIGINT, signal.SIGTERM)
         if threading.current_thread() is threading.main_thread()
     }
@@ -96,7 +102,8 @@ def serve(
             policy_cfg, group, tokenizer, seed=_seed(recipe, report.algorithm), force=True
         )
         print("serving until interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        stop.wait()
+        while not signalled and not stop.wait(_POLL_S):
+            pass
         return 0
     finally:
         if server is not None:

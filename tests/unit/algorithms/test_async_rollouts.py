@@ -12,6 +12,7 @@ import torch
 from nemo_rl_offload.algorithms.async_rollouts import RolloutPipeline, age
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.grpo import PromptGroup
+from nemo_rl_offload.environments.nemo_gym_results import GymTurn
 
 
 class Trainer:
@@ -74,6 +75,10 @@ def test_waiting_rollouts_survive_the_checkpoints_json_exactly():
         scaled=torch.tensor([0.2, 0.7], dtype=torch.float32),
         truncated=[False, True],
         logprobs=[[-0.1234567, -2.5], [-1e-7]],
+        # a NeMo-Gym group: the environment's span, the turns and their flags, a masked sample
+        env_spans=[((4, 5),), ()],
+        turns=[(GymTurn(3, 4, invalid_tool_call=True), GymTurn(5, 6)), (GymTurn(3, 4),)],
+        masked=[False, True],
     )
     pipeline = RolloutPipeline(
         1, lambda target: ([group], {"reward": 0.25}), exhausted=lambda: False, last_step=5
@@ -85,6 +90,11 @@ def test_waiting_rollouts_survive_the_checkpoints_json_exactly():
     (back,) = waiting.groups
     assert back.prompt == group.prompt and back.responses == group.responses
     assert back.truncated == group.truncated and back.logprobs == group.logprobs
+    assert (back.env_spans, back.turns, back.masked) == (
+        group.env_spans,
+        group.turns,
+        group.masked,
+    )
     for name in ("rewards", "scaled"):
         assert torch.equal(getattr(back, name), getattr(group, name))
         assert getattr(back, name).dtype == torch.float32

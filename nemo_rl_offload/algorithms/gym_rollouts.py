@@ -1,0 +1,236 @@
+"""GRPO's rollouts through NeMo-Gym (``env.should_use_nemo_gym``): the rows of a step sent to
+their agents, and the results as samples GRPO trains on.
+
+As NeMo-RL prepares them, each row's request gets the recipe's sampling temperature and top-p,
+and ``max_output_tokens`` at most ``policy.generation.max_new_tokens`` (the row's own when
+smaller). A rollout is a sample whose continuation holds every turn after the first prompt;
+the environment's tokens in it (tool results, user turns) never train. A sample is truncated
+(``grpo.overlong_filtering``) when it fills ``policy.max_total_sequence_length``, and masked
+out of the loss (still counted in its group's advantages) when its result's
+``instance_config.mask_sample`` says so, unless ``env.should_mask_flagged_samples`` is false.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nemo_rl_offload.algorithms.batching import TokenSequence
+from nemo_rl_offload.config.nemo_gym import enabled
+from nemo_rl_offload.data.nemo_gym_rows import gym_data_path, load_gym_rows
+from nemo_rl_offload.environments.nemo_gym import NemoGymServers, gym_settings
+from nemo_rl_offload.environments.nemo_gym_results import GymTurn, rollout_from_result
+from nemo_rl_offload.errors import UserInputError
+
+__all__ = [
+    "GymSamples",
+    "advantages_with_penalties",
+    "check_group_prompts",
+    "enabled",
+    "load_rows",
+    "request_rows",
+    "samples",
+    "start",
+    "validate",
+]
+
+
+@dataclasses.dataclass
+class GymSamples:
+    """A batch of rollouts in the shape GRPO's sampler gives (one entry per sample)."""
+
+    prompts: list[TokenSequence]
+    responses: list[list[int]]
+    rewards: list[float]
+    logprobs: list[list[float]]
+    env_spans: list[tuple[tuple[int, int], ...]]
+    turns: list[tuple[GymTurn, ...]]
+    truncated: list[bool]
+    masked: list[bool]
+
+
+def request_rows(
+    rows: Sequence[Mapping[str, Any]],
+    generation: Mapping[str, Any],
+    *,
+    temperature: float,
+    top_p: float,
+) -> list[dict[str, Any]]:
+    """Copies of ``rows`` with NeMo-RL's sampling settings in their requests."""
+    limit = generation.get("max_new_tokens")
+    prepared = []
+    for row in rows:
+        row = copy.deepcopy(dict(row))
+        params = row["responses_create_params"]
+        params["temperature"] = float(temperature)
+        params["top_p"] = float(top_p)
+        own = params.get("max_output_tokens")
+        if limit is not None:
+            params["max_output_tokens"] = int(limit) if own is None else min(int(own), int(limit))
+        prepared.append(row)
+    return prepared
+
+
+def samples(
+    gym: NemoGymServers,
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    max_len: int,
+    mask_flagged: bool = True,
+) -> GymSamples:
+    """Run ``rows`` (consecutive rows of one prompt form its group) and convert the results."""
+    results = gym.run(rows)
+    out = GymSamples([], [], [], [], [], [], [], [])
+    for result in results:
+        rollout = rollout_from_result(
+            result,
+            invalid_tool_call_patterns=gym.settings.invalid_tool_call_patterns,
+            thinking_tags=gym.settings.thinking_tags,
+        )
+        out.prompts.append(TokenSequence(rollout.ids[: rollout.prompt_len], rollout.prompt_len))
+        out.responses.append(rollout.continuation)
+        out.rewards.append(rollout.reward)
+        out.logprobs.append(rollout.logprobs)
+        out.env_spans.append(rollout.env_spans)
+        out.turns.append(rollout.turns)
+        out.truncated.append(len(rollout.ids) >= max_len)
+        flagged = bool((result.get("instance_config") or {}).get("mask_sample", False))
+        out.masked.append(mask_flagged and flagged)
+    return out
+
+
+def start(run: Any, policy: Any, *, seed: int) -> NemoGymServers:
+    """Serve the policy (NeMo-RL turns its server on for NeMo-Gym, without stop tokens) and
+    start NeMo-Gym's servers against it, both stopped with the run."""
+    import ray
+
+    server = run.serve(policy, seed=seed, force=True, stop_token_ids=())
+    settings = gym_settings(run.recipe.get("env") or {})
+    workdir = Path(run.recipe["logger"]["log_dir"]) / "nemo_gym"
+    gym = NemoGymServers(
+        settings,
+        policy_base_url=server.base_url,
+        model_name=str(run.policy_cfg["model_name"]),
+        workdir=workdir,
+        ray_address=ray.get_runtime_context().gcs_address,
+    )
+    print(f"nemo-gym: starting {', '.join(settings.config_paths)} ...", file=sys.stderr)
+    gym.start()
+    run.servers.append(gym)
+    print(
+        f"nemo-gym: agents {sorted(gym.agents)} ready (log: {workdir / 'nemo_gym.log'})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return gym
+
+
+def load_rows(data_cfg: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The training and validation rows (``data.train.data_path``, ``data.validation.
+    data_path``; no validation file: no validation rows)."""
+    train = load_gym_rows(gym_data_path(data_cfg, "train"), "data.train.data_path")
+    val_path = gym_data_path(data_cfg, "val")
+    val = load_gym_rows(val_path, "data.validation.data_path") if val_path else []
+    return train, val
+
+
+def validate(
+    gym: NemoGymServers,
+    rows: Sequence[Mapping[str, Any]],
+    generation: Mapping[str, Any],
+    *,
+    max_len: int,
+    samples_per_prompt: int = 1,
+) -> dict[str, float]:
+    """Mean reward of the validation rows' rollouts (``val_reward``: NeMo-RL's
+    ``total_reward/mean``), sampled with the validation settings; with several samples per
+    row, ``val_pass_k``: the share of rows any of whose samples is rewarded."""
+    if not rows:
+        return {}
+    repeat = samples_per_prompt
+    prepared = request_rows(
+        [row for row in rows for _ in range(repeat)],
+        generation,
+        temperature=float(generation.get("val_temperature") or generation.get("temperature", 1.0)),
+        top_p=float(generation.get("val_top_p") or generation.get("top_p", 1.0)),
+    )
+    rewards = samples(gym, prepared, max_len=max_len).rewards
+    metrics = {"val_reward": float(np.mean(rewards))}
+    if repeat > 1:
+        per_row = np.asarray(rewards, dtype=float).reshape(-1, repeat)
+        metrics["val_pass_k"] = float((per_row > 0).any(axis=1).mean())
+    return metrics
+
+
+def check_group_prompts(prompts: Sequence[TokenSequence], group: int) -> None:
+    """Every sample of a row must start from the same prompt tokens (a group's samples share
+    one prompt here)."""
+    for start in range(0, len(prompts), group):
+        first = prompts[start].ids
+        if any(p.ids != first for p in prompts[start + 1 : start + group]):
+            raise UserInputError(
+                "env.nemo_gym: the samples of one row began from different prompt tokens (its "
+                "agent varies the first request between samples); GRPO here needs one prompt "
+                "per row's group"
+            )
+
+
+def advantages_with_penalties(
+    sequences: Sequence[TokenSequence],
+    turns: Sequence[tuple[GymTurn, ...]],
+    cfg: Mapping[str, Any],
+) -> dict[str, float]:
+    """``grpo.invalid_tool_call_advantage`` / ``malformed_thinking_advantage``: each flagged
+    turn's tokens get the penalty as their advantage (every sequence's advantages become
+    per-token then, as a micro-batch holds one kind); the rates NeMo-RL logs."""
+    from nemo_rl_offload.environments.nemo_gym_results import GymRollout, penalized_advantages
+
+    invalid, malformed = (
+        cfg.get("invalid_tool_call_advantage"),
+        cfg.get("malformed_thinking_advantage"),
+    )
+    if invalid is None and malformed is None:
+        return {}
+    per_token: dict[int, np.ndarray] = {}
+    counts = {"invalid": 0, "malformed": 0, "turns": 0}
+    for index, (sequence, its_turns) in enumerate(zip(sequences, turns, strict=True)):
+        counts["turns"] += len(its_turns)
+        counts["invalid"] += sum(t.invalid_tool_call for t in its_turns if invalid is not None)
+        counts["malformed"] += sum(
+            t.malformed_thinking and not (t.invalid_tool_call and invalid is not None)
+            for t in its_turns
+            if malformed is not None
+        )
+        rollout = GymRollout(
+            sequence.ids, sequence.prompt_len, sequence.env_spans, its_turns, [], 0.0
+        )
+        values = penalized_advantages(
+            rollout,
+            float(sequence.extras["advantages"]),
+            invalid_tool_call=None if invalid is None else float(invalid),
+            malformed_thinking=None if malformed is None else float(malformed),
+        )
+        if values is not None:
+            per_token[index] = values
+    if per_token:
+        for index, sequence in enumerate(sequences):
+            sequence.extras["advantages"] = per_token.get(
+                index,
+                np.full(
+                    len(sequence.ids) - 1, float(sequence.extras["advantages"]), dtype=np.float32
+                ),
+            )
+    turns_total = max(counts["turns"], 1)
+    return {
+        "invalid_tool_call_rate": counts["invalid"] / turns_total,
+        "malformed_thinking_rate": counts["malformed"] / turns_total,
+        "num_invalid_tool_calls": float(counts["invalid"]),
+        "num_malformed_thinking": float(counts["malformed"]),
+        "num_assistant_messages": float(counts["turns"]),
+    }

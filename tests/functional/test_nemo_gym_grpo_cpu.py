@@ -1,0 +1,110 @@
+"""GRPO with NeMo-Gym rollouts, end to end on CPU workers: NeMo-Gym's own servers (its
+vllm_model model server, simple_agent and the example_single_tool_call resources server)
+against the policy's HTTP server, two training steps and a validation.
+
+Needs a Python with NeMo-Gym (``scripts/nemo-gym-venv`` makes one; then
+``NEMO_RL_OFFLOAD_GYM_PYTHON``); skipped without one, as the GPU tests are without a GPU. The
+servers share that one environment (``skip_venv_if_present`` over links, instead of a uv venv
+each). The example environment rewards every rollout, so this checks the plumbing, not
+learning: the rollouts train, and the sampler's log-probabilities that came back through
+NeMo-Gym equal the training forward's (token_mult_prob_error 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_rl_offload.environments.nemo_gym import GYM_PYTHON_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+GYM_PYTHON = os.environ.get(GYM_PYTHON_ENV)
+SERVERS = (
+    "responses_api_models/vllm_model",
+    "responses_api_agents/simple_agent",
+    "resources_servers/example_single_tool_call",
+)
+
+pytestmark = pytest.mark.skipif(
+    not GYM_PYTHON, reason=f"needs NeMo-Gym: scripts/nemo-gym-venv, then {GYM_PYTHON_ENV}"
+)
+
+
+def test_grpo_trains_on_nemo_gym_rollouts(tmp_path: Path) -> None:
+    gym_root = Path(
+        subprocess.run(
+            [GYM_PYTHON, "-c", "import nemo_gym; print(nemo_gym.PARENT_DIR)"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    venv = Path(GYM_PYTHON).parent.parent
+    venvs = tmp_path / "venvs"
+    for server in SERVERS:
+        (venvs / server).mkdir(parents=True)
+        (venvs / server / ".venv").symlink_to(venv)
+    rows = tmp_path / "rows.jsonl"
+    example = gym_root / "resources_servers/example_single_tool_call/data/example.jsonl"
+    with rows.open("w") as out:
+        for line in example.read_text().splitlines():
+            row = json.loads(line)
+            row["agent_ref"] = {"name": "example_single_tool_call_simple_agent"}
+            out.write(json.dumps(row) + "\n")
+    recipe = tmp_path / "grpo_nemo_gym.yaml"
+    recipe.write_text(
+        f"""defaults: {REPO}/examples/configs/tiny/grpo.yaml
+grpo: {{num_prompts_per_step: 2, num_generations_per_prompt: 2, max_num_steps: 2,
+        val_period: 2, val_at_start: false, max_val_samples: 2}}
+checkpointing: {{enabled: false, checkpoint_dir: {tmp_path}/ckpt}}
+policy:
+  init_checkpoint: null
+  train_global_batch_size: 4
+  train_micro_batch_size: 2
+  logprob_batch_size: 2
+  max_total_sequence_length: 1024
+  generation: {{max_new_tokens: 12}}
+data:
+  train: {{data_path: {rows}}}
+  validation: {{data_path: {rows}}}
+  default: {{dataset_name: NemoGymDataset, env_name: nemo_gym,
+            processor: nemo_gym_data_processor}}
+env:
+  should_use_nemo_gym: true
+  nemo_gym:
+    config_paths:
+      - responses_api_models/vllm_model/configs/vllm_model_for_training.yaml
+      - resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml
+    uv_venv_dir: {venvs}
+    skip_venv_if_present: true
+logger: {{log_dir: {tmp_path}/logs}}
+"""
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "nemo_rl_offload.cli", "grpo", "--config", str(recipe)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "nemo-gym: agents ['example_single_tool_call_simple_agent'] ready" in result.stderr
+    records = [json.loads(line) for line in (tmp_path / "logs/metrics.jsonl").open()]
+    train = [r for r in records if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert record["reward"] == 1.0
+        assert abs(record["token_mult_prob_error"] - 1.0) < 1e-3
+    (val,) = [r for r in records if r["phase"] == "val"]
+    assert val["val_reward"] == 1.0
+    log = (tmp_path / "logs/nemo_gym/nemo_gym.log").read_text()
+    assert "servers ready!" in log
+    # NeMo-Gym's servers went with the run
+    left = subprocess.run(["pgrep", "-f", str(venvs)], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
