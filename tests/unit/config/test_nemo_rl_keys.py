@@ -117,7 +117,10 @@ def test_a_key_ignoring_which_changes_nothing_warns_once_and_is_silent_when_iner
     ("recipe", "key"),
     [
         ({"teacher": {"megatron_cfg": {"peft": {"enabled": True}}}}, "teacher.megatron_cfg.peft"),
-        ({"env": {"should_use_nemo_gym": True}}, "env.should_use_nemo_gym"),
+        (
+            {"grpo": {"invalid_tool_call_advantage": -5.0}},  # needs NeMo-Gym's rollouts
+            "grpo.invalid_tool_call_advantage",
+        ),
         (
             {"policy": {"generation": {"top_p": 1.0, "val_top_p": 0.9}}},
             "policy.generation.val_top_p",
