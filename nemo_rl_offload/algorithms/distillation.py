@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nemo_rl_offload.algorithms import loop, throughput
+from nemo_rl_offload.algorithms import gym_rollouts, loop, throughput
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import (
     Run,
@@ -66,10 +66,18 @@ def start(run: Run) -> loop.Steps:
     )
     policy_cfg, teacher_cfg = run.policy_cfg, run.recipe["teacher"]
     seed = int(cfg["seed"])
-    train_raw = load_split(data_cfg, "prompts", "train")
-    val_raw = load_split(data_cfg, "prompts", "val")[: int(cfg.get("max_val_samples", 256))]
-    train = run.encode(train_raw, "train")
-    val = run.encode(val_raw, "val")
+    max_val = cfg.get("max_val_samples", 256)  # null: every validation example
+    max_val = None if max_val is None else int(max_val)
+    gym_on = gym_rollouts.enabled(run.recipe)
+    if gym_on:  # NeMo-Gym's rows: its agents render the prompts
+        train_rows, val_rows = gym_rollouts.load_rows(data_cfg)
+        val_rows = val_rows[:max_val]
+        train_raw, val_raw, train, val = [], [], [], []
+    else:
+        train_raw = load_split(data_cfg, "prompts", "train")
+        val_raw = load_split(data_cfg, "prompts", "val")[:max_val]
+        train = run.encode(train_raw, "train")
+        val = run.encode(val_raw, "val")
     _, on_gpu = worker_count(run.recipe["cluster"])
     share = 0.5 if on_gpu else 1.0
     run.connect()
@@ -83,8 +91,11 @@ def start(run: Run) -> loop.Steps:
             "warning: teacher.init_checkpoint is not set: the teacher has random weights",
             file=sys.stderr,
         )
-    run.restore(policy, train)
-    run.serve(policy, seed=seed)
+    # policy.quant_cfg calibrates on the training data: NeMo-Gym rows' first prompts there
+    run.restore(policy, gym_rollouts.first_prompts(train_rows, run.tokenizer) if gym_on else train)
+    gym = gym_rollouts.start(run, policy, seed=seed) if gym_on else None
+    if gym is None:
+        run.serve(policy, seed=seed)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts = int(cfg["num_prompts_per_step"])
     group = int(cfg.get("num_generations_per_prompt", 1))
@@ -102,11 +113,20 @@ def start(run: Run) -> loop.Steps:
         "mixed_kl_weight": float(loss_cfg.get("mixed_kl_weight", 0.5)),
         "vocab_size": shared_vocab_size(policy_cfg, teacher_cfg),
     }
-    sampler = run.sampler(len(train), seed)
+    sampler = run.sampler(len(train_rows) if gym_on else len(train), seed)
     meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     val_answers = [str(v["answer"]) for v in val_raw]
+    gym_batch = gym_rollouts.sampler(run, gym, train_rows, group) if gym is not None else None
 
     def validate_at(step: int) -> dict[str, float]:
+        if gym is not None:
+            return gym_rollouts.validate(
+                gym,
+                val_rows,
+                policy_cfg.get("generation") or {},
+                max_len=run.max_len,
+                samples_per_prompt=VAL_SAMPLES_PER_PROMPT,
+            )
         return validate(
             run,
             policy,
@@ -121,21 +141,29 @@ def start(run: Run) -> loop.Steps:
     def train_step(step: int) -> loop.TrainResult:
         start = time.perf_counter()
         policy.phase_peak_gib()  # a new count: the sampling phase's peak is read after it
-        prompts, responses, rewards, _, _ = rollout(
-            run,
-            policy,
-            env,
-            train,
-            train_raw,
-            sampler.take(num_prompts),
-            group,
-            seed=seed * 1000003 + step,
-        )
+        if gym_batch is not None:  # NeMo-Gym's rollouts: the environment's tokens never train
+            batch = gym_batch(sampler.take(num_prompts))
+            prompts, responses, rewards = batch.prompts, batch.responses, batch.rewards
+            spans = batch.env_spans
+            multipliers = [0.0 if masked else 1.0 for masked in batch.masked]
+        else:
+            prompts, responses, rewards, _, _ = rollout(
+                run,
+                policy,
+                env,
+                train,
+                train_raw,
+                sampler.take(num_prompts),
+                group,
+                seed=seed * 1000003 + step,
+            )
+            spans = [()] * len(prompts)
+            multipliers = [p.loss_multiplier for p in prompts]
         sampled = time.perf_counter()
         sampling_peak = policy.phase_peak_gib()
         sequences = [
-            TokenSequence(p.ids + r, len(p.ids), loss_multiplier=p.loss_multiplier)
-            for p, r in zip(prompts, responses, strict=True)
+            TokenSequence(p.ids + r, len(p.ids), loss_multiplier=m, env_spans=e)
+            for p, r, m, e in zip(prompts, responses, multipliers, spans, strict=True)
         ]
         batches = run.training_batches(sequences, policy.dp_size)
         for mb in batches.flat:

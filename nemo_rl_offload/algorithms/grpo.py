@@ -443,7 +443,8 @@ def start(run: Run) -> loop.Steps:
         # distribution's temperature (top-k / top-p are not applied to them here)
         logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
     )
-    run.restore(policy, train)
+    # policy.quant_cfg calibrates on the training data: NeMo-Gym rows' first prompts there
+    run.restore(policy, gym_rollouts.first_prompts(train_rows, run.tokenizer) if gym_on else train)
     gym = gym_rollouts.start(run, policy, seed=seed) if gym_on else None
     if gym is None:
         run.serve(policy, seed=seed)
@@ -464,24 +465,16 @@ def start(run: Run) -> loop.Steps:
     val_answers = [str(v["answer"]) for v in val_raw]
     val_samples = int(cfg.get("val_num_generations_per_prompt", 1))
     stop_when = stop_rule(cfg)
-    generation = policy_cfg.get("generation") or {}
-    mask_flagged = (run.recipe.get("env") or {}).get("should_mask_flagged_samples") is not False
-
-    def gym_batch(picked: list[int]) -> gym_rollouts.GymSamples:
-        rows = gym_rollouts.request_rows(
-            [train_rows[i] for i in picked for _ in range(group)],
-            generation,
-            temperature=float(generation.get("temperature", 1.0)),
-            top_p=float(generation.get("top_p", 1.0)),
-        )
-        batch = gym_rollouts.samples(gym, rows, max_len=run.max_len, mask_flagged=mask_flagged)
-        gym_rollouts.check_group_prompts(batch.prompts, group)
-        return batch
+    gym_batch = gym_rollouts.sampler(run, gym, train_rows, group) if gym is not None else None
 
     def validate_at(step: int) -> dict[str, float]:
         if gym is not None:
             return gym_rollouts.validate(
-                gym, val_rows, generation, max_len=run.max_len, samples_per_prompt=val_samples
+                gym,
+                val_rows,
+                policy_cfg.get("generation") or {},
+                max_len=run.max_len,
+                samples_per_prompt=val_samples,
             )
         return validate(
             run, policy, env, val, val_answers, seed, step=step, samples_per_prompt=val_samples
@@ -498,7 +491,7 @@ def start(run: Run) -> loop.Steps:
             (train, train_raw),
             sampler,
             seed=seed * 1000003 + target,
-            gym_batch=gym_batch if gym is not None else None,
+            gym_batch=gym_batch,
         )
 
     # grpo.async_grpo or async_rl: each step's rollouts sampled `lead` steps ahead

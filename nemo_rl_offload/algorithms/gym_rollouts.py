@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ __all__ = [
     "enabled",
     "load_rows",
     "request_rows",
+    "sampler",
     "samples",
     "start",
     "validate",
@@ -129,6 +130,57 @@ def start(run: Any, policy: Any, *, seed: int) -> NemoGymServers:
         flush=True,
     )
     return gym
+
+
+def sampler(
+    run: Any, gym: NemoGymServers, rows: Sequence[Mapping[str, Any]], group: int
+) -> Callable[[list[int]], GymSamples]:
+    """A step's sampling: the picked rows, each ``group`` times, with the recipe's sampling
+    settings, as one batch of samples (a row's samples must share their prompt)."""
+    generation = run.policy_cfg.get("generation") or {}
+    env = run.recipe.get("env") or {}
+    mask_flagged = env.get("should_mask_flagged_samples") is not False
+
+    def sample(picked: list[int]) -> GymSamples:
+        prepared = request_rows(
+            [rows[i] for i in picked for _ in range(group)],
+            generation,
+            temperature=float(generation.get("temperature", 1.0)),
+            top_p=float(generation.get("top_p", 1.0)),
+        )
+        batch = samples(gym, prepared, max_len=run.max_len, mask_flagged=mask_flagged)
+        check_group_prompts(batch.prompts, group)
+        return batch
+
+    return sample
+
+
+def first_prompts(rows: Sequence[Mapping[str, Any]], tokenizer: Any) -> list[TokenSequence]:
+    """The rows' first requests as the policy's chat template renders them (what
+    ``policy.quant_cfg`` calibrates on when the data are NeMo-Gym rows): their message items
+    (role and text content; NeMo-Gym's ``developer`` role as ``system``, as its model server
+    sends it), with the rows' tools."""
+    prompts = []
+    for row in rows:
+        params = row["responses_create_params"]
+        items = params.get("input")
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        messages = []
+        for item in items or []:
+            if not isinstance(item, Mapping) or "role" not in item:
+                continue
+            content = item.get("content")
+            if isinstance(content, list):
+                content = "".join(
+                    str(part.get("text", "")) for part in content if isinstance(part, Mapping)
+                )
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append({"role": role, "content": content or ""})
+        if messages:
+            ids = tokenizer.apply_chat_template(messages, tools=params.get("tools") or None)
+            prompts.append(TokenSequence(list(ids), len(ids)))
+    return prompts
 
 
 def load_rows(data_cfg: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

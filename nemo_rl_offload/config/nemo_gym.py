@@ -30,10 +30,10 @@ def problems(
         return [], []
     errors: list[str] = []
     warnings: list[str] = []
-    if algorithm != "grpo":
+    if algorithm not in ("grpo", "distillation"):
         errors.append(
-            f"env.should_use_nemo_gym: NeMo-Gym rollouts run in GRPO here; {algorithm} with "
-            "NeMo-Gym is not implemented yet; set it to false"
+            f"env.should_use_nemo_gym: NeMo-Gym rollouts are GRPO's and distillation's "
+            f"samples; {algorithm} never samples; set it to false"
         )
         return errors, warnings
     data = recipe.get("data")
@@ -51,11 +51,6 @@ def problems(
             "vllm_model_for_training.yaml, and the resources servers and agents)"
         )
     policy = recipe.get("policy") if isinstance(recipe.get("policy"), Mapping) else {}
-    if policy.get("quant_cfg") is not None:
-        errors.append(
-            "policy.quant_cfg: quantization-aware training calibrates on the recipe's token "
-            "data, which NeMo-Gym rows are not; remove it with env.should_use_nemo_gym"
-        )
     replay = policy.get("router_replay")
     if isinstance(replay, Mapping) and replay.get("enabled"):
         errors.append(

@@ -113,3 +113,31 @@ def test_gym_rows_are_named_by_the_train_or_default_dataset():
         {"train": {"data_path": "x"}, "default": {"dataset_name": "NemoGymDataset"}}
     )
     assert not uses_gym_rows({"dataset_name": "jsonl"})
+
+
+def test_calibration_prompts_are_the_rows_first_requests_in_the_chat_template():
+    from nemo_rl_offload.data.tokenizer import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    rows = [
+        {
+            "responses_create_params": {
+                "input": [
+                    {"role": "developer", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "input_text", "text": "2+2?"}]},
+                    {"type": "function_call_output", "call_id": "x", "output": "4"},
+                ],
+                "tools": [{"type": "function", "name": "add"}],
+            },
+            "agent_ref": {"name": "a"},
+        },
+        {"responses_create_params": {"input": "3+3?"}, "agent_ref": {"name": "a"}},
+        {"responses_create_params": {"input": []}, "agent_ref": {"name": "a"}},
+    ]
+    first, second = gym_rollouts.first_prompts(rows, tokenizer)
+    assert first.ids == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}],
+        tools=[{"type": "function", "name": "add"}],
+    )
+    assert tokenizer.decode(second.ids).endswith("<|user|>\n3+3?\n<|assistant|>\n")
+    assert first.prompt_len == len(first.ids)

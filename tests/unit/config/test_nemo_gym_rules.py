@@ -47,6 +47,7 @@ def _recipe(**changes):
 
 def test_a_nemo_gym_grpo_recipe_passes(gym_python):
     assert nemo_gym.problems(_recipe(), "grpo", starting=True) == ([], [])
+    assert nemo_gym.problems(_recipe(), "distillation", starting=True) == ([], [])
     assert nemo_gym.problems(_recipe(env__should_use_nemo_gym=False), "sft", starting=True) == (
         [],
         [],
@@ -56,10 +57,9 @@ def test_a_nemo_gym_grpo_recipe_passes(gym_python):
 @pytest.mark.parametrize(
     ("changes", "algorithm", "expected"),
     [
-        ({}, "distillation", "distillation with NeMo-Gym is not implemented yet"),
+        ({}, "sft", "sft never samples"),
         ({"data__default__dataset_name": "jsonl"}, "grpo", "data.train.dataset_name"),
         ({"env__nemo_gym__config_paths": []}, "grpo", "env.nemo_gym.config_paths"),
-        ({"policy__quant_cfg": "nvfp4"}, "grpo", "policy.quant_cfg"),
         ({"policy__router_replay": {"enabled": True}}, "grpo", "policy.router_replay.enabled"),
     ],
 )

@@ -1,6 +1,6 @@
-"""GRPO with NeMo-Gym rollouts, end to end on CPU workers: NeMo-Gym's own servers (its
-vllm_model model server, simple_agent and the example_single_tool_call resources server)
-against the policy's HTTP server, two training steps and a validation.
+"""GRPO and on-policy distillation with NeMo-Gym rollouts, end to end on CPU workers: NeMo-Gym's
+own servers (its vllm_model model server, simple_agent and the example_single_tool_call
+resources server) against the policy's HTTP server, two training steps and a validation.
 
 Needs a Python with NeMo-Gym (``scripts/nemo-gym-venv`` makes one; then
 ``NEMO_RL_OFFLOAD_GYM_PYTHON``); skipped without one, as the GPU tests are without a GPU. The
@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_grpo_trains_on_nemo_gym_rollouts(tmp_path: Path) -> None:
+def _nemo_gym_setup(tmp_path: Path) -> str:
+    """The recipe sections shared by both runs: NeMo-Gym rows, servers and environments."""
     gym_root = Path(
         subprocess.run(
             [GYM_PYTHON, "-c", "import nemo_gym; print(nemo_gym.PARENT_DIR)"],
@@ -56,20 +57,7 @@ def test_grpo_trains_on_nemo_gym_rollouts(tmp_path: Path) -> None:
             row = json.loads(line)
             row["agent_ref"] = {"name": "example_single_tool_call_simple_agent"}
             out.write(json.dumps(row) + "\n")
-    recipe = tmp_path / "grpo_nemo_gym.yaml"
-    recipe.write_text(
-        f"""defaults: {REPO}/examples/configs/tiny/grpo.yaml
-grpo: {{num_prompts_per_step: 2, num_generations_per_prompt: 2, max_num_steps: 2,
-        val_period: 2, val_at_start: false, max_val_samples: 2}}
-checkpointing: {{enabled: false, checkpoint_dir: {tmp_path}/ckpt}}
-policy:
-  init_checkpoint: null
-  train_global_batch_size: 4
-  train_micro_batch_size: 2
-  logprob_batch_size: 2
-  max_total_sequence_length: 1024
-  generation: {{max_new_tokens: 12}}
-data:
+    return f"""data:
   train: {{data_path: {rows}}}
   validation: {{data_path: {rows}}}
   default: {{dataset_name: NemoGymDataset, env_name: nemo_gym,
@@ -83,10 +71,15 @@ env:
     uv_venv_dir: {venvs}
     skip_venv_if_present: true
 logger: {{log_dir: {tmp_path}/logs}}
+checkpointing: {{enabled: false, checkpoint_dir: {tmp_path}/ckpt}}
 """
-    )
+
+
+def _run(tmp_path: Path, command: str, recipe_text: str) -> tuple[list[dict], str]:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(recipe_text)
     result = subprocess.run(
-        [sys.executable, "-m", "nemo_rl_offload.cli", "grpo", "--config", str(recipe)],
+        [sys.executable, "-m", "nemo_rl_offload.cli", command, "--config", str(recipe)],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
@@ -95,16 +88,64 @@ logger: {{log_dir: {tmp_path}/logs}}
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "nemo-gym: agents ['example_single_tool_call_simple_agent'] ready" in result.stderr
+    assert "servers ready!" in (tmp_path / "logs/nemo_gym/nemo_gym.log").read_text()
+    # NeMo-Gym's servers went with the run
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "venvs")], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
     records = [json.loads(line) for line in (tmp_path / "logs/metrics.jsonl").open()]
+    return records, result.stderr
+
+
+def test_grpo_trains_on_nemo_gym_rollouts(tmp_path: Path) -> None:
+    shared = _nemo_gym_setup(tmp_path)
+    records, _ = _run(
+        tmp_path,
+        "grpo",
+        f"""defaults: {REPO}/examples/configs/tiny/grpo.yaml
+grpo: {{num_prompts_per_step: 2, num_generations_per_prompt: 2, max_num_steps: 2,
+        val_period: 2, val_at_start: false, max_val_samples: 2}}
+policy:
+  init_checkpoint: null
+  train_global_batch_size: 4
+  train_micro_batch_size: 2
+  logprob_batch_size: 2
+  max_total_sequence_length: 1024
+  generation: {{max_new_tokens: 12}}
+{shared}""",
+    )
     train = [r for r in records if r["phase"] == "train"]
     assert [r["step"] for r in train] == [1, 2]
     for record in train:
         assert record["reward"] == 1.0
+        # the sampler's log-probabilities, back through NeMo-Gym, are the training forward's
         assert abs(record["token_mult_prob_error"] - 1.0) < 1e-3
     (val,) = [r for r in records if r["phase"] == "val"]
     assert val["val_reward"] == 1.0
-    log = (tmp_path / "logs/nemo_gym/nemo_gym.log").read_text()
-    assert "servers ready!" in log
-    # NeMo-Gym's servers went with the run
-    left = subprocess.run(["pgrep", "-f", str(venvs)], capture_output=True, text=True)
-    assert left.stdout.strip() == ""
+
+
+def test_distillation_trains_on_nemo_gym_rollouts(tmp_path: Path) -> None:
+    shared = _nemo_gym_setup(tmp_path)
+    sizes = (
+        "train_global_batch_size: 4\n  train_micro_batch_size: 2\n  logprob_batch_size: 2\n"
+        "  max_total_sequence_length: 1024"
+    )
+    records, _ = _run(
+        tmp_path,
+        "distill",
+        f"""defaults: {REPO}/examples/configs/tiny/distillation.yaml
+distillation: {{num_prompts_per_step: 2, num_generations_per_prompt: 2, max_num_steps: 2,
+                val_period: 2, val_at_start: false, max_val_samples: 1}}
+policy:
+  {sizes}
+  generation: {{max_new_tokens: 12}}
+teacher:
+  init_checkpoint: null
+  {sizes}
+{shared}""",
+    )
+    train = [r for r in records if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    # the student moves towards a (random) teacher on its NeMo-Gym samples: a real loss
+    assert all(r["loss"] > 0 and r["reward"] == 1.0 for r in train)
+    (val,) = [r for r in records if r["phase"] == "val"]
+    assert val["val_reward"] == 1.0
