@@ -105,11 +105,12 @@ def _job(run: Callable[[argparse.Namespace], int]):
 
     def handler(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         from nemo_rl_offload.distributed.worker_group import WorkerError
+        from nemo_rl_offload.errors import ServiceError
 
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=err)
         try:
             return run(args)
-        except WorkerError as exc:
+        except (WorkerError, ServiceError) as exc:
             print(f"error: {exc}", file=err)
             return 1
 

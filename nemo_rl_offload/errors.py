@@ -1,4 +1,5 @@
-"""The one exception type for mistakes in what a user gave us.
+"""The exception types a command reports in one line: mistakes in what a user gave us, and a
+service the run depends on failing.
 
 Every problem in a recipe, an override, a data file or a command-line argument is reported as a
 line that starts with where it is (a dotted YAML path, a file name, an argument) and says what to
@@ -22,3 +23,8 @@ class UserInputError(Exception):
             raise ValueError("UserInputError needs at least one problem line")
         self.problems: list[str] = lines
         super().__init__("\n".join(lines))
+
+
+class ServiceError(RuntimeError):
+    """A service the run started and depends on (NeMo-Gym's servers) failed: the CLI prints the
+    message, which names the service and where its log is, and exits 1."""

@@ -74,6 +74,7 @@ def start(run: Run) -> loop.Steps:
         val_rows = val_rows[:max_val]
         train_raw, val_raw, train, val = [], [], [], []
     else:
+        train_rows, val_rows = [], []
         train_raw = load_split(data_cfg, "prompts", "train")
         val_raw = load_split(data_cfg, "prompts", "val")[:max_val]
         train = run.encode(train_raw, "train")

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.errors import ServiceError, UserInputError
 
 __all__ = ["GYM_PYTHON_ENV", "GymSettings", "NemoGymServers", "gym_python", "gym_settings"]
 
@@ -113,10 +113,21 @@ def gym_python() -> str:
     return sys.executable
 
 
-def _ask(python: str, code: str) -> str:
-    return subprocess.run(
-        [python, "-c", code], check=True, capture_output=True, text=True, timeout=120
-    ).stdout.strip()
+def _gym_root(python: str) -> str:
+    """NeMo-Gym's directory under ``python`` (where its config paths are relative to)."""
+    done = subprocess.run(
+        [python, "-c", "import nemo_gym; print(nemo_gym.PARENT_DIR)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserInputError(
+            f"{GYM_PYTHON_ENV}: {python} cannot import nemo_gym ({reason}); install nemo-gym "
+            "into that environment (scripts/nemo-gym-venv makes one)"
+        )
+    return done.stdout.strip()
 
 
 def _free_port() -> int:
@@ -169,7 +180,7 @@ class NemoGymServers:
     def start(self) -> NemoGymServers:
         """Start NeMo-Gym and return once every server answers."""
         self._workdir.mkdir(parents=True, exist_ok=True)
-        root = _ask(self._python, "import nemo_gym; print(nemo_gym.PARENT_DIR)")
+        root = _gym_root(self._python)
         head_port = _free_port()
         ours = self._workdir / "nemo_gym_run.yaml"
         ours.write_text(yaml.safe_dump(self._global_config(head_port), sort_keys=False))
@@ -197,16 +208,16 @@ class NemoGymServers:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while _READY_LINE not in self._log.read_text(errors="replace"):
             if self._process.poll() is not None:
-                tail = self._log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(
-                    f"NeMo-Gym stopped while starting (exit {self._process.returncode}); "
-                    f"the end of {self._log}:\n{tail}"
+                lines = self._log.read_text(errors="replace").strip().splitlines()
+                raise ServiceError(
+                    f"NeMo-Gym stopped while starting (exit {self._process.returncode}): "
+                    f"{lines[-1] if lines else 'no output'}; its log: {self._log}"
                 )
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(
-                    f"NeMo-Gym's servers were not all ready in {_START_TIMEOUT_S:g} s; see "
-                    f"{self._log}"
+                raise ServiceError(
+                    f"NeMo-Gym's servers were not all ready in {_START_TIMEOUT_S:g} s (NeMo-Gym "
+                    f"0.4 prints 'N / N {_READY_LINE}' once they are); its log: {self._log}"
                 )
             time.sleep(1)
         self.agents = self._agent_urls()
@@ -254,14 +265,20 @@ class NemoGymServers:
         request = urllib.request.Request(
             url, json.dumps(row).encode(), {"Content-Type": "application/json"}
         )
+        name = row["agent_ref"]["name"]
         try:
             with urllib.request.urlopen(request, timeout=3600) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as error:
-            detail = error.read().decode(errors="replace")[:2000]
-            raise RuntimeError(
-                f"NeMo-Gym agent {row['agent_ref']['name']} answered /run with HTTP "
-                f"{error.code}: {detail}"
+            detail = " ".join(error.read().decode(errors="replace").split())[:500]
+            raise ServiceError(
+                f"NeMo-Gym agent {name} answered /run with HTTP {error.code}: {detail} (its "
+                f"log: {self._log})"
+            ) from None
+        except (urllib.error.URLError, OSError) as error:
+            raise ServiceError(
+                f"NeMo-Gym agent {name} at {url} did not answer /run ({error}); its log: "
+                f"{self._log}"
             ) from None
 
     def __enter__(self) -> NemoGymServers:
