@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # After ../shared/device/make-wheels.sh: what the GPU machine also needs, within its 64 MiB
 # carry (the working tree plus .whl/):
+# - Quart, hypercorn and their dependencies (the policy's HTTP server);
 # - nvidia-modelopt (policy.quant_cfg; pure Python) and pulp (ModelOpt imports it; repacked
 #   without its bundled solver binaries, which ModelOpt's quantization never calls);
 # - Ray repacked without rllib, serve, tune, data and the dashboard's web build (not used here).
@@ -14,6 +15,10 @@ trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --platform manylinux_2_28_x86_64 -d "$tmp" "nvidia-modelopt==0.47.0" "pulp>=3,<4"
 cp "$tmp"/nvidia_modelopt-*.whl "$wheels/"
+# expose_http_server / serve (megatron-core's endpoints on Quart and hypercorn; pure Python).
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$wheels" \
+  quart hypercorn flask werkzeug blinker itsdangerous aiofiles h11 h2 hpack hyperframe \
+  priority wsproto
 repack() {  # repack WHEEL (a path) without the paths given after it
   local wheel="$1"; shift
   local dir="$tmp/x"; rm -rf "$dir"; mkdir "$dir"

@@ -14,7 +14,8 @@ Why batching here: the sampler runs one call at a time over a batch of prompts t
 sampling settings. Requests arriving while a call runs wait and go together into the next call,
 grouped by their settings (temperature, top-p, top-k, greedy, stop tokens); each group runs with
 the longest ``max_tokens`` of its requests and every row is cut at its own (autoregressive
-sampling makes a row's first n tokens the same draw either way). A request the sampler cannot
+sampling makes a row's first n tokens the same draw either way). The first request to an idle
+sampler waits :data:`GATHER_S` for the rest of its burst. A request the sampler cannot
 serve as asked gets a failed record whose message the endpoints return with HTTP 400, naming
 the parameter and what to send instead; an over-long prompt's message carries megatron-core's
 ``MaxSequenceLengthOverflowError`` wording, which NeMo-Gym's model server reads as a finish by
@@ -38,6 +39,9 @@ GenerateFn = Callable[[list[list[int]], SamplingSettings, int], list[Generated]]
 
 # Seeds of consecutive sampler calls are this far apart (a call's rows draw from one generator).
 _SEED_STRIDE = 7919
+# How long the first request of an idle sampler waits for the rest of its burst (an agent
+# framework sends a step's rollouts together): short against a sampler call.
+GATHER_S = 0.02
 
 
 @dataclass
@@ -69,6 +73,7 @@ class SamplerClient:
         seed: int = 0,
         max_batch: int = 64,
         policy_epoch: Callable[[], int] = lambda: 0,
+        gather_s: float = GATHER_S,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -81,6 +86,7 @@ class SamplerClient:
         self._seed = int(seed)
         self._max_batch = int(max_batch)
         self._policy_epoch = policy_epoch
+        self._gather_s = float(gather_s)
         self._calls = 0
         self._queue: asyncio.Queue[_Pending] | None = None
         self._batcher: asyncio.Task[None] | None = None
@@ -181,6 +187,8 @@ class SamplerClient:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
+            if self._gather_s > 0:  # a burst's other requests are on their way
+                await asyncio.sleep(self._gather_s)
             while len(batch) < self._max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             for group in _by_settings(batch):
