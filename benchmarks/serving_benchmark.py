@@ -2,8 +2,9 @@
 concurrent ``/v1/completions`` requests (one prompt each, as NeMo-Gym's agents send them)
 beside one direct sampler call over the same N prompts, in one process on one device.
 
-Both paths sample random ``--prompt-len``-token prompts with no stop (``ignore_eos``: every
-row runs to ``--new-tokens``), so they do the same work; the ratio is what the HTTP layer,
+The clients run in a process of their own. Both paths sample random ``--prompt-len``-token
+prompts with no stop (``ignore_eos``: every row runs to ``--new-tokens``), so they do the same
+work; the ratio is what the HTTP layer,
 megatron-core's endpoints and the request batching cost. Each case runs once to warm up
 (kernels, CUDA graphs), then is timed.
 
@@ -22,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
+import subprocess
 import sys
 import time
 import urllib.request
@@ -45,7 +47,23 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(response.read())
 
 
+def run_clients(url: str) -> int:
+    """Send the JSON bodies on stdin to ``url`` all at once; print the seconds from the first
+    send to the last answer and each answer's number of new tokens."""
+    bodies = json.loads(sys.stdin.read())
+    began = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(min(len(bodies), 512)) as pool:
+        answers = list(pool.map(lambda body: _post(url, body), bodies))
+    seconds = time.perf_counter() - began
+    tokens = [len(a["choices"][0]["generation_token_ids"]) for a in answers]
+    print(json.dumps({"seconds": seconds, "tokens": tokens}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--client"]:
+        return run_clients(argv[1])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--requests", type=_ints, default=[64, 256])
@@ -57,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import numpy as np
     import torch
-
     from generation_benchmark import build_worker, section_for
+
     from nemo_rl_offload.data.tokenizer import ByteTokenizer
     from nemo_rl_offload.models.generation import SamplingSettings
     from nemo_rl_offload.serving.http_server import PolicyServer
@@ -95,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
                 max_new_tokens=args.new_tokens, vocab_limit=tokenizer.vocab_size
             )
 
-            def direct() -> float:
+            def direct(prompts: list = prompts, settings: SamplingSettings = settings) -> float:
                 began = time.perf_counter()
                 generated = generate(prompts, settings, 1)
                 seconds = time.perf_counter() - began
                 assert all(len(g.ids) == args.new_tokens for g in generated)
                 return seconds
 
-            def served() -> float:
+            def served(prompts: list = prompts, count: int = count) -> float:
                 bodies = [
                     {
                         "prompt": prompt,
@@ -112,13 +130,18 @@ def main(argv: list[str] | None = None) -> int:
                     }
                     for prompt in prompts
                 ]
-                began = time.perf_counter()
-                with concurrent.futures.ThreadPoolExecutor(min(count, 512)) as pool:
-                    answers = list(pool.map(lambda body: _post(url, body), bodies))
-                seconds = time.perf_counter() - began
-                for answer in answers:
-                    assert len(answer["choices"][0]["generation_token_ids"]) == args.new_tokens
-                return seconds
+                # The clients run in a process of their own, as an agent framework's do (in
+                # this one they would share the server's interpreter lock).
+                done = subprocess.run(
+                    [sys.executable, __file__, "--client", url],
+                    input=json.dumps(bodies),
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                report = json.loads(done.stdout.strip().splitlines()[-1])
+                assert report["tokens"] == [args.new_tokens] * count, report["tokens"][:4]
+                return report["seconds"]
 
             direct(), served()  # warm-up
             calls.clear()

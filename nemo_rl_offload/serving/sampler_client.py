@@ -15,7 +15,7 @@ sampling settings. Requests arriving while a call runs wait and go together into
 grouped by their settings (temperature, top-p, top-k, greedy, stop tokens); each group runs with
 the longest ``max_tokens`` of its requests and every row is cut at its own (autoregressive
 sampling makes a row's first n tokens the same draw either way). The first request to an idle
-sampler waits :data:`GATHER_S` for the rest of its burst. A request the sampler cannot
+sampler waits for the rest of its burst (:data:`GATHER_QUIET_S`). A request the sampler cannot
 serve as asked gets a failed record whose message the endpoints return with HTTP 400, naming
 the parameter and what to send instead; an over-long prompt's message carries megatron-core's
 ``MaxSequenceLengthOverflowError`` wording, which NeMo-Gym's model server reads as a finish by
@@ -39,9 +39,13 @@ GenerateFn = Callable[[list[list[int]], SamplingSettings, int], list[Generated]]
 
 # Seeds of consecutive sampler calls are this far apart (a call's rows draw from one generator).
 _SEED_STRIDE = 7919
-# How long the first request of an idle sampler waits for the rest of its burst (an agent
-# framework sends a step's rollouts together): short against a sampler call.
-GATHER_S = 0.02
+# The first request to an idle sampler waits for the rest of its burst (an agent framework
+# sends a step's rollouts together, over some milliseconds): until no request has come for
+# GATHER_QUIET_S, at most GATHER_MAX_S. A burst split over two calls takes nearly twice as
+# long, since a call's time is its decode steps whatever its rows
+# (benchmarks/results/2026-11-26_h100_serving.md); both waits are short against a call.
+GATHER_QUIET_S = 0.05
+GATHER_MAX_S = 1.0
 
 
 @dataclass
@@ -73,7 +77,8 @@ class SamplerClient:
         seed: int = 0,
         max_batch: int = 64,
         policy_epoch: Callable[[], int] = lambda: 0,
-        gather_s: float = GATHER_S,
+        gather_quiet_s: float = GATHER_QUIET_S,
+        gather_max_s: float = GATHER_MAX_S,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -86,7 +91,7 @@ class SamplerClient:
         self._seed = int(seed)
         self._max_batch = int(max_batch)
         self._policy_epoch = policy_epoch
-        self._gather_s = float(gather_s)
+        self._gather = (float(gather_quiet_s), float(gather_max_s))
         self._calls = 0
         self._queue: asyncio.Queue[_Pending] | None = None
         self._batcher: asyncio.Task[None] | None = None
@@ -187,8 +192,7 @@ class SamplerClient:
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
-            if self._gather_s > 0:  # a burst's other requests are on their way
-                await asyncio.sleep(self._gather_s)
+            await self._gather_burst()
             while len(batch) < self._max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             for group in _by_settings(batch):
@@ -209,6 +213,21 @@ class SamplerClient:
                 epoch = self._policy_epoch()
                 for p, g in zip(group, generated, strict=True):
                     _resolve(p.future, self._record(p, g, epoch))
+
+    async def _gather_burst(self) -> None:
+        """Wait while requests keep arriving (at most the cap, or until a call's worth)."""
+        assert self._queue is not None
+        quiet, cap = self._gather
+        if quiet <= 0:
+            return
+        deadline = asyncio.get_running_loop().time() + cap
+        seen = -1
+        while seen != self._queue.qsize() and self._queue.qsize() + 1 < self._max_batch:
+            seen = self._queue.qsize()
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return
+            await asyncio.sleep(min(quiet, remaining))
 
     def _record(self, pending: _Pending, generated: Generated, epoch: int) -> dict[str, Any]:
         limit = pending.settings.max_new_tokens
