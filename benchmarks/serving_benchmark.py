@@ -70,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--precision", default="bfloat16")
+    parser.add_argument(
+        "--gather-quiet-s",
+        type=float,
+        default=None,
+        help="the sampler's burst window (default: SamplerClient's GATHER_QUIET_S)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -102,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         eos_id=tokenizer.eos_id,
         vocab_limit=tokenizer.vocab_size,
         max_batch=max(args.requests),
+        **({} if args.gather_quiet_s is None else {"gather_quiet_s": args.gather_quiet_s}),
     )
     rng = np.random.default_rng(0)
     cases = []
@@ -176,9 +183,15 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "precision": args.precision,
         "cuda_graphs": on_gpu,
+        "gather_quiet_s": args.gather_quiet_s,
         "cases": cases,
     }
-    (out / "serving.json").write_text(json.dumps(record, indent=1))
+    name = (
+        "serving.json"
+        if args.gather_quiet_s is None
+        else f"serving_quiet{args.gather_quiet_s:g}.json"
+    )
+    (out / name).write_text(json.dumps(record, indent=1))
     return 0
 
 
