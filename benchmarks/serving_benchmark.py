@@ -95,11 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = ByteTokenizer()
     calls: list[int] = []
 
+    call_seconds: list[float] = []
+
     def generate(prompts: list[list[int]], settings: SamplingSettings, seed: int) -> list:
         calls.append(len(prompts))
-        return worker.generate(
+        began = time.perf_counter()
+        generated = worker.generate(
             prompts, dataclasses.asdict(settings), seed=seed, pad_id=tokenizer.pad_id
         )
+        if on_gpu:
+            torch.cuda.synchronize()
+        call_seconds.append(time.perf_counter() - began)
+        return generated
 
     client = SamplerClient(
         generate,
@@ -154,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             calls.clear()
             direct_s = direct()
             calls.clear()
+            call_seconds.clear()
             served_s = served()
-            served_calls = list(calls)
+            served_calls, served_call_s = list(calls), list(call_seconds)
             new_tokens = count * args.new_tokens
             case = {
                 "requests": count,
@@ -167,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                 "served_new_tokens_per_s": new_tokens / served_s,
                 "served_over_direct": direct_s / served_s,
                 "sampler_calls_served": served_calls,
+                # each served sampler call's own time (the rest is HTTP, waiting, formatting)
+                "sampler_call_s_served": served_call_s,
             }
             cases.append(case)
             print(json.dumps(case), flush=True)
