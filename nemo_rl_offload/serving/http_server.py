@@ -242,6 +242,9 @@ class PolicyServer:
         # hypercorn owns the descriptor from here (it closes it when serving ends).
         config.bind = [f"fd://{sock.detach()}"]
         config.keep_alive_timeout = 30.0  # agents hold connections across long generations
+        # A step's rollouts connect at once: with hypercorn's default backlog (100) the rest of
+        # a burst is dropped and retried a second later (megatron-core's server sets it so too).
+        config.backlog = 2**14
         config.accesslog = None
         config.errorlog = None
 
