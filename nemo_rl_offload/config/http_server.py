@@ -18,19 +18,43 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SERVING_ALGORITHMS", "ServingSettings", "parser_names", "problems", "serving_settings"]
+__all__ = [
+    "MEGATRON_PARSERS",
+    "OWN_PARSERS",
+    "SERVING_ALGORITHMS",
+    "VLLM_EQUIVALENTS",
+    "ServingSettings",
+    "parser_names",
+    "problems",
+    "serving_settings",
+]
 
 # The algorithms whose policy samples (SFT and DPO never generate).
 SERVING_ALGORITHMS = ("grpo", "distillation")
 
 
+# megatron-core 0.19's response parsers (its tokenizers.text.parsers.PARSER_MAPPING) and this
+# backend's (serving/parsers.py): the names a recipe may give; tests/unit/serving/
+# test_parsers.py keeps this list equal to the two registries.
+MEGATRON_PARSERS = ("deepseek-r1-reasoning", "nemotron-v3-reasoning", "qwen3-coder-tool")
+OWN_PARSERS = ("hermes-tool", "qwen3-reasoning")
+
+# vLLM's parser names (NeMo-RL's vllm_cfg.http_server_serving_chat_kwargs) -> the parser
+# served for them. nano_v3 is NeMo-RL's reasoning-parser plugin for Nemotron 3, which
+# megatron-core's nemotron-v3 parser mirrors.
+VLLM_EQUIVALENTS: dict[str, dict[str, str]] = {
+    "reasoning_parser": {
+        "deepseek_r1": "deepseek-r1-reasoning",
+        "nano_v3": "nemotron-v3-reasoning",
+        "qwen3": "qwen3-reasoning",
+    },
+    "tool_parser": {"qwen3_coder": "qwen3-coder-tool", "hermes": "hermes-tool"},
+}
+
+
 def parser_names() -> tuple[str, ...]:
-    """The response parsers served: megatron-core's and this backend's (serving/parsers.py)."""
-    from megatron.core.tokenizers.text.parsers import PARSER_MAPPING
-
-    from nemo_rl_offload.serving.parsers import OWN_PARSERS
-
-    return tuple(sorted({*PARSER_MAPPING, *OWN_PARSERS}))
+    """The response parsers served: megatron-core's and this backend's."""
+    return tuple(sorted({*MEGATRON_PARSERS, *OWN_PARSERS}))
 
 
 @dataclass(frozen=True)
@@ -76,8 +100,6 @@ def _uses_vllm_cfg(section: Mapping[str, Any]) -> bool:
 
 def serving_settings(section: Mapping[str, Any]) -> ServingSettings:
     """The settings of a policy section that :func:`problems` passed."""
-    from nemo_rl_offload.serving.parsers import VLLM_EQUIVALENTS
-
     generation = _generation(section)
     low, high = generation.get("port_range_low"), generation.get("port_range_high")
     port_range = (int(low), int(high)) if low is not None and high is not None else None
@@ -106,8 +128,6 @@ def serving_settings(section: Mapping[str, Any]) -> ServingSettings:
 
 
 def _vllm_problems(section: Mapping[str, Any], where: str) -> list[str]:
-    from nemo_rl_offload.serving.parsers import VLLM_EQUIVALENTS
-
     vllm = _sub(_generation(section), "vllm_cfg")
     key = f"{where}.generation.vllm_cfg"
     errors = []

@@ -808,7 +808,7 @@ def _nemo_rl_data_or(
 def _gym_rows(value: Any, recipe: Mapping[str, Any]) -> bool:
     """NeMo-Gym's rows (NemoGymDataset) are loaded, with env.should_use_nemo_gym on
     (data/nemo_gym_rows.py); config/nemo_gym.py checks the rest."""
-    from nemo_rl_offload.data.nemo_gym_rows import uses_gym_rows
+    from nemo_rl_offload.config.nemo_gym import uses_gym_rows
 
     data = recipe.get("data")
     return _at(recipe, "env.should_use_nemo_gym") is True and uses_gym_rows(data or {})

@@ -8,13 +8,59 @@ none on this machine (as it does for a Hugging Face model that is not here), a r
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.data.nemo_gym_rows import DATASET_NAME, uses_gym_rows
 from nemo_rl_offload.errors import UserInputError
 
-__all__ = ["enabled", "problems"]
+__all__ = ["DATASET_NAME", "GYM_PYTHON_ENV", "enabled", "gym_python", "problems", "uses_gym_rows"]
+
+# A Python with nemo-gym installed (else the ``gym`` command's, else this one if it has it).
+GYM_PYTHON_ENV = "NEMO_RL_OFFLOAD_GYM_PYTHON"
+# NeMo-RL's dataset name for NeMo-Gym's rows (data/nemo_gym_rows.py loads them).
+DATASET_NAME = "NemoGymDataset"
+
+
+def _dataset_name(data_cfg: Mapping[str, Any], split_key: str) -> Any:
+    for section in (data_cfg.get(split_key), data_cfg.get("default")):
+        if isinstance(section, Mapping) and section.get("dataset_name") is not None:
+            return section["dataset_name"]
+    return None
+
+
+def uses_gym_rows(data_cfg: Mapping[str, Any]) -> bool:
+    """Whether the recipe's training data is NeMo-Gym rows (``data.train`` or ``data.default``
+    names the NemoGymDataset)."""
+    return isinstance(data_cfg, Mapping) and _dataset_name(data_cfg, "train") == DATASET_NAME
+
+
+def gym_python() -> str:
+    """The Python that runs NeMo-Gym: :data:`GYM_PYTHON_ENV`, else the ``gym`` command's
+    interpreter, else this one when it can import nemo_gym."""
+    named = os.environ.get(GYM_PYTHON_ENV)
+    if named:
+        if not Path(named).is_file():
+            raise UserInputError(f"{GYM_PYTHON_ENV}: {named} is not a file; give a Python path")
+        return named
+    command = shutil.which("gym")
+    if command:
+        first = Path(command).read_text(errors="replace").splitlines()[:1]
+        if first and first[0].startswith("#!"):
+            return first[0][2:].strip()
+    try:
+        import nemo_gym  # noqa: F401
+    except ImportError:
+        raise UserInputError(
+            "env.should_use_nemo_gym: no Python with NeMo-Gym found: install nemo-gym "
+            f"(pip install nemo-gym, Python >= 3.12) into a virtual environment and set "
+            f"{GYM_PYTHON_ENV} to its python (or put its gym command on PATH; "
+            "scripts/nemo-gym-venv makes one)"
+        ) from None
+    return sys.executable
 
 
 def enabled(recipe: Mapping[str, Any]) -> bool:
@@ -57,8 +103,6 @@ def problems(
             "policy.router_replay.enabled: the policy's HTTP server does not return the "
             "sampler's routes to NeMo-Gym yet; set it to false with env.should_use_nemo_gym"
         )
-    from nemo_rl_offload.environments.nemo_gym import gym_python
-
     try:
         gym_python()
     except UserInputError as missing:

@@ -16,25 +16,9 @@ from typing import Any
 
 from nemo_rl_offload.errors import UserInputError
 
-__all__ = ["DATASET_NAME", "gym_data_path", "load_gym_rows", "uses_gym_rows"]
+__all__ = ["gym_data_path", "load_gym_rows"]
 
-DATASET_NAME = "NemoGymDataset"
 _MAX_REPORTED = 20
-
-
-def _dataset_name(data_cfg: Mapping[str, Any], split_key: str) -> Any:
-    split = data_cfg.get(split_key)
-    default = data_cfg.get("default")
-    for section in (split, default):
-        if isinstance(section, Mapping) and section.get("dataset_name") is not None:
-            return section["dataset_name"]
-    return None
-
-
-def uses_gym_rows(data_cfg: Mapping[str, Any]) -> bool:
-    """Whether the recipe's training data is NeMo-Gym rows (``data.train`` or ``data.default``
-    names the NemoGymDataset)."""
-    return isinstance(data_cfg, Mapping) and _dataset_name(data_cfg, "train") == DATASET_NAME
 
 
 def gym_data_path(data_cfg: Mapping[str, Any], split: str) -> str | None:

@@ -20,10 +20,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -34,12 +32,11 @@ from typing import Any
 
 import yaml
 
+from nemo_rl_offload.config.nemo_gym import GYM_PYTHON_ENV, gym_python
 from nemo_rl_offload.errors import ServiceError, UserInputError
 
 __all__ = ["GYM_PYTHON_ENV", "GymSettings", "NemoGymServers", "gym_python", "gym_settings"]
 
-# A Python with nemo-gym installed (else the ``gym`` command's, else this one if it has it).
-GYM_PYTHON_ENV = "NEMO_RL_OFFLOAD_GYM_PYTHON"
 
 # env.nemo_gym entries that are NeMo-RL's, not NeMo-Gym's global configuration.
 _NEMO_RL_KEYS = (
@@ -87,30 +84,6 @@ def gym_settings(env_cfg: Mapping[str, Any]) -> GymSettings:
         thinking_tags=tuple(tags) if tags else None,
         port_range=(int(low), int(high)) if low is not None and high is not None else None,
     )
-
-
-def gym_python() -> str:
-    """The Python that runs NeMo-Gym: :data:`GYM_PYTHON_ENV`, else the ``gym`` command's
-    interpreter, else this one when it can import nemo_gym."""
-    named = os.environ.get(GYM_PYTHON_ENV)
-    if named:
-        if not Path(named).is_file():
-            raise UserInputError(f"{GYM_PYTHON_ENV}: {named} is not a file; give a Python path")
-        return named
-    command = shutil.which("gym")
-    if command:
-        first = Path(command).read_text(errors="replace").splitlines()[:1]
-        if first and first[0].startswith("#!"):
-            return first[0][2:].strip()
-    try:
-        import nemo_gym  # noqa: F401
-    except ImportError:
-        raise UserInputError(
-            "env.should_use_nemo_gym: no Python with NeMo-Gym found: install nemo-gym "
-            f"(pip install nemo-gym, Python >= 3.12) into a virtual environment and set "
-            f"{GYM_PYTHON_ENV} to its python (or put its gym command on PATH)"
-        ) from None
-    return sys.executable
 
 
 def _gym_root(python: str) -> str:

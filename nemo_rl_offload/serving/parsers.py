@@ -15,7 +15,7 @@ import re
 import uuid
 from typing import Any
 
-__all__ = ["OWN_PARSERS", "VLLM_EQUIVALENTS", "HermesToolParser", "Qwen3ReasoningParser"]
+__all__ = ["OWN_PARSERS", "HermesToolParser", "Qwen3ReasoningParser", "register"]
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
 
@@ -68,22 +68,10 @@ class Qwen3ReasoningParser:
         return content, ({"reasoning": reasoning} if reasoning else {})
 
 
-# Names not used by megatron-core (its own are "<model>-<kind>" too).
+# This backend's parsers under config.http_server's names (megatron-core does not use them).
 OWN_PARSERS: dict[str, type] = {
     "hermes-tool": HermesToolParser,
     "qwen3-reasoning": Qwen3ReasoningParser,
-}
-
-# vLLM's parser names (NeMo-RL's vllm_cfg.http_server_serving_chat_kwargs) -> the parser
-# served for them. nano_v3 is NeMo-RL's reasoning-parser plugin for Nemotron 3, which
-# megatron-core's nemotron-v3 parser mirrors.
-VLLM_EQUIVALENTS: dict[str, dict[str, str]] = {
-    "reasoning_parser": {
-        "deepseek_r1": "deepseek-r1-reasoning",
-        "nano_v3": "nemotron-v3-reasoning",
-        "qwen3": "qwen3-reasoning",
-    },
-    "tool_parser": {"qwen3_coder": "qwen3-coder-tool", "hermes": "hermes-tool"},
 }
 
 

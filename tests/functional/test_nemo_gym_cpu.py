@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_offload.environments.nemo_gym import GYM_PYTHON_ENV
+from nemo_rl_offload.config.nemo_gym import GYM_PYTHON_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 GYM_PYTHON = os.environ.get(GYM_PYTHON_ENV)

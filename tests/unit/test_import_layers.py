@@ -15,7 +15,7 @@ LAYERS = [
     {"data", "environments", "offload"},
     {"distributed", "models", "losses", "gpu_monitor", "metrics_logger"},
     {"preflight", "memory_report"},
-    {"algorithms", "telemetry", "export_hf"},
+    {"algorithms", "serving", "telemetry", "export_hf"},
     {"planner", "plan_menu"},
     {"plan_at_start", "demo", "cli"},
 ]

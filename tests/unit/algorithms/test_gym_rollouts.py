@@ -13,7 +13,8 @@ import torch
 from nemo_rl_offload.algorithms import gym_rollouts
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.grpo import PromptGroup, training_sequences
-from nemo_rl_offload.data.nemo_gym_rows import load_gym_rows, uses_gym_rows
+from nemo_rl_offload.config.nemo_gym import uses_gym_rows
+from nemo_rl_offload.data.nemo_gym_rows import load_gym_rows
 from nemo_rl_offload.environments.nemo_gym_results import GymTurn
 from nemo_rl_offload.errors import UserInputError
 

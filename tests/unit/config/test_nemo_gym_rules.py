@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from nemo_rl_offload.config import ignored_keys, nemo_gym
-from nemo_rl_offload.environments.nemo_gym import GYM_PYTHON_ENV
+from nemo_rl_offload.config.nemo_gym import GYM_PYTHON_ENV
 
 RECIPE = {
     "grpo": {},

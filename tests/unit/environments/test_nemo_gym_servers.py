@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rl_offload.config.nemo_gym import GYM_PYTHON_ENV, gym_python
 from nemo_rl_offload.environments import nemo_gym
 from nemo_rl_offload.errors import ServiceError, UserInputError
 
@@ -42,12 +43,12 @@ def test_env_nemo_gym_splits_into_nemo_gyms_config_and_nemo_rls_entries():
 
 def test_a_python_without_nemo_gym_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "nemo_gym", None)
-    monkeypatch.delenv(nemo_gym.GYM_PYTHON_ENV, raising=False)
+    monkeypatch.delenv(GYM_PYTHON_ENV, raising=False)
     monkeypatch.setenv("PATH", "")
     with pytest.raises(UserInputError, match="no Python with NeMo-Gym found"):
-        nemo_gym.gym_python()
-    monkeypatch.setenv(nemo_gym.GYM_PYTHON_ENV, sys.executable)
-    assert nemo_gym.gym_python() == sys.executable
+        gym_python()
+    monkeypatch.setenv(GYM_PYTHON_ENV, sys.executable)
+    assert gym_python() == sys.executable
     if sys.modules.get("nemo_gym") is None:  # this environment has no NeMo-Gym
         with pytest.raises(UserInputError, match="cannot import nemo_gym"):
             nemo_gym._gym_root(sys.executable)

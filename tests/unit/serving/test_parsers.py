@@ -74,11 +74,18 @@ def test_registration_adds_beside_megatron_cores_parsers_and_never_shadows_one(m
         parsers.register()
 
 
-def test_every_vllm_name_maps_to_a_served_parser():
-    from nemo_rl_offload.config.http_server import parser_names
+def test_the_recipe_rules_name_exactly_the_parsers_served():
+    """config.http_server lists the names without importing megatron-core; here the list meets
+    the two registries."""
+    from megatron.core.tokenizers.text.parsers import PARSER_MAPPING
 
-    served = set(parser_names())
-    assert {name for kind in parsers.VLLM_EQUIVALENTS.values() for name in kind.values()} <= served
+    from nemo_rl_offload.config import http_server
+
+    assert set(http_server.MEGATRON_PARSERS) == set(PARSER_MAPPING) - set(parsers.OWN_PARSERS)
+    assert set(http_server.OWN_PARSERS) == set(parsers.OWN_PARSERS)
+    served = set(http_server.parser_names())
+    vllm_names = http_server.VLLM_EQUIVALENTS.values()
+    assert {name for kind in vllm_names for name in kind.values()} <= served
 
 
 @pytest.fixture
