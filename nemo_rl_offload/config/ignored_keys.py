@@ -254,6 +254,10 @@ class Unused:
         return "refused" if self.refuse is not None else "warned"
 
 
+_OWN_ROLLOUTS_SINGLE_TURN = (
+    "this backend's own rollouts are single-turn (multi-turn rollouts come from NeMo-Gym's "
+    "agents: env.should_use_nemo_gym)"
+)
 _TEACHER_TRAINS_NOT = "the teacher never trains"
 _TEACHER_GENERATES_NOT = "the teacher never generates"
 
@@ -303,10 +307,10 @@ IGNORED: dict[str, Unused] = {
         refuse="write the system prompt into the data (or remove the key)",
     ),
     "grpo.max_rollout_turns": Unused(
-        "rollouts are single-turn", _one_of(1), refuse="set it to 1 (or remove it)"
+        _OWN_ROLLOUTS_SINGLE_TURN, _one_of(1), refuse="set it to 1 (or remove it)"
     ),
     "distillation.max_rollout_turns": Unused(
-        "rollouts are single-turn", _one_of(1), refuse="set it to 1 (or remove it)"
+        _OWN_ROLLOUTS_SINGLE_TURN, _one_of(1), refuse="set it to 1 (or remove it)"
     ),
     "grpo.val_batch_size": Unused(
         "validation generates all of a data-parallel rank's held-out prompts as one batch",
