@@ -74,3 +74,33 @@ def test_the_prompt_fills_the_context():
     assert _client().settings_for([], SamplingParams()) == (
         "the prompt is empty: it needs at least one token"
     )
+
+
+def test_a_burst_is_gathered_into_one_call_until_it_goes_quiet():
+    """Requests 20 ms apart (under the 50 ms window) share one sampler call; a request after a
+    pause longer than the window goes into the next."""
+    import asyncio
+
+    from nemo_rl_offload.models.generation import Generated
+
+    calls: list[int] = []
+
+    def generate(prompts, settings, seed):
+        calls.append(len(prompts))
+        return [Generated([EOS], [-0.5]) for _ in prompts]
+
+    client = SamplerClient(
+        generate, decode=str, max_len=32, eos_id=EOS, gather_quiet_s=0.05, gather_max_s=1.0
+    )
+
+    async def burst() -> list[dict]:
+        async def ask(delay: float) -> dict:
+            await asyncio.sleep(delay)
+            return await client.add_request([1, 2], SamplingParams(num_tokens_to_generate=2))
+
+        return await asyncio.gather(*(ask(d) for d in (0.0, 0.02, 0.04, 0.06, 0.8)))
+
+    records = asyncio.run(burst())
+    client.stop()
+    assert calls == [4, 1]
+    assert all(r["status"] == "COMPLETED" and r["generated_tokens"] == [EOS] for r in records)
