@@ -87,7 +87,7 @@ def gym_settings(env_cfg: Mapping[str, Any]) -> GymSettings:
 
 
 def _gym_root(python: str) -> str:
-    """NeMo-Gym's directory under ``python`` (where its config paths are relative to)."""
+    """NeMo-Gym's install root under ``python`` (its built-in servers and configs)."""
     done = subprocess.run(
         [python, "-c", "import nemo_gym; print(nemo_gym.PARENT_DIR)"],
         capture_output=True,
@@ -153,7 +153,7 @@ class NemoGymServers:
     def start(self) -> NemoGymServers:
         """Start NeMo-Gym and return once every server answers."""
         self._workdir.mkdir(parents=True, exist_ok=True)
-        root = _gym_root(self._python)
+        _gym_root(self._python)  # a Python that cannot import nemo_gym fails here, in one line
         head_port = _free_port()
         ours = self._workdir / "nemo_gym_run.yaml"
         ours.write_text(yaml.safe_dump(self._global_config(head_port), sort_keys=False))
@@ -171,7 +171,9 @@ class NemoGymServers:
         with self._log.open("w") as sink:
             self._process = subprocess.Popen(
                 command,
-                cwd=root,
+                # NeMo-Gym resolves config paths and server directories in the working
+                # directory first (a user's own servers), then its install root (built-ins).
+                cwd=Path.cwd(),
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 env=env,
