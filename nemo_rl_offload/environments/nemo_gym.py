@@ -167,6 +167,8 @@ class NemoGymServers:
         for path in (*self.settings.config_paths, str(ours)):
             command += ["--config", path]
         env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+        # NeMo-Gym's environment's commands first (uv, which makes each server's venv).
+        env["PATH"] = os.pathsep.join([str(Path(self._python).parent), env.get("PATH", "")])
         env.setdefault("RAY_AUTH_MODE", "token")  # the run's cluster takes a token
         with self._log.open("w") as sink:
             self._process = subprocess.Popen(
