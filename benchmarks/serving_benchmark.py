@@ -1,6 +1,6 @@
 """The policy's HTTP server against the sampler it fronts: new tokens per second of N
 concurrent ``/v1/completions`` requests (one prompt each, as NeMo-Gym's agents send them)
-beside one direct sampler call over the same N prompts, in one process on one device.
+beside one direct sampler call over the same N prompts, on one device.
 
 The clients run in a process of their own. Both paths sample random ``--prompt-len``-token
 prompts with no stop (``ignore_eos``: every row runs to ``--new-tokens``), so they do the same

@@ -26,7 +26,6 @@ from nemo_rl_offload.algorithms.common import (
 from nemo_rl_offload.algorithms.grpo import rollout, validate
 from nemo_rl_offload.config import batch_checks
 from nemo_rl_offload.config.model_presets import section_architecture
-from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
@@ -59,26 +58,11 @@ def run_distillation(report: Report, *, started: float | None = None) -> int:
 def start(run: Run) -> loop.Steps:
     """Load the prompts, start the student's and the teacher's workers, and give the loop
     distillation's step body."""
-    cfg, loss_cfg, data_cfg = (
-        run.recipe["distillation"],
-        run.recipe["loss_fn"],
-        run.recipe["data"],
-    )
+    cfg, loss_cfg = run.recipe["distillation"], run.recipe["loss_fn"]
     policy_cfg, teacher_cfg = run.policy_cfg, run.recipe["teacher"]
     seed = int(cfg["seed"])
-    max_val = cfg.get("max_val_samples", 256)  # null: every validation example
-    max_val = None if max_val is None else int(max_val)
-    gym_on = gym_rollouts.enabled(run.recipe)
-    if gym_on:  # NeMo-Gym's rows: its agents render the prompts
-        train_rows, val_rows = gym_rollouts.load_rows(data_cfg)
-        val_rows = val_rows[:max_val]
-        train_raw, val_raw, train, val = [], [], [], []
-    else:
-        train_rows, val_rows = [], []
-        train_raw = load_split(data_cfg, "prompts", "train")
-        val_raw = load_split(data_cfg, "prompts", "val")[:max_val]
-        train = run.encode(train_raw, "train")
-        val = run.encode(val_raw, "val")
+    prompts = gym_rollouts.load_prompts(run, cfg)
+    train, train_raw, val, val_raw = prompts.train, prompts.train_raw, prompts.val, prompts.val_raw
     _, on_gpu = worker_count(run.recipe["cluster"])
     share = 0.5 if on_gpu else 1.0
     run.connect()
@@ -92,11 +76,7 @@ def start(run: Run) -> loop.Steps:
             "warning: teacher.init_checkpoint is not set: the teacher has random weights",
             file=sys.stderr,
         )
-    # policy.quant_cfg calibrates on the training data: NeMo-Gym rows' first prompts there
-    run.restore(policy, gym_rollouts.first_prompts(train_rows, run.tokenizer) if gym_on else train)
-    gym = gym_rollouts.start(run, policy, seed=seed) if gym_on else None
-    if gym is None:
-        run.serve(policy, seed=seed)
+    gym = gym_rollouts.start_sampling(run, policy, prompts, seed=seed)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts = int(cfg["num_prompts_per_step"])
     group = int(cfg.get("num_generations_per_prompt", 1))
@@ -114,16 +94,18 @@ def start(run: Run) -> loop.Steps:
         "mixed_kl_weight": float(loss_cfg.get("mixed_kl_weight", 0.5)),
         "vocab_size": shared_vocab_size(policy_cfg, teacher_cfg),
     }
-    sampler = run.sampler(len(train_rows) if gym_on else len(train), seed)
+    sampler = run.sampler(prompts.count, seed)
     meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     val_answers = [str(v["answer"]) for v in val_raw]
-    gym_batch = gym_rollouts.sampler(run, gym, train_rows, group) if gym is not None else None
+    gym_batch = (
+        gym_rollouts.sampler(run, gym, prompts.train_rows, group) if gym is not None else None
+    )
 
     def validate_at(step: int) -> dict[str, float]:
         if gym is not None:
             return gym_rollouts.validate(
                 gym,
-                val_rows,
+                prompts.val_rows,
                 policy_cfg.get("generation") or {},
                 max_len=run.max_len,
                 samples_per_prompt=VAL_SAMPLES_PER_PROMPT,

@@ -32,7 +32,6 @@ from nemo_rl_offload.algorithms.common import (
 )
 from nemo_rl_offload.config import batch_checks, grpo_options, router_replay
 from nemo_rl_offload.config.router_replay import NO_ROUTE
-from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.environments.nemo_gym_results import GymTurn
 from nemo_rl_offload.errors import UserInputError
@@ -416,21 +415,10 @@ def run_grpo(report: Report, *, started: float | None = None) -> int:
 
 def start(run: Run) -> loop.Steps:
     """Load the prompts, start the workers, and give the loop GRPO's step body."""
-    cfg, loss_cfg, data_cfg = run.recipe["grpo"], run.recipe["loss_fn"], run.recipe["data"]
+    cfg, loss_cfg = run.recipe["grpo"], run.recipe["loss_fn"]
     policy_cfg, seed = run.policy_cfg, int(cfg["seed"])
-    max_val = cfg.get("max_val_samples", 256)  # null: every validation example
-    max_val = None if max_val is None else int(max_val)
-    gym_on = gym_rollouts.enabled(run.recipe)
-    if gym_on:  # NeMo-Gym's rows: its agents render the prompts
-        train_rows, val_rows = gym_rollouts.load_rows(data_cfg)
-        val_rows = val_rows[:max_val]
-        train_raw, val_raw, train, val = [], [], [], []
-    else:
-        train_rows, val_rows = [], []
-        train_raw = load_split(data_cfg, "prompts", "train")
-        val_raw = load_split(data_cfg, "prompts", "val")[:max_val]
-        train = run.encode(train_raw, "train")
-        val = run.encode(val_raw, "val")
+    prompts = gym_rollouts.load_prompts(run, cfg)
+    train, train_raw, val, val_raw = prompts.train, prompts.train_raw, prompts.val, prompts.val_raw
     kl_penalty = losses.effective_kl_penalty(loss_cfg)
     options = losses.PolicyLossOptions.from_recipe(loss_cfg)
     error_threshold = cfg.get("seq_logprob_error_threshold")
@@ -444,11 +432,7 @@ def start(run: Run) -> loop.Steps:
         # distribution's temperature (top-k / top-p are not applied to them here)
         logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
     )
-    # policy.quant_cfg calibrates on the training data: NeMo-Gym rows' first prompts there
-    run.restore(policy, gym_rollouts.first_prompts(train_rows, run.tokenizer) if gym_on else train)
-    gym = gym_rollouts.start(run, policy, seed=seed) if gym_on else None
-    if gym is None:
-        run.serve(policy, seed=seed)
+    gym = gym_rollouts.start_sampling(run, policy, prompts, seed=seed)
     meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts, group = (
@@ -462,17 +446,19 @@ def start(run: Run) -> loop.Steps:
         key="grpo.num_prompts_per_step",
         what=f"{num_prompts} prompts x {group} generations",
     )
-    sampler = run.sampler(len(train_rows) if gym_on else len(train), seed)
+    sampler = run.sampler(prompts.count, seed)
     val_answers = [str(v["answer"]) for v in val_raw]
     val_samples = int(cfg.get("val_num_generations_per_prompt", 1))
     stop_when = stop_rule(cfg)
-    gym_batch = gym_rollouts.sampler(run, gym, train_rows, group) if gym is not None else None
+    gym_batch = (
+        gym_rollouts.sampler(run, gym, prompts.train_rows, group) if gym is not None else None
+    )
 
     def validate_at(step: int) -> dict[str, float]:
         if gym is not None:
             return gym_rollouts.validate(
                 gym,
-                val_rows,
+                prompts.val_rows,
                 policy_cfg.get("generation") or {},
                 max_len=run.max_len,
                 samples_per_prompt=val_samples,

@@ -23,13 +23,21 @@ import numpy as np
 
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.config.nemo_gym import enabled
+from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.data.nemo_gym_rows import gym_data_path, load_gym_rows
 from nemo_rl_offload.environments.nemo_gym import NemoGymServers, gym_settings
-from nemo_rl_offload.environments.nemo_gym_results import GymTurn, rollout_from_result
+from nemo_rl_offload.environments.nemo_gym_results import (
+    GymTurn,
+    penalized_advantages,
+    rollout_from_result,
+)
 from nemo_rl_offload.errors import UserInputError
 
 __all__ = [
     "GymSamples",
+    "Prompts",
+    "load_prompts",
+    "start_sampling",
     "advantages_with_penalties",
     "check_group_prompts",
     "enabled",
@@ -155,6 +163,52 @@ def sampler(
     return sample
 
 
+@dataclasses.dataclass
+class Prompts:
+    """A sampling algorithm's data: the recipe's prompts (``raw`` examples and their token
+    sequences), or NeMo-Gym's rows (``*_rows``; the agents render the prompts)."""
+
+    train_raw: list[dict[str, Any]]
+    val_raw: list[dict[str, Any]]
+    train: list[TokenSequence]
+    val: list[TokenSequence]
+    train_rows: list[dict[str, Any]]
+    val_rows: list[dict[str, Any]]
+
+    @property
+    def count(self) -> int:
+        """How many training examples the epoch sampler draws from."""
+        return len(self.train_rows) if self.train_rows else len(self.train)
+
+
+def load_prompts(run: Any, section: Mapping[str, Any]) -> Prompts:
+    """GRPO's and distillation's data, cut to ``section.max_val_samples`` validation
+    examples (null: all of them)."""
+    data_cfg = run.recipe["data"]
+    limit = section.get("max_val_samples", 256)
+    limit = None if limit is None else int(limit)
+    if enabled(run.recipe):
+        train_rows, val_rows = load_rows(data_cfg)
+        return Prompts([], [], [], [], train_rows, val_rows[:limit])
+    train_raw = load_split(data_cfg, "prompts", "train")
+    val_raw = load_split(data_cfg, "prompts", "val")[:limit]
+    return Prompts(
+        train_raw, val_raw, run.encode(train_raw, "train"), run.encode(val_raw, "val"), [], []
+    )
+
+
+def start_sampling(run: Any, policy: Any, prompts: Prompts, *, seed: int) -> NemoGymServers | None:
+    """After the policy's workers start: its weights (``Run.restore``; ``policy.quant_cfg``
+    calibrates on the training prompts, NeMo-Gym rows' first requests there), then NeMo-Gym's
+    servers against the policy's HTTP server, or the server alone when the recipe exposes it."""
+    if not prompts.train_rows:
+        run.restore(policy, prompts.train)
+        run.serve(policy, seed=seed)
+        return None
+    run.restore(policy, first_prompts(prompts.train_rows, run.tokenizer))
+    return start(run, policy, seed=seed)
+
+
 def first_prompts(rows: Sequence[Mapping[str, Any]], tokenizer: Any) -> list[TokenSequence]:
     """The rows' first requests as the policy's chat template renders them (what
     ``policy.quant_cfg`` calibrates on when the data are NeMo-Gym rows): their message items
@@ -241,8 +295,6 @@ def advantages_with_penalties(
     """``grpo.invalid_tool_call_advantage`` / ``malformed_thinking_advantage``: each flagged
     turn's tokens get the penalty as their advantage (every sequence's advantages become
     per-token then, as a micro-batch holds one kind); the rates NeMo-RL logs."""
-    from nemo_rl_offload.environments.nemo_gym_results import GymRollout, penalized_advantages
-
     invalid, malformed = (
         cfg.get("invalid_tool_call_advantage"),
         cfg.get("malformed_thinking_advantage"),
@@ -259,11 +311,9 @@ def advantages_with_penalties(
             for t in its_turns
             if malformed is not None
         )
-        rollout = GymRollout(
-            sequence.ids, sequence.prompt_len, sequence.env_spans, its_turns, [], 0.0
-        )
         values = penalized_advantages(
-            rollout,
+            len(sequence.ids),
+            its_turns,
             float(sequence.extras["advantages"]),
             invalid_tool_call=None if invalid is None else float(invalid),
             malformed_thinking=None if malformed is None else float(malformed),

@@ -4,7 +4,9 @@ NeMo-RL's Megatron backend serves the policy being trained over megatron-core's
 OpenAI-compatible HTTP endpoints when ``expose_http_server`` is true (what NeMo-Gym's model
 servers and other agents sample from), with megatron-core's response ``parsers`` (reasoning
 and tool calls) applied to what it generates; ``policy.generation.port_range_low`` /
-``port_range_high`` bound the port. Here the same endpoints front this backend's sampler
+``port_range_high`` bound the port. A recipe whose backend is vLLM or Dynamo says the same in
+``vllm_cfg.expose_http_server``, with vLLM's parser names and chat template in
+``http_server_serving_chat_kwargs``. Here the same endpoints front this backend's sampler
 (:mod:`nemo_rl_offload.serving`), during GRPO and distillation runs and under
 ``nemo-rl-offload serve``.
 

@@ -61,7 +61,6 @@ class GymSettings:
     global_config: Mapping[str, Any]  # the rest of env.nemo_gym, for NeMo-Gym
     invalid_tool_call_patterns: tuple[str, ...] | None = None
     thinking_tags: tuple[str, ...] | None = None
-    port_range: tuple[int, int] | None = None
 
 
 def gym_settings(env_cfg: Mapping[str, Any]) -> GymSettings:
@@ -75,14 +74,12 @@ def gym_settings(env_cfg: Mapping[str, Any]) -> GymSettings:
             "resources server's config)"
         )
     own = {key: section.pop(key) for key in _NEMO_RL_KEYS if key in section}
-    low, high = section.get("port_range_low"), section.get("port_range_high")
     patterns, tags = own.get("invalid_tool_call_patterns"), own.get("thinking_tags")
     return GymSettings(
         config_paths=tuple(paths),
         global_config=section,
         invalid_tool_call_patterns=tuple(patterns) if patterns else None,
         thinking_tags=tuple(tags) if tags else None,
-        port_range=(int(low), int(high)) if low is not None and high is not None else None,
     )
 
 
@@ -257,9 +254,3 @@ class NemoGymServers:
                 f"NeMo-Gym agent {name} at {url} did not answer /run ({error}); its log: "
                 f"{self._log}"
             ) from None
-
-    def __enter__(self) -> NemoGymServers:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

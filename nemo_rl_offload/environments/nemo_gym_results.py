@@ -173,24 +173,25 @@ def rollout_from_result(
 
 
 def penalized_advantages(
-    rollout: GymRollout,
+    length: int,
+    turns: Sequence[GymTurn],
     advantage: float,
     *,
     invalid_tool_call: float | None,
     malformed_thinking: float | None,
 ) -> np.ndarray | None:
-    """The rollout's advantages on its label positions (position t holds token t+1's) with each
-    flagged turn's tokens set to its penalty (an invalid tool call's first, as in NeMo-RL), or
-    None when no penalty applies (the sequence keeps its one advantage)."""
+    """A ``length``-token rollout's advantages on its label positions (position t holds token
+    t+1's) with each flagged turn's tokens set to its penalty (an invalid tool call's first, as
+    in NeMo-RL), or None when no penalty applies (the sequence keeps its one advantage)."""
     flagged = []
-    for turn in rollout.turns:
+    for turn in turns:
         if turn.invalid_tool_call and invalid_tool_call is not None:
             flagged.append((turn, invalid_tool_call))
         elif turn.malformed_thinking and malformed_thinking is not None:
             flagged.append((turn, malformed_thinking))
     if not flagged:
         return None
-    values = np.full(len(rollout.ids) - 1, advantage, dtype=np.float32)
+    values = np.full(length - 1, advantage, dtype=np.float32)
     for turn, penalty in flagged:
         values[turn.start - 1 : turn.end - 1] = penalty
     return values

@@ -27,7 +27,7 @@ from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.serving import parsers as response_parsers
 from nemo_rl_offload.serving.sampler_client import SamplerClient
 
-__all__ = ["PolicyServer", "ServingTokenizer", "free_port"]
+__all__ = ["PolicyServer", "ServingTokenizer", "bound_socket"]
 
 _NEEDED_BLUEPRINTS = ("chat_completions_api", "completions_api", "health_api")
 _START_TIMEOUT_S = 60.0
@@ -119,7 +119,7 @@ def _endpoint_blueprints() -> list[Any]:
     return [by_name[name] for name in _NEEDED_BLUEPRINTS]
 
 
-def free_port(host: str, low: int | None = None, high: int | None = None) -> socket.socket:
+def bound_socket(host: str, low: int | None = None, high: int | None = None) -> socket.socket:
     """A listening-ready socket bound on ``host`` at a free port in ``[low, high)`` (any free
     port without a range)."""
     ports: Sequence[int] = [0] if low is None or high is None else range(int(low), int(high))
@@ -217,7 +217,7 @@ class PolicyServer:
             raise RuntimeError("the server is already running")
         app = self._app()
         low, high = self._port_range or (None, None)
-        sock = free_port(self._host, low, high)
+        sock = bound_socket(self._host, low, high)
         # Listening now, so that a request sent as soon as start() returns waits in the
         # backlog rather than being refused while hypercorn is still setting up.
         sock.listen(1024)

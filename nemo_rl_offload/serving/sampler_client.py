@@ -61,7 +61,7 @@ class SamplerClient:
     ``max_len`` is ``policy.max_total_sequence_length`` (prompt and new tokens together);
     ``stop_token_ids`` the recipe's stops besides ``eos_id``; ``vocab_limit`` the tokenizer's
     vocabulary (ids beyond it are never sampled); ``max_batch`` the most requests one sampler
-    call takes (``policy.generation_batch_size``); ``policy_epoch`` says which weights sampled
+    call takes; ``policy_epoch`` says which weights sampled
     (the training step), reported with every completion as megatron-core's server does.
     """
 

@@ -113,15 +113,25 @@ def test_penalties_overwrite_the_flagged_turns_advantages_only():
         logprobs=[0.0] * 9,
         reward=1.0,
     )
-    values = penalized_advantages(rollout, 0.5, invalid_tool_call=-5.0, malformed_thinking=-2.0)
+    values = penalized_advantages(
+        len(rollout.ids), rollout.turns, 0.5, invalid_tool_call=-5.0, malformed_thinking=-2.0
+    )
     # labels 2..4 are the first turn's tokens 3..5: the invalid call's penalty wins
     assert values.tolist() == [0.5, 0.5, -5, -5, -5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]
     only_thinking = penalized_advantages(
-        rollout, 0.5, invalid_tool_call=None, malformed_thinking=-2.0
+        len(rollout.ids), rollout.turns, 0.5, invalid_tool_call=None, malformed_thinking=-2.0
     )
     assert only_thinking[2:5].tolist() == [-2, -2, -2]
     assert (
-        penalized_advantages(rollout, 0.5, invalid_tool_call=None, malformed_thinking=None) is None
+        penalized_advantages(
+            len(rollout.ids), rollout.turns, 0.5, invalid_tool_call=None, malformed_thinking=None
+        )
+        is None
     )
     clean = GymRollout(rollout.ids, 3, (), (GymTurn(3, 12),), [0.0] * 9, 1.0)
-    assert penalized_advantages(clean, 0.5, invalid_tool_call=-5.0, malformed_thinking=-2.0) is None
+    assert (
+        penalized_advantages(
+            len(clean.ids), clean.turns, 0.5, invalid_tool_call=-5.0, malformed_thinking=-2.0
+        )
+        is None
+    )

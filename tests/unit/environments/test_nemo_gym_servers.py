@@ -34,7 +34,6 @@ def test_env_nemo_gym_splits_into_nemo_gyms_config_and_nemo_rls_entries():
     assert settings.config_paths == ("a.yaml", "b.yaml")
     assert settings.invalid_tool_call_patterns == ("[TOOL]",)
     assert settings.thinking_tags == ("<t>", "</t>")
-    assert settings.port_range == (5000, 5999)
     # NeMo-Gym gets its own keys, not NeMo-RL's
     assert set(settings.global_config) == {"port_range_low", "port_range_high", "math_with_judge"}
     with pytest.raises(UserInputError, match="env.nemo_gym.config_paths"):

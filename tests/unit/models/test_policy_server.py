@@ -33,17 +33,14 @@ def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
         return error.code, error.read().decode()
 
 
-@pytest.fixture
-def served(build_tiny):
-    """A tiny dense model behind the server; yields (server, calls: the sampler's batches)."""
-    model, _ = build_tiny("tiny-dense")
-    tokenizer = ByteTokenizer()
-    calls: list[tuple[int, SamplingSettings]] = []
+def _client(model, tokenizer, before_call, **options) -> SamplerClient:
+    """The client over the real KV-cached sampler of ``model``; ``before_call(prompts,
+    settings)`` sees each sampler call first."""
 
     def generate(
         prompts: list[list[int]], settings: SamplingSettings, seed: int
     ) -> list[Generated]:
-        calls.append((len(prompts), settings))
+        before_call(prompts, settings)
         return sample(
             model,
             prompts,
@@ -54,13 +51,27 @@ def served(build_tiny):
             device=CPU,
         )
 
-    client = SamplerClient(
+    return SamplerClient(
         generate,
         decode=tokenizer.decode,
         max_len=MAX_LEN,
         eos_id=tokenizer.eos_id,
         vocab_limit=tokenizer.vocab_size,
         max_batch=8,
+        **options,
+    )
+
+
+@pytest.fixture
+def served(build_tiny):
+    """A tiny dense model behind the server; yields (server, calls: the sampler's batches)."""
+    model, _ = build_tiny("tiny-dense")
+    tokenizer = ByteTokenizer()
+    calls: list[tuple[int, SamplingSettings]] = []
+    client = _client(
+        model,
+        tokenizer,
+        lambda prompts, settings: calls.append((len(prompts), settings)),
         policy_epoch=lambda: 3,
     )
     with PolicyServer(client, tokenizer, model_name="tiny-dense") as server:
@@ -121,29 +132,13 @@ def test_requests_arriving_during_a_call_share_the_next_call_each_cut_at_its_own
     calls: list[tuple[int, int]] = []
     first_call_running, release = threading.Event(), threading.Event()
 
-    def generate(prompts, settings, seed):
+    def before_call(prompts, settings):
         calls.append((len(prompts), settings.max_new_tokens))
         if len(calls) == 1:
             first_call_running.set()
             release.wait(60)
-        return sample(
-            model,
-            prompts,
-            settings,
-            pad_id=tokenizer.pad_id,
-            vocab_size=model.vocab_size,
-            seed=seed,
-            device=CPU,
-        )
 
-    client = SamplerClient(
-        generate,
-        decode=tokenizer.decode,
-        max_len=MAX_LEN,
-        eos_id=tokenizer.eos_id,
-        vocab_limit=tokenizer.vocab_size,
-        max_batch=8,
-    )
+    client = _client(model, tokenizer, before_call)
     results: dict[int, Any] = {}
     with PolicyServer(client, tokenizer, model_name="tiny-dense") as server:
 
