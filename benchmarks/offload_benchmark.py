@@ -188,12 +188,23 @@ NUMBER_PARTS: dict[str, tuple[str, Any]] = {
 }
 
 
+def _module_fractions(value: str) -> dict[str, float]:
+    """``MOD=F+MOD=F`` -> {MOD: F}."""
+    pairs = [part.partition("=") for part in value.split("+")]
+    if not all(name and sep for name, sep, _ in pairs):
+        raise ValueError(value)
+    return {name: float(share) for name, _, share in pairs}
+
+
 def mixed_case(name: str) -> dict[str, Any]:
     """The settings of a case written as its parts joined by ``__``: ``fgo:MOD+MOD`` (offload
     modules), ``rc:MOD+MOD`` (selective recompute modules), ``frac:F`` (offload fraction),
-    ``lp:N`` (``policy.logprob_chunk_size``: the loss's float32 softmax not kept, N positions
-    at a time), ``fp8:RECIPE`` (``megatron_cfg.fp8_cfg`` on, e4m3, with ``blockwise`` or
-    ``tensorwise`` scaling). Raises KeyError naming the case when a part is none of these."""
+    ``mfrac:MOD=F+MOD=F`` (``activation_offload_fraction_by_module``: those modules' own
+    fractions), ``lp:N`` (``policy.logprob_chunk_size``: the loss's log-softmax N positions at a
+    time, no float32 copy of the logits kept), ``lpo:N`` (the same with
+    ``chunked_output_layer``: the output layer in those chunks too), ``fp8:RECIPE``
+    (``megatron_cfg.fp8_cfg`` on, e4m3, with ``blockwise`` or ``tensorwise`` scaling). Raises
+    KeyError naming the case when a part is none of these."""
     settings: dict[str, Any] = {}
     for part in name.split("__"):
         kind, _, value = part.partition(":")
@@ -208,6 +219,17 @@ def mixed_case(name: str) -> dict[str, Any]:
                 "fp8_recipe": value,
                 "fp8_param": False,
             }
+        elif kind == "mfrac" and value:
+            try:
+                settings["activation_offload_fraction_by_module"] = _module_fractions(value)
+            except ValueError:
+                raise KeyError(name) from None
+        elif kind == "lpo" and value:
+            try:
+                settings[LOGPROB_CHUNK] = int(value)
+            except ValueError:
+                raise KeyError(name) from None
+            settings["chunked_output_layer"] = True
         elif kind in NUMBER_PARTS and value:
             key, parse = NUMBER_PARTS[kind]
             try:
@@ -256,7 +278,7 @@ def resolve_cases(model: str, names: list[str] | None) -> dict[str, dict[str, An
             base = resolve(name.removesuffix(f"_{left_out}"))
             if base.get("fine_grained_activation_offloading"):
                 return {**base, left_out: True}
-        elif name.startswith(("fgo:", "rc:", "lp:", "fp8:")):
+        elif name.startswith(("fgo:", "rc:", "lp:", "lpo:", "fp8:")):
             return mixed_case(name)
         raise KeyError(name)
 

@@ -12,6 +12,7 @@ peak) are checked.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterable
@@ -45,6 +46,10 @@ MOE_RECOMPUTE = ("layernorm", "core_attn", "moe_act", "moe")
 BLOCK_STEPS = 8
 # The recompute options whose FLOPs the cost model needs per layer kind.
 FLOP_OPTIONS = ("layernorm", "core_attn", "mlp", "mlp_act", "moe", "moe_act", "full")
+# The policy.logprob_chunk_size the planner proposes for a recipe without one (the loss keeps
+# its logits in their precision, no float32 copy: what it saves and costs at 8k,
+# benchmarks/results/2026-11-27_h100_long_context_3b_seq8192_lean_loss.md).
+LEAN_LOSS_CHUNK = 1024
 
 
 def megatron_patch(settings: dict[str, Any]) -> Patch:
@@ -71,6 +76,8 @@ class Candidate:
     recompute_modules: tuple[str, ...] = ()  # selective recompute
     recompute_num_layers: int | None = None  # full recompute of the first N layers only
     predicted_fwd_bwd_s: float | None = None
+    # policy.logprob_chunk_size the candidate sets (None: the recipe's loss as it is)
+    logprob_chunk: int | None = None
 
     @property
     def failed(self) -> str | None:
@@ -81,30 +88,40 @@ class Candidate:
 
     @functools.cached_property
     def name(self) -> str:
+        loss = f", log-softmax in chunks of {self.logprob_chunk}" if self.logprob_chunk else ""
         if self.full_recompute:
             name = "full recompute"
             if self.recompute_num_layers is not None:
                 name += f" of {self.recompute_num_layers} layers"
-            return name + (" + " + "+".join(self.modules) if self.modules else "")
+            return name + (" + " + "+".join(self.modules) if self.modules else "") + loss
         parts = []
         if self.recompute_modules:
             parts.append("recompute " + "+".join(self.recompute_modules))
         if self.modules:
             suffix = "" if self.fraction == 1.0 else f" x{self.fraction:g}"
             parts.append("+".join(self.modules) + suffix)
-        return ", ".join(parts) or "no offload"
+        return (", ".join(parts) or "no offload") + loss
 
     def settings(self) -> ActivationSettings:
         """The candidate as the activation arithmetic reads it: what :meth:`patch` sets (full
         recompute of every layer is Megatron's uniform method, one layer a segment)."""
+        lean = self.logprob_chunk is not None
         if self.full_recompute:
             if self.recompute_num_layers is None:
-                return ActivationSettings(offload=frozenset(self.modules), full=UNIFORM)
+                return ActivationSettings(
+                    offload=frozenset(self.modules), full=UNIFORM, lean_loss=lean
+                )
             return ActivationSettings(
-                offload=frozenset(self.modules), full=BLOCK, num_layers=self.recompute_num_layers
+                offload=frozenset(self.modules),
+                full=BLOCK,
+                num_layers=self.recompute_num_layers,
+                lean_loss=lean,
             )
         return ActivationSettings(
-            frozenset(self.modules), self.fraction, frozenset(self.recompute_modules)
+            frozenset(self.modules),
+            self.fraction,
+            frozenset(self.recompute_modules),
+            lean_loss=lean,
         )
 
     def patch(self) -> Patch:
@@ -129,7 +146,10 @@ class Candidate:
             )
         else:
             settings["activation_checkpointing"] = False
-        return megatron_patch(settings)
+        patch = megatron_patch(settings)
+        if self.logprob_chunk is not None:
+            patch["policy"]["logprob_chunk_size"] = self.logprob_chunk
+        return patch
 
 
 def offloadable_modules(is_moe: bool) -> tuple[str, ...]:
@@ -161,8 +181,10 @@ def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]
     """Every candidate the planner considers, before the rules: with each selective recompute
     set, each subset of the offload modules that still have bytes to move, at each fraction;
     full recompute of every layer, with and without the layer inputs offloaded, and of the
-    first N layers. A DTensor policy reads one recompute switch (full recompute) and so gets
-    no selective or block candidates."""
+    first N layers; each of them also with the loss's log-softmax in chunks
+    (:data:`LEAN_LOSS_CHUNK`) where the table knows that loss's bytes (a recipe without a
+    ``logprob_chunk_size``). A DTensor policy reads one recompute switch (full recompute) and
+    so gets no selective, block or chunked-loss candidates."""
     layers = table.stage_layers
     recompute_sets = (
         [()] if dtensor else list(_subsets(MOE_RECOMPUTE if is_moe else DENSE_RECOMPUTE))
@@ -178,6 +200,8 @@ def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]
         step = max(1, layers // BLOCK_STEPS)
         for covered in range(step, layers, step):
             out.append(Candidate((), 1.0, None, full_recompute=True, recompute_num_layers=covered))
+    if table.lean_model is not None and not dtensor:
+        out += [dataclasses.replace(c, logprob_chunk=LEAN_LOSS_CHUNK) for c in out]
     return out
 
 
@@ -204,13 +228,18 @@ def layer_costs(
     ledger: Any,
     flops_per_token: Callable[[str, str], float],
     activation_bytes: int,
+    lean_ledger: Any = None,
 ) -> LayerCosts:
     """The cost model's view of a recipe from its effective settings and activation ledger
     (:class:`offload.ledger.Ledger`) at its tokens per micro-batch: the activation table
     (:class:`offload.activation_bytes.ActivationTable`, the bytes ``validate``'s estimate
     counts too) and each layer kind's recompute FLOPs. ``flops_per_token(kind, option)``:
-    forward FLOPs per token of a recompute option in a layer of that kind."""
+    forward FLOPs per token of a recompute option in a layer of that kind. ``lean_ledger``:
+    the same recipe's ledger with a ``logprob_chunk_size`` (its loss's bytes), for the
+    chunked-loss candidates; None offers none."""
     table = ActivationTable.of(effective, ledger, activation_bytes=activation_bytes)
+    if lean_ledger is not None:
+        table = table.with_lean_loss(lean_ledger, effective)
     flops = {
         kind: {o: flops_per_token(kind, o) * table.tokens for o in FLOP_OPTIONS}
         for kind in table.layers_of()

@@ -386,7 +386,7 @@ def _layer_costs(section: dict[str, Any], base_dir: Any, microbatches: int) -> R
     from nemo_rl_offload.models.ledger_run import build_ledger
     from nemo_rl_offload.offload import apply, ledger
     from nemo_rl_offload.offload.activation_bytes import dtype_bytes
-    from nemo_rl_offload.plan_menu import layer_costs
+    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, layer_costs
 
     architecture = section_architecture(section, base_dir=base_dir)
     effective = apply.effective_settings(section, architecture, te_installed=False)
@@ -402,7 +402,10 @@ def _layer_costs(section: dict[str, Any], base_dir: Any, microbatches: int) -> R
 
     element = dtype_bytes(section.get("precision") or "float32")
     hidden = int(effective.value("hidden_size"))
-    layers = layer_costs(effective, built, flops, element)
+    lean = None
+    if not section.get("logprob_chunk_size"):  # the chunked-loss candidates' bytes
+        lean = build_ledger({**section, "logprob_chunk_size": LEAN_LOSS_CHUNK}, base_dir=base_dir)
+    layers = layer_costs(effective, built, flops, element, lean)
     forward = layers.forward_flops()
     forward += 2 * hidden * architecture.vocab_size * built.tokens_per_microbatch
     return RecipeCosts(layers, forward, microbatches)

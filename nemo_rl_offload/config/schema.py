@@ -154,12 +154,18 @@ class MegatronConfig(TypedDict):
     moe_router_bias_update_rate: NotRequired[Number]
     moe_permute_fusion: NotRequired[bool]
     apply_rope_fusion: NotRequired[bool]
+    # With policy.logprob_chunk_size: the output layer runs in those chunks too, each chunk's
+    # logits recomputed in the backward (ours; default false: only the log-softmax in chunks).
+    chunked_output_layer: NotRequired[bool]
     bias_activation_fusion: NotRequired[bool]
     # Fine-grained activation offloading (TransformerConfig names; unset keeps Megatron's default).
     fine_grained_activation_offloading: NotRequired[bool]  # default false
     offload_modules: NotRequired[list[str] | None]  # default null
     min_offloaded_tensor_size: NotRequired[int]  # Megatron default 1048576 elements
     activation_offload_fraction: NotRequired[Number]  # Megatron default 1.0
+    # Per offload module, the fraction of its groups offloaded (spread over the layers), in
+    # place of activation_offload_fraction for that module, e.g. {attn_proj: 0.5}.
+    activation_offload_fraction_by_module: NotRequired[dict[str, Number] | None]
     # Which groups a fraction below 1 offloads: "spread" evenly over the forward pass (ours,
     # the default) or the "earliest" (Megatron's choice).
     activation_offload_fraction_placement: NotRequired[Literal["spread", "earliest"]]

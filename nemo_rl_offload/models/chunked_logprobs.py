@@ -1,38 +1,47 @@
-"""``policy.logprob_chunk_size``: label log-probabilities in chunks of the sequence, from the
-output layer on; and GRPO's sampling temperature on the logits they come from (:func:`install`).
+"""``policy.logprob_chunk_size``: label log-probabilities in chunks of the sequence (and, with
+``policy.megatron_cfg.chunked_output_layer``, the output layer in those chunks too); and GRPO's
+sampling temperature on the logits they come from (:func:`install`).
 
 Why: the model's per-token loss (minus each label's log-probability, what every algorithm's
 token log-probs and the SFT, GRPO and DPO losses come from) is, in Megatron's plain path, the
 output layer's logits [seq, batch, vocab] (in the model's precision) followed by the
 vocab-parallel cross entropy, which upcasts them to float32 and keeps its float32 softmax for
-the backward pass. So the whole sequence's logits exist at once in the forward, a tensor over
-the vocabulary for every position is kept until the backward, and the backward makes the
-logits' gradient for the whole sequence: at long context and a large vocabulary those are the
-largest tensors of the step. Chunking only the log-softmax (the model's replaced
-``compute_language_model_loss`` below) keeps the logits instead of the float32 softmax, and
-leaves the rest.
+the backward pass. So the whole sequence's logits exist at once in the forward beside a float32
+copy of them, a float32 tensor over the vocabulary for every position is kept until the
+backward, and the backward makes the logits' gradient for the whole sequence beside it: at long
+context and a large vocabulary those are the largest tensors of the step.
 
-With a chunk size, :func:`install` registers an output processor (:class:`ChunkedOutputLogprobs`,
-handed to ``GPTModel.forward`` as ``output_processor`` by :func:`forward_kwargs`, which the
-training and log-probability passes and the activation ledger's measurement use) that takes the
-final hidden states ``chunk`` sequence positions at a time through the output layer, its
-optional MuP scaling and the temperature to the labels' log-probabilities, each chunk under a
-non-reentrant activation checkpoint. What the backward keeps is the final hidden states (which
-the plain output layer keeps too) and the labels; each chunk's logits, their float32
-log-softmax and their gradient exist one chunk at a time, in the forward and again in the
-backward. Cost: the output layer's forward runs twice per micro-batch (once more in the
-backward, chunk by chunk); forward-only passes run it once, chunked, without checkpoints.
-Under sequence parallelism a chunk of this rank's slice of the sequence is gathered into the
-same chunk of every rank's slice (the output layer's all-gather), whose labels are taken from
-the whole sequence and whose log-probabilities are put back at their positions.
+Two depths, one owner (:func:`install`):
+
+- ``logprob_chunk_size`` alone (NeMo-RL's meaning: the log-softmax in chunks of the logits):
+  the model's ``compute_language_model_loss`` is replaced by :class:`ChunkedVocabParallelLogprob`,
+  which keeps the logits in the model's precision (no float32 copy) and per position their
+  log-sum-exp; its backward writes the logits' gradient over the kept logits a chunk at a
+  time. No float32 tensor over the whole vocabulary exists at any moment, and the backward
+  holds the logits once. Nothing is computed twice.
+- with ``chunked_output_layer`` as well, :func:`install` registers an output processor
+  (:class:`ChunkedOutputLogprobs`, handed to ``GPTModel.forward`` as ``output_processor`` by
+  :func:`forward_kwargs`, which the training and log-probability passes and the activation
+  ledger's measurement use) that takes the final hidden states ``chunk`` sequence positions at
+  a time through the output layer, its optional MuP scaling and the temperature to the labels'
+  log-probabilities, each chunk under a non-reentrant activation checkpoint. What the backward
+  keeps is the final hidden states (which the plain output layer keeps too) and the labels;
+  each chunk's logits exist one chunk at a time, in the forward and again in the backward.
+  Cost: the output layer's forward runs twice per micro-batch; forward-only passes run it
+  once, chunked, without checkpoints. Under sequence parallelism a chunk of this rank's slice
+  of the sequence is gathered into the same chunk of every rank's slice (the output layer's
+  all-gather), whose labels are taken from the whole sequence and whose log-probabilities are
+  put back at their positions.
+
+What each depth costs and saves on the GPU: the long-context results under
+``benchmarks/results/`` (cases ``lp:N`` and ``lpo:N``).
 
 Exact: the same logits, log-sum-exp and label logit per position as the plain path, reduced
 over the tensor-parallel vocabulary shards as Megatron does; the gradients equal the plain
-path's up to the order in which the output weight's gradient is summed over chunks. The
-model's ``compute_language_model_loss`` is replaced too (the temperature, and the float32
-log-softmax in chunks) for any caller that does not pass the processor. Teacher top-k scores
-take their float32 log-softmax in the same chunks (``PolicyWorker.topk_logprobs``); the
-distillation loss's log-softmax over the student's logits is not chunked.
+path's up to the order in which the output weight's gradient is summed over chunks. Teacher
+top-k scores take their float32 log-softmax in the same chunks
+(``PolicyWorker.topk_logprobs``); the distillation loss's log-softmax over the student's logits
+is not chunked.
 """
 
 from __future__ import annotations
@@ -66,7 +75,7 @@ class ChunkedVocabParallelLogprob(torch.autograd.Function):
             x = logits[lo : lo + chunk].float()
             top = x.max(dim=-1).values
             _all_reduce(top, torch.distributed.ReduceOp.MAX, group)
-            sum_exp = (x - top.unsqueeze(-1)).exp().sum(dim=-1)
+            sum_exp = torch.sub(x, top.unsqueeze(-1)).exp_().sum(dim=-1)
             _all_reduce(sum_exp, torch.distributed.ReduceOp.SUM, group)
             t = target[lo : lo + chunk]
             here = (t >= first) & (t < first + shard)
@@ -77,24 +86,29 @@ class ChunkedVocabParallelLogprob(torch.autograd.Function):
             logprobs[lo : lo + chunk] = picked - lse[lo : lo + chunk]
         ctx.save_for_backward(logits, target, lse)
         ctx.chunk, ctx.first = chunk, first
+        # A leaf's values belong to its caller: its gradient gets memory of its own.
+        ctx.gradient_in_place = not logits.is_leaf
         return logprobs
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        """The logits' gradient, written over the saved logits a chunk at a time (each chunk's
+        softmax is read before its gradient replaces it): the backward holds the logits once,
+        not the logits and a gradient beside them. Should another autograd node have saved the
+        same logits, its backward fails on their version counter rather than reading the
+        gradient. Logits that are a leaf (a caller's own tensor) are left as they are."""
         logits, target, lse = ctx.saved_tensors
         shard, first = logits.size(-1), ctx.first
-        grad_logits = torch.empty_like(logits)
+        grad_logits = logits if ctx.gradient_in_place else torch.empty_like(logits)
         for lo in range(0, logits.size(0), ctx.chunk):
             g = grad[lo : lo + ctx.chunk].float()
-            softmax = (
-                logits[lo : lo + ctx.chunk].float() - lse[lo : lo + ctx.chunk, ..., None]
-            ).exp()
-            piece = -softmax * g.unsqueeze(-1)
+            piece = logits[lo : lo + ctx.chunk].float()
+            piece.sub_(lse[lo : lo + ctx.chunk, ..., None]).exp_().mul_(-g.unsqueeze(-1))
             t = target[lo : lo + ctx.chunk]
             here = (t >= first) & (t < first + shard)
             index = (t - first).clamp(0, shard - 1).unsqueeze(-1)
             piece.scatter_add_(-1, index, (g * here).unsqueeze(-1))
-            grad_logits[lo : lo + ctx.chunk] = piece.to(logits.dtype)
+            grad_logits[lo : lo + ctx.chunk].copy_(piece)
         return grad_logits, None, None, None
 
 
@@ -129,6 +143,7 @@ def _chunk_logprobs(
     temperature: float,
     group: Any,
     ranks: int,
+    softmax_chunk: int | None = None,
 ) -> Tensor:
     """log p(label) of one chunk of hidden states [n, b, h] (positions ``lo`` to ``lo + n`` of
     each of ``ranks`` equal slices of the sequence, in rank order: the output layer's
@@ -141,7 +156,7 @@ def _chunk_logprobs(
     rows, n = labels.size(0), hidden.size(0)
     target = labels.reshape(rows, ranks, -1)[:, :, lo : lo + n]  # [b, ranks, n]
     target = target.permute(1, 2, 0).reshape(ranks * n, rows)
-    return ChunkedVocabParallelLogprob.apply(logits, target, logits.size(0), group)
+    return ChunkedVocabParallelLogprob.apply(logits, target, softmax_chunk or logits.size(0), group)
 
 
 class ChunkedOutputLogprobs:
@@ -151,9 +166,13 @@ class ChunkedOutputLogprobs:
     logits recomputed in the backward (module docstring). ``chunk`` None: the whole sequence
     at once and nothing recomputed (the processor then only carries the temperature)."""
 
-    def __init__(self, chunk: int | None, temperature: float = 1.0) -> None:
+    def __init__(
+        self, chunk: int | None, temperature: float = 1.0, *, output_layer_chunked: bool = True
+    ) -> None:
         self.chunk = int(chunk) if chunk else None
         self.temperature = float(temperature)
+        # False: the output layer whole, only its log-softmax in chunks (NeMo-RL's meaning).
+        self.output_layer_chunked = output_layer_chunked
 
     def __call__(
         self,
@@ -184,6 +203,9 @@ class ChunkedOutputLogprobs:
             group=group,
             ranks=ranks,
         )
+        if not self.output_layer_chunked:
+            logprobs = step(hidden_states, output_weight, labels, lo=0, softmax_chunk=self.chunk)
+            return (-logprobs).transpose(0, 1).contiguous()
         checkpointed = torch.is_grad_enabled() and self.chunk is not None
         pieces = []
         lo = 0
@@ -212,17 +234,27 @@ class ChunkedOutputLogprobs:
 _PROCESSORS: weakref.WeakKeyDictionary[Any, ChunkedOutputLogprobs] = weakref.WeakKeyDictionary()
 
 
-def install(model: Any, chunk: int | None, temperature: float = 1.0) -> None:
+def chunk_settings(section: dict[str, Any]) -> tuple[int | None, bool]:
+    """A policy section's (``logprob_chunk_size``, ``megatron_cfg.chunked_output_layer``): the
+    positions per chunk (None: no chunks) and whether the output layer runs in those chunks."""
+    chunk = section.get("logprob_chunk_size") or None
+    megatron_cfg = section.get("megatron_cfg") or {}
+    return chunk, bool(chunk and megatron_cfg.get("chunked_output_layer"))
+
+
+def install(
+    model: Any, chunk: int | None, temperature: float = 1.0, *, chunked_output_layer: bool = False
+) -> None:
     """Make ``model`` (a GPTModel, or a wrapper around one) compute its per-token loss in
     chunks of ``chunk`` positions, and of the logits divided by ``temperature``: the
     distribution GRPO's sampler draws from, whose log-probabilities NeMo-RL's training, old
     and reference passes take (its ``apply_temperature_scaling``). None or 0 and 1.0 leave the
     model as it is.
 
-    With a chunk size, the output layer is chunked too when the forward is given
-    :func:`forward_kwargs` (the training, log-probability and ledger passes do); the model's
-    ``compute_language_model_loss`` (the temperature; the float32 log-softmax in chunks) serves
-    any other caller.
+    With a chunk size, the model's ``compute_language_model_loss`` takes the log-softmax in
+    chunks of the logits; with ``chunked_output_layer`` too, the output layer is chunked as well
+    when the forward is given :func:`forward_kwargs` (the training, log-probability and ledger
+    passes do), and the replaced method serves any other caller.
 
     A model with multi-token prediction (``mtp_num_layers``) computes its MTP losses with that
     same method before the main loss; they are Megatron's, on the logits as they are (NeMo-RL
@@ -246,8 +278,10 @@ def install(model: Any, chunk: int | None, temperature: float = 1.0) -> None:
         return plain(labels, logits)
 
     inner.compute_language_model_loss = types.MethodType(compute_language_model_loss, inner)
-    if chunk or has_mtp:
-        _PROCESSORS[inner] = ChunkedOutputLogprobs(chunk, temperature)
+    if (chunk and chunked_output_layer) or has_mtp:
+        _PROCESSORS[inner] = ChunkedOutputLogprobs(
+            chunk, temperature, output_layer_chunked=chunked_output_layer
+        )
     else:
         _PROCESSORS.pop(inner, None)
 

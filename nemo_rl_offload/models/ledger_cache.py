@@ -50,6 +50,8 @@ _MEASURING_MODULES = (
     "nemo_rl_offload.models.ledger_run",
     "nemo_rl_offload.models.builder",
     "nemo_rl_offload.models.attention",
+    "nemo_rl_offload.models.self_attention",
+    "nemo_rl_offload.models.mlp_offload",
     "nemo_rl_offload.models.norms",
     "nemo_rl_offload.models.chunked_logprobs",
 )
@@ -91,6 +93,8 @@ def ledger_key(
     lengths: tuple[int, int],
 ) -> str:
     """The hash of everything the measured entries depend on (see the module docstring)."""
+    from nemo_rl_offload.models.chunked_logprobs import chunk_settings
+
     kinds = [
         (
             kind,
@@ -105,7 +109,7 @@ def ledger_key(
     inputs = {
         "kinds": kinds,
         "architecture": arch,
-        "chunk": repr(section.get("logprob_chunk_size")),
+        "chunk": repr(chunk_settings(section)),
         "precision": repr(section.get("precision")),
         "lengths": list(lengths),
         "megatron": _megatron_version(),

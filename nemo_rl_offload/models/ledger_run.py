@@ -33,12 +33,13 @@ def build_model(effective: EffectiveSettings, architecture: Any, section: dict[s
     CPU, with RMSNorms that keep what the GPU keeps
     (:mod:`nemo_rl_offload.offload.cuda_norms`)."""
     from nemo_rl_offload.models.builder import build_gpt_model
-    from nemo_rl_offload.models.chunked_logprobs import install
+    from nemo_rl_offload.models.chunked_logprobs import chunk_settings, install
     from nemo_rl_offload.offload.cuda_norms import with_cuda_rms_norms
 
     model, _ = build_gpt_model(effective, architecture, on_gpu=False)
     with_cuda_rms_norms(model)  # the norms keep what CUDA's kernel keeps, not the CPU's copies
-    install(model, section.get("logprob_chunk_size"))
+    chunk, chunked_output_layer = chunk_settings(section)
+    install(model, chunk, chunked_output_layer=chunked_output_layer)
     if model.config.bf16 or model.config.fp16:
         from megatron.core.transformer.module import Float16Module
 
@@ -76,7 +77,9 @@ def build_ledger(
     effective = apply.effective_settings(section, architecture, where=where, te_installed=False)
     tokens, source = tokens_per_microbatch(section, where)
     seq = int(section.get("max_total_sequence_length") or tokens)
-    chunked = bool(section.get("logprob_chunk_size"))
+    from nemo_rl_offload.models.chunked_logprobs import chunk_settings
+
+    chunked = chunk_settings(section)[1]  # the output layer in chunks: no logits kept
     kinds: list[LayerKind] = []
     with single_rank_megatron():
         for kind, layers, overrides in layer_kinds(effective):

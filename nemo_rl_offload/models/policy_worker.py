@@ -188,6 +188,7 @@ class PolicyWorker:
 
         from nemo_rl_offload.config.model_presets import section_architecture
         from nemo_rl_offload.models.builder import build_gpt_model
+        from nemo_rl_offload.models.chunked_logprobs import chunk_settings
         from nemo_rl_offload.models.chunked_logprobs import install as install_chunked_logprobs
         from nemo_rl_offload.models.layer_input_block import layer_input_offloader
         from nemo_rl_offload.models.parallel import initialize_megatron_parallel
@@ -265,11 +266,18 @@ class PolicyWorker:
             choices=apply.runtime_choices(effective, megatron_cfg, graphed=self.graphs is not None),
         )
         # policy.logprob_chunk_size: the labels' log-probabilities in chunks of the sequence.
-        chunk = self.section.get("logprob_chunk_size")
-        install_chunked_logprobs(model, chunk, self.logits_temperature)
+        chunk, chunked_output_layer = chunk_settings(self.section)
+        install_chunked_logprobs(
+            model, chunk, self.logits_temperature, chunked_output_layer=chunked_output_layer
+        )
         if self.with_reference:
             reference, _ = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
-            install_chunked_logprobs(reference, chunk, self.logits_temperature)
+            install_chunked_logprobs(
+                reference,
+                chunk,
+                self.logits_temperature,
+                chunked_output_layer=chunked_output_layer,
+            )
             reference.load_state_dict(model.state_dict())
             reference.config.fine_grained_activation_offloading = False
             self.reference = self._precision_wrap(reference).eval()

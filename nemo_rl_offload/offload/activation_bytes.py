@@ -114,6 +114,15 @@ class ActivationSettings:
     recompute: frozenset[str] = frozenset()
     full: str | None = None
     num_layers: int = 1
+    # (module, fraction) pairs in place of ``fraction`` for those modules.
+    fraction_by_module: tuple[tuple[str, float], ...] = ()
+    # The loss's log-softmax in chunks (policy.logprob_chunk_size) where the recipe's ledger
+    # has the plain loss: the table's ``lean_model`` bytes in place of its ``model``.
+    lean_loss: bool = False
+
+    def fraction_of(self, module: str | None) -> float:
+        """The share of ``module``'s groups offloaded."""
+        return dict(self.fraction_by_module).get(module or "", self.fraction)
 
     @classmethod
     def of(cls, effective: EffectiveSettings) -> ActivationSettings:
@@ -138,6 +147,7 @@ class ActivationSettings:
         return cls(
             offload=offload,
             fraction=1.0 if fraction is None else float(fraction),
+            fraction_by_module=effective.fraction_by_module,
             recompute=recompute,
             full=full,
             num_layers=max(1, int(v("recompute_num_layers") or 1)),
@@ -234,6 +244,17 @@ class ActivationTable:
     layer_input: float
     model: float
     stage_layers: int
+    # ``model`` with the loss's log-softmax in chunks (:meth:`with_lean_loss`); None: unknown.
+    lean_model: float | None = None
+
+    def with_lean_loss(self, lean_ledger: Ledger, effective: EffectiveSettings) -> ActivationTable:
+        """This table with ``lean_model`` from the ledger of the same recipe with a
+        ``logprob_chunk_size`` (its model entries: the logits kept in their precision)."""
+        import dataclasses
+
+        return dataclasses.replace(
+            self, lean_model=_model_bytes(lean_ledger, self.tokens, effective)
+        )
 
     @classmethod
     def of(
@@ -252,7 +273,7 @@ class ActivationTable:
         model = 0.0
         for kind in ledger.kinds:
             if kind.kind == MODEL:
-                model = sum(e.bytes_at(tokens) for e in kind.entries) / tp
+                model = _model_bytes(ledger, tokens, effective)
                 continue
             layers = counts.get(kind.kind, 0)
             for e in kind.entries:
@@ -312,7 +333,7 @@ class ActivationTable:
             and row.movable
             and all(needed in offloaded for needed in row.also_needs)
         ):
-            moved = saved * settings.fraction * (row.layers - 1) / row.layers
+            moved = saved * settings.fraction_of(row.offload) * (row.layers - 1) / row.layers
             return ModuleBytes(row.owner, saved, saved - moved, f"offload {row.offload}")
         return ModuleBytes(row.owner, saved, saved)
 
@@ -321,11 +342,12 @@ class ActivationTable:
         freed = covered(settings.recompute)
         modules = _merge([self._row(row, settings, freed) for row in self.rows])
         moved = sum(m.saved - m.kept for m in modules if m.removed_by.startswith("offload"))
+        lean = settings.lean_loss and self.lean_model is not None
         common: dict[str, Any] = {
             "tokens": self.tokens,
             "tokens_source": self.tokens_source,
             "in_flight": self.in_flight,
-            "model": self.model,
+            "model": self.lean_model if lean else self.model,
         }
         if settings.full is None:
             return ActivationEstimate(modules=modules, offloaded=moved, **common)
@@ -361,6 +383,16 @@ class ActivationTable:
             offloaded=moved_inputs,
             **common,
         )
+
+
+def _model_bytes(ledger: Ledger, tokens: int, effective: EffectiveSettings) -> float:
+    """The ledger's embedding, output and loss entries at ``tokens`` on one tensor-parallel
+    rank."""
+    tp = parallel_sizes(effective)["tensor_model_parallel_size"]
+    return (
+        sum(e.bytes_at(tokens) for kind in ledger.kinds if kind.kind == MODEL for e in kind.entries)
+        / tp
+    )
 
 
 def activations(

@@ -116,6 +116,8 @@ class EffectiveSettings:
     freeze_moe_router: bool = False
     # megatron_cfg.fp8_cfg (config.fp8): the layers' linears make FP8 products; None without.
     fp8: Fp8Settings | None = None
+    # megatron_cfg.activation_offload_fraction_by_module (:func:`fraction_by_module`).
+    fraction_by_module: tuple[tuple[str, float], ...] = ()
 
     def value(self, name: str, default: Any = None) -> Any:
         setting = self.settings.get(name)
@@ -157,6 +159,8 @@ class RuntimeChoices:
 
     - ``fraction_placement``: which groups a fraction below 1 offloads (``spread`` or Megatron's
       ``earliest``);
+    - ``fraction_by_module``: ``activation_offload_fraction_by_module`` as (module, fraction)
+      pairs, each module's own fraction in place of the plan's (spread placement);
     - ``strided_copies``: permuted tensors copied as they lie;
     - ``pool_expert_groups``: expert groups draw pinned buffers from the pool once their plan is
       recorded (their shapes recur only with drop-and-pad dispatch);
@@ -165,6 +169,7 @@ class RuntimeChoices:
       later module keeps on the GPU is not copied (eager steps: it acts in the lean hooks)."""
 
     fraction_placement: str = DEFAULT_FRACTION_PLACEMENT
+    fraction_by_module: tuple[tuple[str, float], ...] = ()
     strided_copies: bool = True
     pool_expert_groups: bool = False
     lean_hooks: bool = True
@@ -179,10 +184,26 @@ def runtime_choices(
     return RuntimeChoices(
         fraction_placement=megatron_cfg.get("activation_offload_fraction_placement")
         or DEFAULT_FRACTION_PLACEMENT,
+        fraction_by_module=effective.fraction_by_module,
         # Faster on dense models and on graphed MoE steps, slower on eager MoE steps (host
         # bound): benchmarks/results/2026-11-22_h100_benchmark_copies_ab_*_seq4096.md.
         strided_copies=not effective.is_moe or graphed,
         pool_expert_groups=effective.value("moe_pad_expert_input_to_capacity") is True,
+    )
+
+
+def fraction_by_module(megatron_cfg: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+    """``activation_offload_fraction_by_module`` as sorted (module, fraction) pairs (the rules
+    have checked it: :func:`nemo_rl_offload.offload.rules.check_policy`)."""
+    by_module = megatron_cfg.get("activation_offload_fraction_by_module")
+    if not isinstance(by_module, dict):
+        return ()
+    return tuple(
+        sorted(
+            (str(name), float(share))
+            for name, share in by_module.items()
+            if isinstance(share, (int, float)) and not isinstance(share, bool)
+        )
     )
 
 
@@ -293,6 +314,7 @@ def effective_settings(
         unavailable,
         freezes_moe_router(policy_cfg),
         fp8.fp8_settings(policy_cfg),
+        fraction_by_module(megatron_cfg),
     )
 
 

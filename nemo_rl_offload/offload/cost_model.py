@@ -123,7 +123,7 @@ def removal(costs: LayerCosts, plan: ActivationSettings) -> Removal:
     hooks = flops = 0.0
     for kind, n in layers.items():
         present = {r.offload for r in table.rows if r.kind == kind and r.offload in plan.offload}
-        hooks += n * len(present) * plan.fraction
+        hooks += n * sum(plan.fraction_of(module) for module in present)
         options = plan.recompute - ELEMENTWISE_RECOMPUTE
         flops += n * sum(costs.flops.get(kind, {}).get(o, 0.0) for o in options)
     return Removal(kept.total, kept.offloaded, flops, traffic, hooks)

@@ -172,9 +172,12 @@ def removal(owner: str, kind: str, chunked: bool) -> tuple[str | None, str | Non
     if kind == MODEL:
         note = ""
         if owner == "<model>" and not chunked:
-            # The loss's float32 softmax and its masks (the chunked output layer
-            # keeps only the final hidden states and the labels).
-            note = "policy.logprob_chunk_size recomputes it in the backward, a chunk at a time"
+            # The loss's logits (and their float32 softmax without a chunk size); the chunked
+            # output layer keeps only the final hidden states and the labels.
+            note = (
+                "policy.logprob_chunk_size keeps the logits without a float32 copy; with "
+                "policy.megatron_cfg.chunked_output_layer, recomputed a chunk at a time"
+            )
         return None, None, note
     offload = _first(OFFLOAD_BY_OWNER, owner)
     recompute = _first(RECOMPUTE_BY_OWNER, owner)

@@ -110,6 +110,8 @@ class PlanChoices:
     - ``strided_copies``: :meth:`OwnedChunkHandler.offload` and ``reload``;
     - ``fraction_placement``: ``"spread"`` or ``"earliest"`` (Megatron's),
       :meth:`OwnedOffloadManager.post_warmup_callback`;
+    - ``fraction_by_module``: (module, fraction) pairs that take the place of the plan's
+      fraction for those modules' groups (spread placement only);
     - ``pool_expert_groups``: :meth:`OwnedOffloadManager.post_warmup_callback`;
     - ``pool_every_group``: :meth:`OwnedChunkHandler.offload` (the pool serves any size);
     - ``lean_hooks``: the hooks of :class:`OwnedChunkHandler`;
@@ -121,6 +123,7 @@ class PlanChoices:
     reload_waits_for_offload: bool = False
     strided_copies: bool = False
     fraction_placement: str = "earliest"
+    fraction_by_module: tuple[tuple[str, float], ...] = ()
     pool_expert_groups: bool = False
     pool_every_group: bool = False
     lean_hooks: bool = False
@@ -132,6 +135,8 @@ class PlanChoices:
             raise ValueError(
                 f"fraction_placement {self.fraction_placement!r}: one of {FRACTION_PLACEMENTS}"
             )
+        if self.fraction_by_module and self.fraction_placement != "spread":
+            raise ValueError("fraction_by_module: needs the spread fraction placement")
 
 
 def _state_bytes(state: Any) -> int:
@@ -928,7 +933,11 @@ class OwnedOffloadManager(fgo.PipelineOffloadManager):
         under drop-and-pad dispatch).
         Remove when: Megatron places a fraction's groups evenly and pools expert groups whose
         shapes are static."""
-        if self.choices.fraction_placement == "spread" and self._activation_offload_fraction < 1:
+        fractions = [
+            self._activation_offload_fraction,
+            *dict(self.choices.fraction_by_module).values(),
+        ]
+        if self.choices.fraction_placement == "spread" and min(fractions) < 1:
             self._place_spread()
         else:
             super().post_warmup_callback()
@@ -970,15 +979,15 @@ class OwnedOffloadManager(fgo.PipelineOffloadManager):
                     keep_on_gpu_bytes -= group.total_offload_bytes
                     group.offload = False
         fraction = self._activation_offload_fraction
+        fraction_of = dict(self.choices.fraction_by_module)
         for chunk in self._cached_chunks_backward:
             by_module: dict[str, list[Any]] = {}
             for group in chunk.offload_groups:
                 if group.offload and group.total_offload_bytes:
                     by_module.setdefault(group._name, []).append(group)
-            for groups in by_module.values():
-                for group, offload in zip(
-                    groups, spread_choice(len(groups), fraction), strict=True
-                ):
+            for name, groups in by_module.items():
+                share = fraction_of.get(name, fraction)
+                for group, offload in zip(groups, spread_choice(len(groups), share), strict=True):
                     group.offload = offload
         summary = _summary_bytes(self)
         self._offload_summary_bytes = summary

@@ -403,7 +403,16 @@ def _ranges(ctx: _Context) -> None:
                 "offloaded; raise it or turn fine_grained_activation_offloading off"
             )
     placement = ctx.megatron_cfg.get("activation_offload_fraction_placement")
-    if placement is not None and ctx.fgo_on and not (_is_number(fraction) and fraction < 1):
+    by_module = ctx.megatron_cfg.get("activation_offload_fraction_by_module")
+    module_below_one = isinstance(by_module, dict) and any(
+        _is_number(share) and share < 1 for share in by_module.values()
+    )
+    if (
+        placement is not None
+        and ctx.fgo_on
+        and not (_is_number(fraction) and fraction < 1)
+        and not module_below_one
+    ):
         ctx.warn(
             f"warning: {ctx.prefix}.activation_offload_fraction_placement: has no effect while "
             "activation_offload_fraction is 1 (every group is offloaded); set a fraction below "
@@ -424,6 +433,49 @@ def _ranges(ctx: _Context) -> None:
         ctx.error(
             f"{ctx.path('fine_grained_offloading_max_inflight_offloads')}: must be null or an "
             f"integer >= 0 (got: {inflight})"
+        )
+    _fraction_by_module(ctx, by_module, placement)
+
+
+def _fraction_by_module(ctx: _Context, by_module: Any, placement: Any) -> None:
+    """``activation_offload_fraction_by_module`` (ours; applied by
+    ``owned.OwnedOffloadManager.post_warmup_callback``): each named module offloads that share
+    of its groups, spread over the layers, in place of ``activation_offload_fraction``."""
+    if by_module is None:
+        return
+    path = f"{ctx.prefix}.activation_offload_fraction_by_module"
+    if not isinstance(by_module, dict) or not by_module:
+        ctx.error(
+            f"{path}: must map offload modules to the fraction of their groups to offload, "
+            f"e.g. {{attn_proj: 0.5}} (got: {by_module!r})"
+        )
+        return
+    if not ctx.fgo_on:
+        ctx.warn(f"warning: {path}: has no effect while fine_grained_activation_offloading is off")
+        return
+    modules = ctx.value("offload_modules")
+    listed = set(modules) if isinstance(modules, list) else set()
+    for name, share in by_module.items():
+        if name not in listed:
+            ctx.error(
+                f"{path}.{name}: not in {ctx.prefix}.offload_modules ({_fmt(sorted(listed))}); "
+                "add it there or remove it here"
+            )
+        elif not (_is_number(share) and 0 <= share <= 1):
+            ctx.error(f"{path}.{name}: must be a number between 0 and 1 (got: {share!r})")
+        elif name == "attn_proj" and "core_attn" in listed:
+            # The projection's input is the attention's saved output, one storage: core_attn's
+            # group copies it on every layer (one copy per storage), whatever attn_proj's share.
+            ctx.error(
+                f"{path}.attn_proj: not beside core_attn in offload_modules (the projection's "
+                "input is the attention's saved output, which core_attn's groups copy on every "
+                "layer); remove the fraction or core_attn"
+            )
+    if placement == "earliest":
+        ctx.error(
+            f"{path}: needs {ctx.prefix}.activation_offload_fraction_placement spread (Megatron's "
+            "earliest placement counts the groups of every module together); remove the "
+            "placement or set it to spread"
         )
 
 
@@ -1008,12 +1060,27 @@ def _logprob_chunk(ctx: _Context) -> None:
             f"{ctx.where}.logprob_chunk_size: must be an integer >= 1 (positions per chunk) or "
             f"null for no chunking (got: {chunk})"
         )
+    output_chunked = ctx.megatron_cfg.get("chunked_output_layer")
+    if output_chunked is not None and not isinstance(output_chunked, bool):
+        ctx.error(
+            f"{ctx.prefix}.chunked_output_layer: must be true or false (got: {output_chunked!r})"
+        )
+    elif output_chunked and not chunk:
+        ctx.warn(
+            f"warning: {ctx.prefix}.chunked_output_layer: has no effect without "
+            f"{ctx.where}.logprob_chunk_size (the positions per chunk); set a chunk size"
+        )
     overrides = ctx.megatron_cfg.get("model_overrides")
-    if chunk and isinstance(overrides, dict) and overrides.get("defer_embedding_wgrad_compute"):
+    if (
+        chunk
+        and output_chunked is True
+        and isinstance(overrides, dict)
+        and overrides.get("defer_embedding_wgrad_compute")
+    ):
         # The chunked output layer runs the output layer once per chunk (and again in the
         # backward); Megatron's deferred weight gradient would buffer every chunk's input.
         ctx.error(
-            f"{ctx.where}.logprob_chunk_size: not with {ctx.prefix}.model_overrides."
+            f"{ctx.prefix}.chunked_output_layer: not with {ctx.prefix}.model_overrides."
             "defer_embedding_wgrad_compute (the chunked output layer would buffer each chunk's "
             "input); set one of them off"
         )

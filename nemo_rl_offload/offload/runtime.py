@@ -247,6 +247,7 @@ class OffloadRuntime:
             reload_waits_for_offload=True,
             strided_copies=choices.strided_copies,
             fraction_placement=choices.fraction_placement,
+            fraction_by_module=choices.fraction_by_module,
             pool_expert_groups=choices.pool_expert_groups,
             pool_every_group=True,
             lean_hooks=choices.lean_hooks,

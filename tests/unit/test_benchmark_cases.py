@@ -135,6 +135,16 @@ def test_mixed_cases_name_offload_recompute_and_fraction_and_unknown_parts_are_r
     assert section["logprob_chunk_size"] == 2048
     assert "logprob_chunk_size" not in section["megatron_cfg"]
     assert bench.check_section(section) == []
+    output = "fgo:core_attn+mlp_norm__mfrac:mlp_norm=0.5__lpo:1024"
+    settings = bench.resolve_cases("llama-1b", [output])[output]
+    section = bench.section_for("llama-1b", 4096, settings)
+    assert section["logprob_chunk_size"] == 1024
+    assert section["megatron_cfg"]["chunked_output_layer"] is True
+    assert section["megatron_cfg"]["activation_offload_fraction_by_module"] == {"mlp_norm": 0.5}
+    assert bench.check_section(section) == []
+    for bad in ("fgo:core_attn__mfrac:attn_proj", "fgo:core_attn__lpo:many"):
+        with pytest.raises(KeyError, match=bad.split("__")[1]):
+            bench.resolve_cases("llama-1b", [bad])
     plain = bench.section_for(
         "llama-1b", 4096, bench.resolve_cases("llama-1b", ["lp:512"])["lp:512"]
     )

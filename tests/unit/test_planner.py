@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support.fake_planner import Simulated, graphed_records, small_costs
+from support.fake_planner import GIB, Simulated, graphed_records, small_costs
 
 from nemo_rl_offload import planner
 from nemo_rl_offload.errors import UserInputError
@@ -114,6 +114,33 @@ def test_the_menu_offloads_only_what_recompute_leaves_and_covers_full_and_block_
     assert any(c.modules == ("layer_input",) for c in full)
     dtensor = menu(costs.layers.table, is_moe=False, dtensor=True)
     assert not any(c.recompute_modules or c.recompute_num_layers for c in dtensor)
+
+
+def test_a_recipe_without_a_chunked_loss_gets_every_candidate_with_one_too():
+    """Where the table knows the chunked log-softmax's bytes (a recipe without a
+    logprob_chunk_size), each candidate has a twin that sets it: its patch sets the policy key,
+    its name says so, and it keeps the table's lean model bytes instead of the plain ones."""
+    import dataclasses
+
+    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, menu
+
+    costs = small_costs(layers=8)
+    plain = menu(costs.layers.table, is_moe=False, dtensor=False)
+    assert not any(c.logprob_chunk for c in plain)  # the table does not know that loss
+    table = dataclasses.replace(costs.layers.table, lean_model=0.25 * GIB)
+    both = menu(table, is_moe=False, dtensor=False)
+    lean = [c for c in both if c.logprob_chunk == LEAN_LOSS_CHUNK]
+    assert len(lean) == len(plain) and len(both) == 2 * len(plain)
+    twin = next(c for c in lean if c.modules == ("core_attn",) and not c.recompute_modules)
+    assert twin.name == f"core_attn, log-softmax in chunks of {LEAN_LOSS_CHUNK}"
+    patch = twin.patch()["policy"]
+    assert patch["logprob_chunk_size"] == LEAN_LOSS_CHUNK
+    assert patch["megatron_cfg"]["offload_modules"] == ["core_attn"]
+    original = next(c for c in plain if c.name == "core_attn")
+    assert "logprob_chunk_size" not in original.patch()["policy"]
+    kept = table.estimate(twin.settings()).total
+    assert table.estimate(original.settings()).total - kept == pytest.approx(0.75 * GIB)
+    assert not any(c.logprob_chunk for c in menu(table, is_moe=False, dtensor=True))
 
 
 def test_the_frontier_keeps_valid_plans_that_trade_memory_for_time_and_asks_the_rules_lazily():
@@ -678,3 +705,32 @@ def test_trials_take_plans_predicted_within_the_budget_before_borderline_ones():
     fitting = [planner.Candidate((name,), 1.0, None) for name in "abcd"]  # fastest first
     order = planner.trial_order(fitting, lambda c: (peaks[c.modules[0]], 1.0), budget=10.0)
     assert [c.modules[0] for c in order] == ["b", "d", "a", "c"]
+
+
+def test_the_chunked_loss_candidates_bytes_are_validates_estimate_of_the_patched_recipe():
+    """The planner's lean-loss bytes come from a second CPU ledger of the recipe with the chunk
+    size; its prediction for such a candidate equals validate's activation estimate of the
+    recipe with the candidate's patch applied, and keeps fewer bytes than the plain twin."""
+    from support.policies import make_policy
+
+    from nemo_rl_offload.config.loader import deep_merge
+    from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.models.ledger_run import build_ledger
+    from nemo_rl_offload.offload import apply
+    from nemo_rl_offload.offload.activation_bytes import activations
+    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, Candidate
+
+    section = make_policy("tiny-dense")
+    section["max_total_sequence_length"] = 64
+    costs = planner._layer_costs(section, None, 2)
+    table = costs.layers.table
+    assert table.lean_model is not None and table.lean_model < table.model
+    plain = Candidate(("core_attn",), 1.0, None)
+    lean = Candidate(("core_attn",), 1.0, None, logprob_chunk=LEAN_LOSS_CHUNK)
+    patched = deep_merge({"policy": section}, lean.patch())["policy"]
+    effective = apply.effective_settings(
+        patched, architecture_for("tiny-dense"), te_installed=False
+    )
+    expected = activations(effective, build_ledger(patched), activation_bytes=2).total
+    assert costs.removal(lean).activation_bytes == pytest.approx(expected, rel=1e-12)
+    assert costs.removal(lean).activation_bytes < costs.removal(plain).activation_bytes

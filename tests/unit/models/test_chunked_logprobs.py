@@ -33,6 +33,36 @@ def test_chunked_label_loss_equals_megatrons_cross_entropy(megatron_cpu, chunk):
     torch.testing.assert_close(grad, expected_grad, atol=1e-6, rtol=1e-5)
 
 
+def test_the_gradient_is_written_over_the_logits_and_equals_a_separate_one(megatron_cpu):
+    """The backward writes the gradient over the kept logits (no second buffer) when they are
+    an intermediate; a caller's own leaf is left as it is; both gradients are the same bits."""
+    logits, labels = _logits_and_labels()
+    leaf = logits.detach().to(torch.bfloat16).requires_grad_()
+    before = leaf.detach().clone()
+    (separate,) = torch.autograd.grad(
+        chunked_logprobs.chunked_label_loss(labels, leaf, 4).sum(), leaf
+    )
+    assert torch.equal(leaf.detach(), before)  # the caller's tensor is untouched
+    intermediate = leaf * 1
+    seen: list[torch.Tensor] = []
+    intermediate.register_hook(seen.append)
+    chunked_logprobs.chunked_label_loss(labels, intermediate, 4).sum().backward()
+    (written,) = seen
+    assert written.data_ptr() == intermediate.data_ptr()
+    assert torch.equal(written, separate)
+
+
+def test_another_node_that_saved_the_logits_fails_loudly(megatron_cpu):
+    """Should anything else keep the same logits for its backward, the in-place gradient
+    makes its backward fail on the version counter instead of reading a gradient."""
+    logits, labels = _logits_and_labels()
+    intermediate = logits * 1
+    other = (intermediate * intermediate).sum()  # saves the logits for its backward
+    loss = chunked_logprobs.chunked_label_loss(labels, intermediate, 4).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()
+
+
 def test_half_precision_logits_get_float32_log_probabilities(megatron_cpu):
     logits, labels = _logits_and_labels()
     half = logits.detach().to(torch.bfloat16).requires_grad_()
@@ -127,7 +157,9 @@ def test_validate_refuses_the_chunked_output_layer_with_a_deferred_embedding_gra
     from nemo_rl_offload.offload.rules import check_policy
 
     policy = {
-        **make_policy(model_overrides={"defer_embedding_wgrad_compute": True}),
+        **make_policy(
+            model_overrides={"defer_embedding_wgrad_compute": True}, chunked_output_layer=True
+        ),
         "logprob_chunk_size": chunk,
     }
     findings = check_policy(
@@ -135,6 +167,38 @@ def test_validate_refuses_the_chunked_output_layer_with_a_deferred_embedding_gra
     )
     refused = [e for e in findings.errors if "defer_embedding_wgrad_compute (the chunked" in e]
     assert len(refused) == (1 if chunk else 0), findings.errors
+    # The log-softmax alone in chunks runs the output layer once: no conflict.
+    policy["megatron_cfg"]["chunked_output_layer"] = False
+    findings = check_policy(
+        policy, where="policy", architecture=architecture_for("tiny-dense"), caps=detect()
+    )
+    assert not [e for e in findings.errors if "defer_embedding_wgrad_compute" in e]
+
+
+@pytest.mark.parametrize(
+    ("value", "chunk", "expected"),
+    [
+        ("yes", 1024, "chunked_output_layer: must be true or false"),
+        (True, None, "chunked_output_layer: has no effect without policy.logprob_chunk_size"),
+        (True, 1024, None),
+        (False, None, None),
+    ],
+)
+def test_validate_checks_the_chunked_output_layer_switch(value, chunk, expected):
+    from support.policies import make_policy
+
+    from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.offload.capabilities import detect
+    from nemo_rl_offload.offload.rules import check_policy
+
+    policy = {**make_policy(chunked_output_layer=value), "logprob_chunk_size": chunk}
+    findings = check_policy(
+        policy, where="policy", architecture=architecture_for("tiny-dense"), caps=detect()
+    )
+    said = [line for line in [*findings.errors, *findings.warnings] if "chunked_output" in line]
+    assert said == ([] if expected is None else [s for s in said if expected in s]) and (
+        expected is None or len(said) == 1
+    ), said
 
 
 # The output layer in chunks (ChunkedOutputLogprobs, handed to GPTModel.forward by
@@ -171,7 +235,7 @@ def test_the_chunked_output_layer_equals_the_plain_path(build_tiny, temperature)
 
     expected, expected_grads = _loss_and_grads(model, plain)
     assert chunked_logprobs.forward_kwargs(model, True) == {}  # nothing installed yet
-    chunked_logprobs.install(model, CHUNK, temperature)
+    chunked_logprobs.install(model, CHUNK, temperature, chunked_output_layer=True)
     assert chunked_logprobs.forward_kwargs(model, False) == {}  # no labels: the logits
     kwargs = chunked_logprobs.forward_kwargs(model, True)
     assert isinstance(kwargs["output_processor"], chunked_logprobs.ChunkedOutputLogprobs)
@@ -209,13 +273,57 @@ def test_the_chunked_output_layer_keeps_no_logits_for_the_backward(build_tiny):
     ids, labels, positions = _ids_and_labels()
     plain = _saved_shapes(lambda: model(ids, positions, None, labels=labels))
     assert [s for s in plain if s[-1] == vocab]
-    chunked_logprobs.install(model, CHUNK)
+    chunked_logprobs.install(model, CHUNK, chunked_output_layer=True)
     kwargs = chunked_logprobs.forward_kwargs(model, True)
     chunked = _saved_shapes(lambda: model(ids, positions, None, labels=labels, **kwargs))
     assert chunked and not [s for s in chunked if s[-1] == vocab]
     # ... and without the processor, the installed chunked log-softmax keeps the logits.
     loss_only = _saved_shapes(lambda: model(ids, positions, None, labels=labels))
     assert [s for s in loss_only if s[-1] == vocab]
+
+
+def _saved_over_the_vocabulary(forward, vocab: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.shape[-1] == vocab:
+            saved.append((tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward().sum().backward()
+    return saved
+
+
+def test_the_chunked_log_softmax_keeps_the_logits_in_their_precision_and_nothing_else(
+    build_tiny,
+):
+    """NeMo-RL's meaning of logprob_chunk_size (no chunked output layer): the loss keeps the
+    half-precision logits alone over the vocabulary, where Megatron's cross entropy keeps a
+    float32 softmax; the output layer is not given a processor, and the losses and every
+    gradient equal the plain path's."""
+    from megatron.core.transformer.module import Float16Module
+
+    model, _ = build_tiny()
+    model.config.bf16 = True
+    wrapped = Float16Module(model.config, model)
+    vocab = model.output_layer.weight.shape[0]
+    ids, labels, positions = _ids_and_labels()
+    plain = _saved_over_the_vocabulary(lambda: wrapped(ids, positions, None, labels=labels), vocab)
+    assert [dtype for _, dtype in plain] == [torch.float32]
+    expected, expected_grads = _loss_and_grads(
+        wrapped, lambda: wrapped(ids, positions, None, labels=labels)
+    )
+    chunked_logprobs.install(wrapped, CHUNK)
+    assert chunked_logprobs.forward_kwargs(wrapped, True) == {}
+    lean = _saved_over_the_vocabulary(lambda: wrapped(ids, positions, None, labels=labels), vocab)
+    assert lean == [((LENGTH, 2, vocab), torch.bfloat16)]
+    loss, grads = _loss_and_grads(wrapped, lambda: wrapped(ids, positions, None, labels=labels))
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    for name, grad in grads.items():  # bfloat16 gradients: rounded in another order
+        reference = expected_grads[name].float()
+        error = (grad.float() - reference).norm() / reference.norm()
+        assert error < 1e-2, (name, float(error))
 
 
 @pytest.fixture(scope="module")
@@ -235,14 +343,16 @@ def one_rank_passes(tmp_path_factory) -> tuple[dict, str]:
     [
         {"tensor_model_parallel_size": 2},
         {"tensor_model_parallel_size": 2, "sequence_parallel": True},
-        {"context_parallel_size": 2},
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True, "chunked_output_layer": True},
+        {"context_parallel_size": 2, "chunked_output_layer": True},
     ],
-    ids=["tp2", "tp2_sp", "cp2"],
+    ids=["tp2", "tp2_sp", "tp2_sp_output_layer", "cp2_output_layer"],
 )
 def test_chunked_log_probabilities_agree_on_two_ranks(one_rank_passes, layout, tmp_path):
     """Two gloo ranks of tensor parallelism (with and without sequence parallelism, where the
     sequence is padded to even lengths and each rank chunks its half) or of context
-    parallelism (each rank chunks its share of the positions) with a chunk size: the label
+    parallelism (each rank chunks its share of the positions) with a chunk size, the output
+    layer whole or in the chunks too: the label
     log-probabilities, a packed micro-batch's, one training step's loss, gradient norm and
     update agree with one rank's unchunked model."""
     import numpy as np

@@ -90,6 +90,14 @@ def test_offloading_a_fraction_removes_that_fraction_and_costs_hooks_and_copies(
     assert predicted == pytest.approx(1.2 + 2 * (floor + 4 * 1e-3)) and floor > 0
 
 
+def test_a_modules_own_fraction_moves_and_hooks_only_that_share_of_it():
+    plan = Plan(frozenset({"core_attn", "mlp_act"}), fraction_by_module=(("mlp_act", 0.25),))
+    removed = cm.removal(KINDS, plan)
+    # core_attn's 3 GiB on 3 of 4 layers, a quarter of mlp_act's 4 GiB on 3 of 4 layers.
+    assert removed.offloaded_bytes == (3 * 3 + 0.25 * 3 * 4) * GIB
+    assert removed.hooks == 4 * (1 + 0.25)
+
+
 def test_recompute_frees_what_its_option_covers_and_costs_its_flops_or_traffic():
     mlp = cm.removal(KINDS, Plan(recompute=frozenset({"mlp"})))
     assert mlp.activation_bytes == 4 * 6 * GIB  # the MLP frees its activation's input too

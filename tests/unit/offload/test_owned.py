@@ -684,3 +684,26 @@ def test_fingerprints_ignore_formatting_comments_docstrings_and_debug_messages(m
     assert owned.fingerprint(plain) != owned.fingerprint(plain.replace("1)", "2)"))
     only_debug = "def f():\n    debug_rank('x')\n"
     assert owned.fingerprint(only_debug) == owned.fingerprint("def f():\n    pass\n")
+
+
+def test_a_modules_own_fraction_spreads_only_its_groups(printed):
+    """``fraction_by_module``: attn_proj offloads half of its groups (evenly spaced), core_attn
+    keeps the plan's fraction of 1 (all but Megatron's last group)."""
+    choices = owned.PlanChoices(
+        fraction_placement="spread", fraction_by_module=(("attn_proj", 0.5),)
+    )
+    manager, chunk = _warmed_up_manager(choices, 1.0)
+    manager.post_warmup_callback()
+    by_name: dict[str, list[bool]] = {}
+    for group in chunk.offload_groups:
+        by_name.setdefault(group._name, []).append(group.offload)
+    assert by_name == {
+        "core_attn": [True, True, True, True, False],
+        "attn_proj": [True, False, True, False, False],
+    }
+    assert printed == [{"core_attn": 400, "attn_proj": 200}]
+
+
+def test_a_modules_own_fraction_needs_the_spread_placement():
+    with pytest.raises(ValueError, match="spread"):
+        owned.PlanChoices(fraction_placement="earliest", fraction_by_module=(("attn_proj", 0.5),))

@@ -568,3 +568,76 @@ def test_fusions_whose_kernels_need_transformer_engine_run_unfused_without_it(
         asked = settings.get(name, (settings.get("model_overrides") or {}).get(name))
         if asked is not None:
             assert effective.value(name) is (asked and caps.has_transformer_engine)
+
+
+# activation_offload_fraction_by_module: each listed module's own share of its groups.
+BY_MODULE = f"{P}.activation_offload_fraction_by_module"
+
+
+@pytest.mark.parametrize(
+    ("by_module", "extra", "path", "fragment"),
+    [
+        ([0.5], {}, BY_MODULE, "must map offload modules"),
+        ({}, {}, BY_MODULE, "must map offload modules"),
+        (
+            {"mlp_act": 0.5},
+            {},
+            f"{BY_MODULE}.mlp_act",
+            "not in policy.megatron_cfg.offload_modules",
+        ),
+        ({"attn_proj": 1.5}, {}, f"{BY_MODULE}.attn_proj", "between 0 and 1"),
+        ({"attn_proj": "half"}, {}, f"{BY_MODULE}.attn_proj", "between 0 and 1"),
+        (
+            {"attn_proj": 0.5},
+            {"activation_offload_fraction_placement": "earliest"},
+            BY_MODULE,
+            "needs policy.megatron_cfg.activation_offload_fraction_placement spread",
+        ),
+        (
+            {"attn_proj": 0.5},
+            {"offload_modules": ["core_attn", "attn_proj"]},
+            f"{BY_MODULE}.attn_proj",
+            "not beside core_attn",
+        ),
+    ],
+    ids=["list", "empty", "not_offloaded", "above_one", "not_a_number", "earliest", "shared"],
+)
+def test_fraction_by_module_is_refused_with_the_fix(by_module, extra, path, fragment):
+    settings = {
+        **FGO,
+        "offload_modules": ["qkv_linear", "attn_proj"],
+        "activation_offload_fraction_by_module": by_module,
+        **extra,
+    }
+    findings = check("tiny-dense", NO_TE, **settings)
+    matching = [line for line in findings.errors if line.startswith(f"{path}: ")]
+    assert matching and fragment in matching[0], findings.errors
+
+
+def test_fraction_by_module_is_accepted_and_reaches_the_runtime_and_the_estimate():
+    from support.policies import make_policy
+
+    from nemo_rl_offload.offload import apply
+    from nemo_rl_offload.offload.activation_bytes import ActivationSettings
+
+    settings = {
+        **FGO,
+        "offload_modules": ["core_attn", "mlp_norm"],
+        "activation_offload_fraction_by_module": {"mlp_norm": 0.5},
+        "activation_offload_fraction_placement": "spread",
+    }
+    findings = check("llama-1b", NO_TE, **settings)
+    assert findings.errors == [] and findings.warnings == []
+    policy = make_policy(**settings)
+    effective = apply.effective_settings(policy, None, te_installed=False)
+    assert effective.fraction_by_module == (("mlp_norm", 0.5),)
+    choices = apply.runtime_choices(effective, policy["megatron_cfg"], graphed=False)
+    assert choices.fraction_by_module == (("mlp_norm", 0.5),)
+    plan = ActivationSettings.of(effective)
+    assert (plan.fraction_of("mlp_norm"), plan.fraction_of("core_attn")) == (0.5, 1.0)
+
+
+def test_fraction_by_module_without_offloading_warns():
+    findings = check("tiny-dense", NO_TE, activation_offload_fraction_by_module={"attn_proj": 0.5})
+    assert findings.errors == []
+    assert any(w.startswith(f"warning: {BY_MODULE}: has no effect") for w in findings.warnings)
