@@ -351,15 +351,14 @@ class Calibrator:
         offload_peak = (
             statistics.median(peak - resident - scale * kept for kept, peak in self.offload_points)
             if self.points and self.offload_points
-            else 0.0
+            else None
         )
+        floor = 0.0
         if self.points and self.offload_failures:
-            offload_peak = max(
-                offload_peak,
-                *(needed - resident - scale * kept for kept, needed in self.offload_failures),
-            )
+            floor = max(needed - resident - scale * kept for kept, needed in self.offload_failures)
         calibration = Calibration(
             offload_peak_bytes=offload_peak,
+            offload_peak_floor_bytes=floor,
             resident_bytes=resident,
             activation_scale=scale,
             base_step_s=base,
@@ -814,7 +813,12 @@ def _calibration_line(calibration: Calibration | None) -> str | None:
         f"{1e6 * c.host_s_per_hook:.0f} us of host time per offload hook"
         + (
             f"; offload plans peak {c.offload_peak_bytes / 2**30:+.2f} GiB beyond it"
-            if c.offload_peak_bytes
+            if c.offload_peak_bytes is not None
+            else "; offload plans peak at least two layers' copies beyond it (none measured yet)"
+        )
+        + (
+            f", at least {c.offload_peak_floor_bytes / 2**30:+.2f} GiB (a plan out of memory)"
+            if c.offload_peak_floor_bytes
             else ""
         )
     )

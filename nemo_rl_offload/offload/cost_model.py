@@ -146,13 +146,17 @@ class Calibration:
     h2d_bytes_per_s: float
     host_s_per_hook: float = 0.0
     # What an offload plan's peak holds beyond the activations it keeps, fitted from the
-    # offload plans measured (0 until one is): such a plan peaks as the backward starts, with
-    # the output layer's gradients and the first reloads beside everything kept, where full
-    # recompute and the plain step, which the line is fitted to, peak elsewhere. On the 3B
-    # shape it was the same for every attention-offload plan of one length and grew with the
-    # tokens (benchmarks/results/2026-11-25_h100x2_long_context_3b.md; the planner's replay of
-    # it in tests/unit/test_cost_model_replay.py).
-    offload_peak_bytes: float = 0.0
+    # offload plans measured (None until one is: :func:`offload_peak_prior_bytes`, a lower
+    # bound, stands in):
+    # such a plan peaks as the backward starts, with the output layer's gradients and the
+    # first reloads beside everything kept, where full recompute and the plain step, which the
+    # line is fitted to, peak elsewhere. On the 3B shape it was the same for every
+    # attention-offload plan of one length and grew with the tokens
+    # (benchmarks/results/2026-11-25_h100x2_long_context_3b.md; the planner's replay of it in
+    # tests/unit/test_cost_model_replay.py).
+    offload_peak_bytes: float | None = None
+    # At least this much (an offload plan that ran out of memory needed it), fitted or not.
+    offload_peak_floor_bytes: float = 0.0
 
 
 def holds_offload_peak(plan: ActivationSettings) -> bool:
@@ -189,13 +193,38 @@ def step_time_s(removed: Removal, calibration: Calibration) -> float:
     return c.base_step_s + c.microbatches * extra
 
 
+def offload_peak_prior_bytes(costs: LayerCosts, removed: Removal) -> float:
+    """What an offload plan's peak holds beyond the line before any offload plan of the recipe
+    has been measured: two layers' offloaded bytes (the last layer's groups, which Megatron
+    keeps on the GPU, and the first reload beside them). It is a lower bound: the offsets the
+    planner fitted on the 3B shape were at least this, and at one tensor-parallel rank
+    several times more, growing with the tokens faster than a layer's copies do
+    (benchmarks/results/2026-11-26_h100_plan_3b_seq{8192,16384,32768}.txt and
+    2026-11-26_h200x2_plan_3b_seq32768_tp2.txt, their "cost model" lines), which no one term
+    matched at both parallel layouts; the first measured offload plan replaces it."""
+    return 2 * removed.offloaded_bytes / max(1, costs.table.stage_layers - 1)
+
+
+def offload_peak_offset(
+    costs: LayerCosts, plan: ActivationSettings, removed: Removal, calibration: Calibration
+) -> float:
+    """What ``plan``'s peak holds beyond the line: nothing unless it offloads without full
+    recompute; then the fitted offset, or the prior before one is fitted, and at least what a
+    failed offload plan needed."""
+    if not holds_offload_peak(plan):
+        return 0.0
+    offset = calibration.offload_peak_bytes
+    if offset is None:
+        offset = offload_peak_prior_bytes(costs, removed)
+    return max(offset, calibration.offload_peak_floor_bytes)
+
+
 def predict(costs: LayerCosts, plan: ActivationSettings, calibration: Calibration) -> Prediction:
     removed = removal(costs, plan)
     peak = peak_bytes(
         calibration.resident_bytes, removed.activation_bytes, calibration.activation_scale
     )
-    if holds_offload_peak(plan):
-        peak += calibration.offload_peak_bytes
+    peak += offload_peak_offset(costs, plan, removed, calibration)
     return Prediction(peak, step_time_s(removed, calibration), removed)
 
 

@@ -80,6 +80,7 @@ TRUTH = Calibration(
     d2h_bytes_per_s=50e9,
     h2d_bytes_per_s=50e9,
     host_s_per_hook=1e-3,
+    offload_peak_bytes=0.0,  # the simulated GPU's offload plans peak on the line
 )
 
 

@@ -638,7 +638,7 @@ def test_the_offload_peak_is_fitted_from_offload_plans_and_applies_only_to_them(
     observe(plain)
     observe(full)
     calibrator.base_s, calibrator.recompute_s = plain.measured_fwd_bwd_s, full.measured_fwd_bwd_s
-    assert calibrator.calibration().offload_peak_bytes == 0.0
+    assert calibrator.calibration().offload_peak_bytes is None  # the prior stands in
     observe(planner.Candidate(("core_attn",), 1.0, None))
     calibration = calibrator.calibration()
     assert calibration.offload_peak_bytes == pytest.approx(1.5 * 2**30, rel=1e-3)
@@ -687,7 +687,7 @@ def test_an_offload_plan_out_of_memory_raises_the_offload_peak_to_what_it_needed
     ]
     for candidate in ignored:
         calibrator.observe_failure(candidate)
-    assert calibrator.calibration().offload_peak_bytes == 0.0
+    assert calibrator.calibration().offload_peak_floor_bytes == 0.0
     offload.failure = {"oom": {"allocated_gib": needed - 0.5, "tried_gib": 0.5}}
     calibrator.observe_failure(offload)
     predict = planner.predictor(costs.layers, calibrator.calibration())

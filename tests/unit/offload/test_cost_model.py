@@ -143,3 +143,28 @@ def test_host_time_per_hook_is_what_the_measured_run_adds_beyond_the_model():
     assert cm.host_s_per_hook(without + 2 * 4 * 0.002, removed, CAL) == pytest.approx(0.002)
     assert cm.host_s_per_hook(without - 0.1, removed, CAL) == 0.0
     assert cm.host_s_per_hook(1.0, cm.removal(KINDS, Plan()), CAL) is None
+
+
+def test_before_an_offload_plan_is_measured_two_layers_of_its_copies_stand_in_for_the_offset():
+    """An offload plan peaks beyond the line. Until one is measured the model adds two layers'
+    worth of what the plan moves (the last layer's groups Megatron keeps and the first
+    reload); a fitted offset replaces that, a failed plan's need is a floor under both, and a
+    plan without offloading (or under full recompute) gets none."""
+    plan = Plan(frozenset({"core_attn"}))
+    removed = cm.removal(KINDS, plan)
+    line = cm.peak_bytes(CAL.resident_bytes, removed.activation_bytes)
+    per_layer = removed.offloaded_bytes / 3  # four layers, the last one kept
+    assert per_layer == 3 * GIB
+    assert cm.predict(KINDS, plan, CAL).peak_bytes == line + 2 * per_layer
+    fitted = dataclasses.replace(CAL, offload_peak_bytes=1 * GIB)
+    assert cm.predict(KINDS, plan, fitted).peak_bytes == line + 1 * GIB
+    floored = dataclasses.replace(fitted, offload_peak_floor_bytes=9 * GIB)
+    assert cm.predict(KINDS, plan, floored).peak_bytes == line + 9 * GIB
+    for other in (
+        Plan(recompute=frozenset({"mlp"})),
+        Plan(frozenset({"layer_input"}), full=UNIFORM),
+    ):
+        bare = cm.removal(KINDS, other)
+        assert cm.predict(KINDS, other, floored).peak_bytes == cm.peak_bytes(
+            CAL.resident_bytes, bare.activation_bytes
+        )
