@@ -185,6 +185,7 @@ def cases_for(model: str) -> dict[str, dict[str, Any]]:
 NUMBER_PARTS: dict[str, tuple[str, Any]] = {
     "frac": ("activation_offload_fraction", float),
     "lp": (LOGPROB_CHUNK, int),
+    "lpo": (LOGPROB_CHUNK, int),  # with chunked_output_layer (mixed_case)
 }
 
 
@@ -224,18 +225,14 @@ def mixed_case(name: str) -> dict[str, Any]:
                 settings["activation_offload_fraction_by_module"] = _module_fractions(value)
             except ValueError:
                 raise KeyError(name) from None
-        elif kind == "lpo" and value:
-            try:
-                settings[LOGPROB_CHUNK] = int(value)
-            except ValueError:
-                raise KeyError(name) from None
-            settings["chunked_output_layer"] = True
         elif kind in NUMBER_PARTS and value:
             key, parse = NUMBER_PARTS[kind]
             try:
                 settings[key] = parse(value)
             except ValueError:
                 raise KeyError(name) from None
+            if kind == "lpo":
+                settings["chunked_output_layer"] = True
         else:
             raise KeyError(name)
     return settings

@@ -181,10 +181,12 @@ def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]
     """Every candidate the planner considers, before the rules: with each selective recompute
     set, each subset of the offload modules that still have bytes to move, at each fraction;
     full recompute of every layer, with and without the layer inputs offloaded, and of the
-    first N layers; each of them also with the loss's log-softmax in chunks
-    (:data:`LEAN_LOSS_CHUNK`) where the table knows that loss's bytes (a recipe without a
-    ``logprob_chunk_size``). A DTensor policy reads one recompute switch (full recompute) and
-    so gets no selective, block or chunked-loss candidates."""
+    first N layers. Where the table knows the bytes of the loss's log-softmax in chunks (a
+    recipe without a ``logprob_chunk_size``), every candidate sets one
+    (:data:`LEAN_LOSS_CHUNK`): the cost model times the loss the same either way and the
+    chunked one keeps less, so a candidate without it could never be chosen. A DTensor policy
+    reads one recompute switch (full recompute) and so gets no selective, block or
+    chunked-loss candidates."""
     layers = table.stage_layers
     recompute_sets = (
         [()] if dtensor else list(_subsets(MOE_RECOMPUTE if is_moe else DENSE_RECOMPUTE))
@@ -201,7 +203,7 @@ def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]
         for covered in range(step, layers, step):
             out.append(Candidate((), 1.0, None, full_recompute=True, recompute_num_layers=covered))
     if table.lean_model is not None and not dtensor:
-        out += [dataclasses.replace(c, logprob_chunk=LEAN_LOSS_CHUNK) for c in out]
+        out = [dataclasses.replace(c, logprob_chunk=LEAN_LOSS_CHUNK) for c in out]
     return out
 
 

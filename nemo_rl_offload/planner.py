@@ -378,9 +378,12 @@ class Calibrator:
         return calibration
 
 
-def _layer_costs(section: dict[str, Any], base_dir: Any, microbatches: int) -> RecipeCosts:
+def _layer_costs(
+    section: dict[str, Any], base_dir: Any, microbatches: int, chunked_loss: bool = True
+) -> RecipeCosts:
     """The recipe's :class:`RecipeCosts` from its activation ledger, measured on the CPU (a
-    seam: tests give a small one)."""
+    seam: tests give a small one); with ``chunked_loss`` and no ``logprob_chunk_size`` in the
+    recipe, also the loss's bytes with one (the ledger measured again with it)."""
     from nemo_rl_offload.config.model_presets import section_architecture
     from nemo_rl_offload.models.ledger_run import build_ledger
     from nemo_rl_offload.offload import apply, ledger
@@ -402,7 +405,7 @@ def _layer_costs(section: dict[str, Any], base_dir: Any, microbatches: int) -> R
     element = dtype_bytes(section.get("precision") or "float32")
     hidden = int(effective.value("hidden_size"))
     lean = None
-    if not section.get("logprob_chunk_size"):  # the chunked-loss candidates' bytes
+    if chunked_loss and not section.get("logprob_chunk_size"):
         lean = build_ledger({**section, "logprob_chunk_size": LEAN_LOSS_CHUNK}, base_dir=base_dir)
     layers = layer_costs(effective, built, flops, element, lean)
     forward = layers.forward_flops()
@@ -537,7 +540,8 @@ def _plan(
         return verdicts[candidate.name]
 
     print("plan: the activation ledger (on the CPU) ...", file=err)
-    costs = _layer_costs(recipe["policy"], Path.cwd(), step_microbatches(recipe))
+    # A DTensor policy gets no chunked-loss candidates (plan_menu.menu): no second ledger.
+    costs = _layer_costs(recipe["policy"], Path.cwd(), step_microbatches(recipe), not dtensor)
     candidates = menu(costs.layers.table, is_moe, dtensor)
     calibrator = Calibrator(costs)
 

@@ -83,10 +83,11 @@ def gym_settings(env_cfg: Mapping[str, Any]) -> GymSettings:
     )
 
 
-def _gym_root(python: str) -> str:
-    """NeMo-Gym's install root under ``python`` (its built-in servers and configs)."""
+def _require_nemo_gym(python: str) -> None:
+    """Refuse, in one line, a ``python`` that cannot import NeMo-Gym (before NeMo-Gym's own
+    command would fail in its log)."""
     done = subprocess.run(
-        [python, "-c", "import nemo_gym; print(nemo_gym.PARENT_DIR)"],
+        [python, "-c", "import nemo_gym"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -97,7 +98,6 @@ def _gym_root(python: str) -> str:
             f"{GYM_PYTHON_ENV}: {python} cannot import nemo_gym ({reason}); install nemo-gym "
             "into that environment (scripts/nemo-gym-venv makes one)"
         )
-    return done.stdout.strip()
 
 
 def _free_port() -> int:
@@ -150,7 +150,7 @@ class NemoGymServers:
     def start(self) -> NemoGymServers:
         """Start NeMo-Gym and return once every server answers."""
         self._workdir.mkdir(parents=True, exist_ok=True)
-        _gym_root(self._python)  # a Python that cannot import nemo_gym fails here, in one line
+        _require_nemo_gym(self._python)
         head_port = _free_port()
         ours = self._workdir / "nemo_gym_run.yaml"
         ours.write_text(yaml.safe_dump(self._global_config(head_port), sort_keys=False))

@@ -162,17 +162,17 @@ def _chunk_logprobs(
 class ChunkedOutputLogprobs:
     """``GPTModel.forward``'s ``output_processor`` for the labels path: the final hidden states
     [s_local, b, h] -> minus the labels' log-probabilities [b, s] in float32 (what Megatron's
-    plain path returns), ``chunk`` positions of the local sequence at a time, each chunk's
-    logits recomputed in the backward (module docstring). ``chunk`` None: the whole sequence
-    at once and nothing recomputed (the processor then only carries the temperature)."""
+    plain path returns). With ``output_layer_chunked``, ``chunk`` positions of the local
+    sequence at a time, each chunk's logits recomputed in the backward (module docstring);
+    otherwise the output layer over the whole sequence and its log-softmax ``chunk`` positions
+    at a time (``chunk`` None: at once; the processor then only carries the temperature)."""
 
     def __init__(
         self, chunk: int | None, temperature: float = 1.0, *, output_layer_chunked: bool = True
     ) -> None:
         self.chunk = int(chunk) if chunk else None
         self.temperature = float(temperature)
-        # False: the output layer whole, only its log-softmax in chunks (NeMo-RL's meaning).
-        self.output_layer_chunked = output_layer_chunked
+        self.output_layer_chunked = output_layer_chunked and self.chunk is not None
 
     def __call__(
         self,
@@ -206,12 +206,12 @@ class ChunkedOutputLogprobs:
         if not self.output_layer_chunked:
             logprobs = step(hidden_states, output_weight, labels, lo=0, softmax_chunk=self.chunk)
             return (-logprobs).transpose(0, 1).contiguous()
-        checkpointed = torch.is_grad_enabled() and self.chunk is not None
+        checkpointed = torch.is_grad_enabled()
         pieces = []
         lo = 0
         # One split (one node in the backward) rather than a slice per chunk, whose gradients
         # would each be a zero-padded copy of the whole hidden states.
-        for hidden in torch.split(hidden_states, self.chunk or local, dim=0):
+        for hidden in torch.split(hidden_states, self.chunk, dim=0):
             if checkpointed:
                 piece = checkpoint(
                     functools.partial(step, lo=lo),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_offload.models.chunked_logprobs import chunk_settings, install
 from nemo_rl_offload.models.parallel import single_rank_megatron
 from nemo_rl_offload.offload import apply
 from nemo_rl_offload.offload.apply import EffectiveSettings
@@ -33,7 +34,6 @@ def build_model(effective: EffectiveSettings, architecture: Any, section: dict[s
     CPU, with RMSNorms that keep what the GPU keeps
     (:mod:`nemo_rl_offload.offload.cuda_norms`)."""
     from nemo_rl_offload.models.builder import build_gpt_model
-    from nemo_rl_offload.models.chunked_logprobs import chunk_settings, install
     from nemo_rl_offload.offload.cuda_norms import with_cuda_rms_norms
 
     model, _ = build_gpt_model(effective, architecture, on_gpu=False)
@@ -77,8 +77,6 @@ def build_ledger(
     effective = apply.effective_settings(section, architecture, where=where, te_installed=False)
     tokens, source = tokens_per_microbatch(section, where)
     seq = int(section.get("max_total_sequence_length") or tokens)
-    from nemo_rl_offload.models.chunked_logprobs import chunk_settings
-
     chunked = chunk_settings(section)[1]  # the output layer in chunks: no logits kept
     kinds: list[LayerKind] = []
     with single_rank_megatron():

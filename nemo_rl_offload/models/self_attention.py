@@ -1,5 +1,5 @@
-"""Self-attention whose keys and values own their memory and whose rotary embedding keeps no
-tables for the backward (the local spec's ``self_attention``).
+"""Self-attention whose keys and values own their memory and whose rotary embedding shares one
+pair of tables across layers (the local spec's ``self_attention``).
 
 Why, keys and values: Megatron's ``SelfAttention.get_query_key_value_tensors`` splits the fused
 QKV projection's output into views. The query is reshaped (a copy) and rotary embeddings give
@@ -36,6 +36,7 @@ import weakref
 from typing import Any
 
 import torch
+from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.attention import Attention, SelfAttention
 from torch import Tensor
@@ -144,8 +145,6 @@ class CompactKVSelfAttention(SelfAttention):
     def _rotary_is_ours(self, arguments: dict[str, Any]) -> bool:
         """A training forward on the unfused rotary path Megatron would take (no inference
         context, no fused kernels, no flash decoding), on the code the path was checked on."""
-        from megatron.core.inference.utils import InferenceMode
-
         config = self.config
         return (
             torch.is_grad_enabled()

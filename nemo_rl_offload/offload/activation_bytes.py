@@ -28,7 +28,7 @@ What the arithmetic knows (each rule is Megatron's behaviour on the local layer 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_rl_offload.offload.apply import EffectiveSettings
@@ -250,11 +250,7 @@ class ActivationTable:
     def with_lean_loss(self, lean_ledger: Ledger, effective: EffectiveSettings) -> ActivationTable:
         """This table with ``lean_model`` from the ledger of the same recipe with a
         ``logprob_chunk_size`` (its model entries: the logits kept in their precision)."""
-        import dataclasses
-
-        return dataclasses.replace(
-            self, lean_model=_model_bytes(lean_ledger, self.tokens, effective)
-        )
+        return replace(self, lean_model=_model_bytes(lean_ledger, self.tokens, effective))
 
     @classmethod
     def of(
@@ -270,10 +266,9 @@ class ActivationTable:
         counts = stage_layer_counts(effective)
         minimum = effective.value("min_offloaded_tensor_size", DEFAULT_MIN_OFFLOADED_TENSOR_SIZE)
         rows: list[Row] = []
-        model = 0.0
+        model = _model_bytes(ledger, tokens, effective)
         for kind in ledger.kinds:
             if kind.kind == MODEL:
-                model = _model_bytes(ledger, tokens, effective)
                 continue
             layers = counts.get(kind.kind, 0)
             for e in kind.entries:

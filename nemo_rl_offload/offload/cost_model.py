@@ -146,12 +146,11 @@ class Calibration:
     h2d_bytes_per_s: float
     host_s_per_hook: float = 0.0
     # What an offload plan's peak holds beyond the activations it keeps, fitted from the
-    # offload plans measured (None until one is: :func:`offload_peak_prior_bytes`, a lower
-    # bound, stands in):
-    # such a plan peaks as the backward starts, with the output layer's gradients and the
-    # first reloads beside everything kept, where full recompute and the plain step, which the
-    # line is fitted to, peak elsewhere. On the 3B shape it was the same for every
-    # attention-offload plan of one length and grew with the tokens
+    # offload plans measured (None until one is; :func:`offload_peak_prior_bytes`, a lower
+    # bound, stands in). Such a plan peaks as the backward starts, with the output layer's
+    # gradients and the first reloads beside everything kept, where full recompute and the
+    # plain step, which the line is fitted to, peak elsewhere. On the 3B shape it was the same
+    # for every attention-offload plan of one length and grew with the tokens
     # (benchmarks/results/2026-11-25_h100x2_long_context_3b.md; the planner's replay of it in
     # tests/unit/test_cost_model_replay.py).
     offload_peak_bytes: float | None = None

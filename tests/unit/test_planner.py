@@ -116,21 +116,22 @@ def test_the_menu_offloads_only_what_recompute_leaves_and_covers_full_and_block_
     assert not any(c.recompute_modules or c.recompute_num_layers for c in dtensor)
 
 
-def test_a_recipe_without_a_chunked_loss_gets_every_candidate_with_one_too():
+def test_a_recipe_without_a_chunked_loss_gets_it_in_every_candidate():
     """Where the table knows the chunked log-softmax's bytes (a recipe without a
-    logprob_chunk_size), each candidate has a twin that sets it: its patch sets the policy key,
-    its name says so, and it keeps the table's lean model bytes instead of the plain ones."""
+    logprob_chunk_size), every candidate sets it (the same menu otherwise): its patch sets the
+    policy key, its name says so, it keeps the table's lean model bytes instead of the plain
+    ones, and the cost model times it as the plain loss (so a plain twin could never win)."""
     import dataclasses
 
+    from nemo_rl_offload.offload import cost_model
     from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, menu
 
     costs = small_costs(layers=8)
     plain = menu(costs.layers.table, is_moe=False, dtensor=False)
     assert not any(c.logprob_chunk for c in plain)  # the table does not know that loss
     table = dataclasses.replace(costs.layers.table, lean_model=0.25 * GIB)
-    both = menu(table, is_moe=False, dtensor=False)
-    lean = [c for c in both if c.logprob_chunk == LEAN_LOSS_CHUNK]
-    assert len(lean) == len(plain) and len(both) == 2 * len(plain)
+    lean = menu(table, is_moe=False, dtensor=False)
+    assert all(c.logprob_chunk == LEAN_LOSS_CHUNK for c in lean) and len(lean) == len(plain)
     twin = next(c for c in lean if c.modules == ("core_attn",) and not c.recompute_modules)
     assert twin.name == f"core_attn, log-softmax in chunks of {LEAN_LOSS_CHUNK}"
     patch = twin.patch()["policy"]
@@ -140,6 +141,11 @@ def test_a_recipe_without_a_chunked_loss_gets_every_candidate_with_one_too():
     assert "logprob_chunk_size" not in original.patch()["policy"]
     kept = table.estimate(twin.settings()).total
     assert table.estimate(original.settings()).total - kept == pytest.approx(0.75 * GIB)
+    both = cost_model.LayerCosts(table, costs.layers.flops)
+    calibration = dataclasses.replace(Simulated(costs, 32.0).truth, offload_peak_bytes=0.0)
+    assert cost_model.predict(both, twin.settings(), calibration).step_s == pytest.approx(
+        cost_model.predict(both, original.settings(), calibration).step_s
+    )
     assert not any(c.logprob_chunk for c in menu(table, is_moe=False, dtensor=True))
 
 
@@ -725,6 +731,7 @@ def test_the_chunked_loss_candidates_bytes_are_validates_estimate_of_the_patched
     costs = planner._layer_costs(section, None, 2)
     table = costs.layers.table
     assert table.lean_model is not None and table.lean_model < table.model
+    assert planner._layer_costs(section, None, 2, False).layers.table.lean_model is None
     plain = Candidate(("core_attn",), 1.0, None)
     lean = Candidate(("core_attn",), 1.0, None, logprob_chunk=LEAN_LOSS_CHUNK)
     patched = deep_merge({"policy": section}, lean.patch())["policy"]

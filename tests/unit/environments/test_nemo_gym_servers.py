@@ -50,7 +50,7 @@ def test_a_python_without_nemo_gym_is_named(monkeypatch):
     assert gym_python() == sys.executable
     if sys.modules.get("nemo_gym") is None:  # this environment has no NeMo-Gym
         with pytest.raises(UserInputError, match="cannot import nemo_gym"):
-            nemo_gym._gym_root(sys.executable)
+            nemo_gym._require_nemo_gym(sys.executable)
 
 
 class _Agent(http.server.BaseHTTPRequestHandler):

@@ -71,7 +71,7 @@ def _forward_backward(forward, attention, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_the_rotary_embedding_keeps_no_tables_and_trains_bit_for_bit_as_megatrons(
+def test_the_rotary_embedding_trains_bit_for_bit_as_megatrons_and_hides_its_tables(
     build_tiny, dtype, packed
 ):
     """A training forward-backward of the local spec's attention (padded, or a packed batch of
