@@ -586,6 +586,26 @@ def model_overrides_refused(args: argparse.Namespace) -> bool:
     return False
 
 
+GC_ENV = "OFFLOAD_BENCHMARK_GC"
+
+
+def _python_gc_after_first_step() -> None:
+    """An experiment's switch (``OFFLOAD_BENCHMARK_GC``): after the first step, ``freeze``
+    moves every object alive into the collector's permanent generation (later collections do
+    not walk them); ``off`` turns automatic collection off. Unset: Python's defaults."""
+    import gc
+
+    mode = os.environ.get(GC_ENV, "")
+    if mode == "freeze":
+        gc.collect()
+        gc.freeze()
+    elif mode == "off":
+        gc.collect()
+        gc.disable()
+    elif mode:
+        raise SystemExit(f"{GC_ENV}={mode}: give freeze, off or nothing")
+
+
 def run_case(
     name: str, settings: dict[str, Any], args: argparse.Namespace, data: list, on_gpu: bool
 ) -> dict[str, Any]:
@@ -612,7 +632,9 @@ def run_case(
             else contextlib.nullcontext()
         )
         steps = []
-        for step in data:
+        for index, step in enumerate(data):
+            if index == 1:
+                _python_gc_after_first_step()
             with context:
                 steps.append(worker.train(step, {"name": "nll"}))
         forward: dict[str, float] = {}

@@ -11,6 +11,8 @@ profiler. From the trace's GPU timeline the step is split into:
   ``idle_during_h2d_s`` (compute waiting while a reload runs: a reload on the critical path),
   ``idle_during_d2h_s`` (an offload copy runs, no reload), ``idle_no_copy_s`` (nothing on the
   GPU: the CPU is behind, launching kernels or running the offload hooks);
+- ``idle_host_behind_s``: the idle stretches the host caused, across those three (the kernel
+  that ends the stretch was launched after it began: the GPU had run out of queued work);
 - copy-engine busy time per direction and with both directions at once
   (``both_directions_busy_s``: they then share the link), kernel count, and the host calls
   that block (syncs).
@@ -30,6 +32,11 @@ function (``python_top``: the functions with the most own time; ``python_offload
 cumulative time of Megatron's offload hooks and this package's offload runtime), which the GPU
 timeline shows only as "CPU behind".
 
+With ``--profiled-steps N``, N consecutive steps run under the profiler and each gets its own
+split (``per_step``, beside each step's forward-backward time): slow steps set beside fast ones
+show where a step-to-step spread comes from. ``--recipe`` runs the cases on a recipe's policy,
+as offload_benchmark.py's does.
+
 Output: ``profile_<model>_seq<N>.json`` in --out (one summary per case) and a gzipped Chrome
 trace per case, loadable in chrome://tracing or Perfetto; with ``--host``,
 ``host_<model>_seq<N>.json`` (the medians per case).
@@ -42,9 +49,11 @@ Run on a GPU machine:
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gzip
 import json
+import os
 import statistics
 import sys
 import time
@@ -118,6 +127,11 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             blocking.setdefault(name, []).append(event["dur"] * 1e-6)
     if not kernels:
         return {"error": "no kernels in the trace"}
+    launches = {
+        event["args"]["correlation"]: event["ts"] * 1e-6
+        for event in events
+        if event.get("cat") == "cuda_runtime" and "correlation" in event.get("args", {})
+    }
     compute_stream = max(kernels, key=lambda stream: _length(bench.union(kernels[stream])))
     compute = bench.union([span for spans in kernels.values() for span in spans])
     every_gpu_span = [s for spans in kernels.values() for s in spans] + [
@@ -129,6 +143,19 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     idle_h2d = _length(_intersect(idle, h2d))
     idle_d2h_only = _length(_intersect(_complement(h2d, window), _intersect(idle, d2h)))
     idle_total = _length(idle)
+    # An idle stretch the host caused: the kernel that ends it was launched after it began
+    # (the GPU had run out of work). Otherwise the kernel was queued and waited on an event.
+    starts = sorted(
+        (event["ts"] * 1e-6, launches.get(event.get("args", {}).get("correlation")))
+        for event in events
+        if event.get("cat") == "kernel" and event.get("ph") == "X"
+    )
+    next_kernel = [start for start, _ in starts]
+    host_behind = 0.0
+    for gap_start, gap_end in idle:
+        index = bisect.bisect_left(next_kernel, gap_end)
+        if index < len(starts) and starts[index][1] is not None and starts[index][1] > gap_start:
+            host_behind += gap_end - gap_start
     return {
         "window_s": window[1] - window[0],
         "compute_busy_s": _length(compute),
@@ -136,6 +163,7 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "idle_during_h2d_s": idle_h2d,
         "idle_during_d2h_s": idle_d2h_only,
         "idle_no_copy_s": idle_total - idle_h2d - idle_d2h_only,
+        "idle_host_behind_s": host_behind,
         "d2h_busy_s": _length(d2h),
         "h2d_busy_s": _length(h2d),
         # Copies out and back at once share the PCIe link (~50 GB/s each way against ~55 for
@@ -152,6 +180,33 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             for name, durations in sorted(blocking.items())
         },
     }
+
+
+STEP_MARK = "profiled step "
+
+
+def split_steps(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The trace's events by profiled step: each step ran inside a host range named
+    ``STEP_MARK`` + its index and ended with a device synchronize, so a GPU event belongs to the
+    step whose host range holds its start (the trace's host and GPU clocks are one timeline).
+    The profiler also draws each range on the GPU timeline (``gpu_user_annotation``); those
+    copies are events of their step, not steps."""
+    ranges = sorted(
+        (event["ts"], event["ts"] + event["dur"])
+        for event in events
+        if event.get("ph") == "X"
+        and event.get("cat") == "user_annotation"  # not its copy on the GPU timeline
+        and str(event.get("name", "")).startswith(STEP_MARK)
+    )
+    steps: list[list[dict[str, Any]]] = [[] for _ in ranges]
+    for event in events:
+        if event.get("ph") != "X" or "dur" not in event:
+            continue
+        for index, (start, end) in enumerate(ranges):
+            if start <= event["ts"] < end:
+                steps[index].append(event)
+                break
+    return steps
 
 
 OFFLOAD_CODE = ("fine_grained_activation_offload", "nemo_rl_offload/offload/")
@@ -290,12 +345,20 @@ def _case_worker(name: str, args: argparse.Namespace, steps: int) -> tuple[Any, 
     from nemo_rl_offload.config.model_presets import architecture_for
 
     settings = bench.resolve_cases(args.model, [name])[name]
-    section = bench.section_for(
-        args.model, args.seq, settings, model_overrides=bench.parse_model_overrides(args)
-    )
+    if args.recipe:
+        section = bench.recipe_section(
+            args.recipe, args.recipe_override, args.model, args.seq, settings
+        )
+    else:
+        section = bench.section_for(
+            args.model, args.seq, settings, model_overrides=bench.parse_model_overrides(args)
+        )
     errors = bench.check_section(section)
     if errors:
         return {"case": name, "rejected": errors}
+    # The recipe's worker environment, as its Ray workers get it (the CUDA allocator's
+    # settings are read when this process first allocates on the GPU).
+    os.environ.update(section["megatron_cfg"].get("env_vars") or {})
     vocab = architecture_for(args.model).vocab_size
     data = bench.batches(steps, args.microbatches, args.rows, args.seq, vocab)
     worker = bench.build_worker(section, on_gpu=True)
@@ -323,28 +386,38 @@ def host_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         worker.close()
     keys = sorted({key for step in steps for key in step})
     medians = {key: statistics.median(step.get(key, 0.0) for step in steps) for key in keys}
-    return {"case": name, "steps": len(steps), **medians}
+    return {"case": name, "steps": len(steps), **medians, "per_step": steps}
 
 
 def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     import torch
 
-    prepared = _case_worker(name, args, args.warmup + 1)
+    profiled = args.profiled_steps
+    prepared = _case_worker(name, args, args.warmup + profiled)
     if isinstance(prepared, dict):
         return prepared
     worker, data = prepared
     python: dict[str, Any] = {}
+    per_step: list[dict[str, Any]] = []
     try:
-        for step in data[:-1]:
+        for step in data[:-profiled]:
             worker.train(step, {"name": "nll"})
         torch.cuda.synchronize()
         if args.python:
-            python = python_profile(lambda: worker.train(data[-2], {"name": "nll"}))
+            python = python_profile(lambda: worker.train(data[-profiled - 1], {"name": "nll"}))
             torch.cuda.synchronize()
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
-            metrics = worker.train(data[-1], {"name": "nll"})
-            torch.cuda.synchronize()
+            for index, step in enumerate(data[-profiled:]):
+                with torch.profiler.record_function(f"{STEP_MARK}{index}"):
+                    metrics = worker.train(step, {"name": "nll"})
+                    torch.cuda.synchronize()
+                per_step.append(
+                    {
+                        "fwd_bwd_s": metrics.get("fwd_bwd_time_s"),
+                        "offloaded_gib_per_step": metrics.get("offloaded_gib_per_step", 0.0),
+                    }
+                )
     finally:
         worker.close()
     raw = out / f".trace_{name}.json"
@@ -353,14 +426,13 @@ def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, An
     with gzip.open(out / f"trace_{args.model}_seq{args.seq}_{name}.json.gz", "wt") as sink:
         json.dump(trace, sink)
     raw.unlink()
-    summary = summarise_trace(trace.get("traceEvents", []))
-    return {
-        "case": name,
-        "fwd_bwd_s": metrics.get("fwd_bwd_time_s"),
-        "offloaded_gib_per_step": metrics.get("offloaded_gib_per_step", 0.0),
-        **summary,
-        **python,
-    }
+    events = trace.get("traceEvents", [])
+    if profiled == 1:
+        return {"case": name, **per_step[0], **summarise_trace(events), **python}
+    # Several steps: each step's own split, to set slow steps beside fast ones.
+    for index, (record, step_events) in enumerate(zip(per_step, split_steps(events), strict=True)):
+        record.update({"step": index, **summarise_trace(step_events)})
+    return {"case": name, "per_step": per_step, **python}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,6 +442,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3, help="steps before the profiled one")
+    parser.add_argument(
+        "--profiled-steps",
+        type=int,
+        default=1,
+        help="consecutive steps under the profiler; with more than one, a split per step",
+    )
+    parser.add_argument(
+        "--recipe",
+        default=None,
+        help="run the cases on this recipe's policy, as offload_benchmark.py's --recipe",
+    )
+    parser.add_argument(
+        "--recipe-override",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="an override of --recipe (repeatable)",
+    )
     parser.add_argument("--cases", default="no_offload,fgo_norms,fgo_all5")
     parser.add_argument(
         "--model-override",
@@ -399,6 +489,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if bench.model_overrides_refused(args):
         return 2
+    if args.recipe and args.model_override:
+        print("--model-override: give it in --recipe-override lines with --recipe", file=sys.stderr)
+        return 2
+    if args.profiled_steps < 1:
+        print("--profiled-steps: give 1 or more", file=sys.stderr)
+        return 2
     wanted = args.cases.split(",")
     try:
         bench.resolve_cases(args.model, wanted)
@@ -415,9 +511,10 @@ def main(argv: list[str] | None = None) -> int:
         brief = ("blocking_calls", "python_top", "python_offload")
         print(json.dumps({k: v for k, v in result.items() if k not in brief}), flush=True)
         results.append(result)
-    payload = {"environment": bench.environment(), "args": vars(args), "cases": results}
-    kind = "host" if args.host else "profile"
-    (out / f"{kind}_{args.model}_seq{args.seq}.json").write_text(json.dumps(payload, indent=1))
+        # Written after every case: a later case that fails keeps the earlier ones.
+        payload = {"environment": bench.environment(), "args": vars(args), "cases": results}
+        kind = "host" if args.host else "profile"
+        (out / f"{kind}_{args.model}_seq{args.seq}.json").write_text(json.dumps(payload, indent=1))
     return 0
 
 

@@ -42,3 +42,55 @@ def test_the_summary_splits_idle_time_by_copy_and_counts_both_directions_at_once
 
 def test_a_trace_without_kernels_says_so():
     assert profile.summarise_trace([]) == {"error": "no kernels in the trace"}
+
+
+def test_several_profiled_steps_split_by_their_host_ranges():
+    mark = profile.STEP_MARK
+    events = [
+        _span("user_annotation", f"{mark}0", 0, 1000),
+        _span("user_annotation", f"{mark}1", 1000, 2000),
+        _span("gpu_user_annotation", f"{mark}0", 5, 950, stream=7),  # the GPU's copy
+        _span("kernel", "gemm", 10, 500),
+        _span("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 600, 900, stream=20),
+        _span("kernel", "gemm", 1100, 1900),
+        {"ph": "i", "name": "marker", "ts": 5},  # not a span: no step holds it
+    ]
+    first, second = profile.split_steps(events)
+    assert [e["name"] for e in first] == [
+        f"{mark}0",
+        f"{mark}0",
+        "gemm",
+        "Memcpy DtoH (Device -> Pinned)",
+    ]
+    assert [e["name"] for e in second] == [f"{mark}1", "gemm"]
+    assert profile.summarise_trace(first)["d2h_busy_s"] == pytest.approx(300e-6)
+    assert profile.summarise_trace(second)["compute_busy_s"] == pytest.approx(800e-6)
+
+
+def test_idle_time_the_host_caused_is_told_from_waits_on_queued_work():
+    def kernel(start: float, end: float, correlation: int) -> dict:
+        event = _span("kernel", "k", start, end)
+        event["args"]["correlation"] = correlation
+        return event
+
+    def launch(at: float, correlation: int) -> dict:
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": at,
+            "dur": 5,
+            "args": {"correlation": correlation},
+        }
+
+    events = [
+        kernel(0, 100, 1),
+        launch(0, 1),
+        kernel(130, 200, 2),  # launched at 120, after the GPU went idle at 100: host behind
+        launch(120, 2),
+        kernel(250, 300, 3),  # launched at 50, long before: it waited (an event, a copy)
+        launch(50, 3),
+    ]
+    summary = profile.summarise_trace(events)
+    assert summary["idle_s"] == pytest.approx(80e-6)
+    assert summary["idle_host_behind_s"] == pytest.approx(30e-6)
