@@ -21,6 +21,7 @@ from nemo_rl_offload.config import (
     http_server,
     ignored_keys,
     nemo_gym,
+    on_policy_distillation,
     peft,
     quantization,
     router_replay,
@@ -29,6 +30,7 @@ from nemo_rl_offload.config.loader import load_recipe, unset_environment
 from nemo_rl_offload.config.model_presets import (
     Architecture,
     ModelNotOnMachine,
+    architecture_for,
     section_architecture,
 )
 from nemo_rl_offload.config.schema import grpo_loss_problems
@@ -256,6 +258,48 @@ def _check_tokenizer(recipe: dict[str, Any], report: Report, starting: bool) -> 
         _not_on_machine(exc, report, starting)
     except UserInputError as exc:
         report.errors += exc.problems
+
+
+def _check_teachers(
+    recipe: dict[str, Any], base_dir: Path | None, report: Report, starting: bool
+) -> None:
+    """On-policy distillation's rules, and its teachers' models: each must be on the machine
+    (as the policy's) and score the policy's vocabulary, since each token's advantage is the
+    teacher's log-probability of the policy's sampled token."""
+    env = recipe.get("env") if isinstance(recipe.get("env"), dict) else {}
+    errors, warnings_ = on_policy_distillation.problems(
+        recipe, has_agents=env.get("should_use_nemo_gym") is True
+    )
+    report.errors += errors
+    report.warnings += warnings_
+    if errors or not on_policy_distillation.enabled(recipe):
+        return
+    policy = recipe.get("policy")
+    if not isinstance(policy, dict) or not isinstance(policy.get("model_name"), str):
+        return
+    try:
+        student: Architecture | None = section_architecture(policy, base_dir=base_dir)
+    except (ModelNotOnMachine, UserInputError):
+        student = None  # the policy's own checks report it
+    routes = on_policy_distillation.routing(recipe)
+    for alias, model in routes.models.items():
+        if routes.group_of[alias] != alias:
+            continue
+        where = f"on_policy_distillation.teacher_model_by_agent_name.{alias}"
+        try:
+            teacher = architecture_for(model, base_dir=base_dir, where=where)
+        except ModelNotOnMachine as exc:
+            _not_on_machine(exc, report, starting, "; the teacher's checks were skipped")
+            continue
+        except UserInputError as exc:
+            report.errors += exc.problems
+            continue
+        if student is not None and teacher.vocab_size != student.vocab_size:
+            report.errors.append(
+                f"{where}: {model}'s vocabulary ({teacher.vocab_size}) differs from the "
+                f"policy's ({student.vocab_size}); a teacher must score the policy's tokens, "
+                "so give a model of the same tokenizer"
+            )
 
 
 def _not_on_machine(
@@ -486,6 +530,7 @@ def check_recipe(
         report.errors += grpo_options.async_problems(recipe)
         if isinstance(recipe.get("policy"), dict):
             report.warnings += grpo_options.sampling_warnings(recipe["policy"])
+        _check_teachers(recipe, base_dir, report, starting)
     unused_errors, unused_warnings = ignored_keys.check(recipe, starting=starting)
     report.errors += unused_errors
     report.warnings += unused_warnings

@@ -128,6 +128,7 @@ def _rollouts_json(rollouts: Rollouts) -> dict[str, Any]:
                 "env_spans": [[list(span) for span in spans] for spans in g.env_spans],
                 "turns": [[dataclasses.asdict(t) for t in turns] for turns in g.turns],
                 "masked": g.masked,
+                "agents": g.agents,  # on-policy distillation routes by them
             }
             for g in rollouts.groups
         ],
@@ -147,6 +148,7 @@ def _rollouts_from_json(data: Mapping[str, Any], group_type: type) -> Rollouts:
             env_spans=[tuple(tuple(span) for span in spans) for spans in g.get("env_spans", [])],
             turns=[tuple(GymTurn(**t) for t in turns) for turns in g.get("turns", [])],
             masked=list(g.get("masked", [])),
+            agents=list(g.get("agents", [])),
         )
         for g in data["groups"]
     ]

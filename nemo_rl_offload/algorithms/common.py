@@ -543,19 +543,23 @@ class Run:
         with_reference: bool = False,
         gpu_fraction: float = 1.0,
         logits_temperature: float = 1.0,
+        section: dict[str, Any] | None = None,
     ) -> PolicyGroup:
         """The workers of one policy section (``policy`` or ``teacher``), set up and ready;
         their environment carries what the offload rules require, and their warnings (e.g.
         offloading not applied on CPU) are shown. ``logits_temperature``: the temperature of
-        the distribution the workers' log-probabilities are taken from (GRPO's sampling one)."""
+        the distribution the workers' log-probabilities are taken from (GRPO's sampling one).
+        ``section``: a section the recipe does not hold under ``where`` (an on-policy
+        distillation teacher's, built from the policy's: its workers get the policy's
+        environment)."""
         group = PolicyGroup(
-            self.recipe[where],
+            self.recipe[where] if section is None else section,
             where=where,
             cluster_cfg=self.recipe["cluster"],
             seed=seed,
             trainable=trainable,
             with_reference=with_reference,
-            env_vars=self.report.worker_environment(where) or None,
+            env_vars=self.report.worker_environment(where if section is None else "policy") or None,
             gpu_fraction=gpu_fraction,
             logits_temperature=logits_temperature,
         )

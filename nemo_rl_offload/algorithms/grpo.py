@@ -21,6 +21,7 @@ from nemo_rl_offload.algorithms import (
     gym_rollouts,
     loop,
     loss_inputs,
+    opd,
     rewards,
     throughput,
 )
@@ -30,7 +31,12 @@ from nemo_rl_offload.algorithms.common import (
     Run,
     prepare,
 )
-from nemo_rl_offload.config import batch_checks, grpo_options, router_replay
+from nemo_rl_offload.config import (
+    batch_checks,
+    grpo_options,
+    on_policy_distillation,
+    router_replay,
+)
 from nemo_rl_offload.config.router_replay import NO_ROUTE
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.environments.nemo_gym_results import GymTurn
@@ -212,6 +218,8 @@ class PromptGroup:
     env_spans: list[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=list)
     turns: list[tuple[GymTurn, ...]] = dataclasses.field(default_factory=list)
     masked: list[bool] = dataclasses.field(default_factory=list)
+    # The NeMo-Gym agent of each response (empty for this backend's own rollouts).
+    agents: list[str | None] = dataclasses.field(default_factory=list)
 
 
 def make_groups(
@@ -250,6 +258,7 @@ def make_groups(
             [] if gym is None else gym.env_spans[start : start + group],
             [] if gym is None else gym.turns[start : start + group],
             [] if gym is None else gym.masked[start : start + group],
+            [] if gym is None else gym.agents[start : start + group],
         )
         for start in range(0, len(prompts), group)
     ]
@@ -432,6 +441,12 @@ def start(run: Run) -> loop.Steps:
         # distribution's temperature (top-k / top-p are not applied to them here)
         logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
     )
+    temperature = float((policy_cfg.get("generation") or {}).get("temperature", 1.0))
+    teachers = (
+        opd.Teachers.start(run, seed=seed, temperature=temperature)
+        if on_policy_distillation.enabled(run.recipe)
+        else None
+    )
     gym = gym_rollouts.start_sampling(run, policy, prompts, seed=seed)
     meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
@@ -520,13 +535,17 @@ def start(run: Run) -> loop.Steps:
         loss_metrics: dict[str, float] = dict(penalties)
         old_logprobs = None
         logprobs_began = time.perf_counter()
-        if options.needs_old_logprobs or error_threshold is not None:
+        if options.needs_old_logprobs or error_threshold is not None or teachers is not None:
             old_logprobs = run.forward_only(sequences, policy.token_logprobs)
             loss_metrics, dropped = loss_inputs.seq_logprob_error(
                 sequences, generation, old_logprobs, final_rewards, error_threshold
             )
             for index in dropped:
                 sequences[index].loss_multiplier = 0.0
+        if teachers is not None:  # each token's advantage: teacher minus student log-prob
+            agents = [a for g in groups for a in (g.agents or [None] * len(g.responses))]
+            clip = (cfg.get("advantage_clip_low"), cfg.get("advantage_clip_high"))
+            loss_metrics.update(teachers.advantages(run, sequences, agents, old_logprobs, clip))
         batches = run.training_batches(sequences, policy.dp_size)
         batches.attach("generation_logprobs", generation)
         if old_logprobs is not None:

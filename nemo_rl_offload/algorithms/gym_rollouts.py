@@ -62,6 +62,9 @@ class GymSamples:
     turns: list[tuple[GymTurn, ...]]
     truncated: list[bool]
     masked: list[bool]
+    # The agent that ran each sample (its row's agent_ref.name): on-policy distillation's
+    # teacher routing reads it.
+    agents: list[str | None] = dataclasses.field(default_factory=list)
 
 
 def request_rows(
@@ -111,6 +114,7 @@ def samples(
         out.truncated.append(len(rollout.ids) >= max_len)
         flagged = bool((result.get("instance_config") or {}).get("mask_sample", False))
         out.masked.append(mask_flagged and flagged)
+    out.agents = [(row.get("agent_ref") or {}).get("name") for row in rows]
     return out
 
 

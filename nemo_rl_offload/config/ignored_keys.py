@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nemo_rl_offload.config import grpo_options, multi_token_prediction
+from nemo_rl_offload.config.on_policy_distillation import OPD_ESTIMATOR
 from nemo_rl_offload.config.validate import show_value
 
 
@@ -195,9 +196,12 @@ def _same_as(dotted: str, default: Any) -> Callable[[Any, Mapping[str, Any]], bo
 
 def _grpo_estimator(value: Any, recipe: Mapping[str, Any]) -> bool:
     """grpo.adv_estimator is inert when it names GRPO's own estimator with the baseline and
-    normalisation grpo.* already sets (NeMo-RL's defaults)."""
+    normalisation grpo.* already sets (NeMo-RL's defaults), or on-policy distillation's
+    (whose rules are config/on_policy_distillation.py's)."""
     if value is None or value == {}:
         return True
+    if isinstance(value, Mapping) and value.get("name") == OPD_ESTIMATOR:
+        return True  # on-policy distillation's estimator: config/on_policy_distillation.py
     if not isinstance(value, Mapping) or value.get("name", "grpo") != "grpo":
         return False
     grpo = recipe.get("grpo") or {}
@@ -942,9 +946,6 @@ def _other_entries() -> dict[str, Unused]:
                 "rollouts stay in the driver; NeMo-RL's data plane transports them",
                 _switched_off,
             ),
-            "on_policy_distillation": _not_yet_section(
-                "on_policy_distillation", "distillation inside GRPO"
-            ),
             # async_rl: NeMo-RL's single-controller asynchronous trainer. Its samplers but the
             # custom one run as a lead (config/grpo_options.async_lead); what follows is the rest.
             "async_rl.sampler.name": Unused(
@@ -1011,7 +1012,8 @@ def _other_entries() -> dict[str, Unused]:
                 "grpo.use_leave_one_out_baseline)",
                 _grpo_estimator,
                 refuse="set grpo.adv_estimator.name to 'grpo' with normalize_rewards and "
-                "use_leave_one_out_baseline equal to grpo's (or remove it)",
+                "use_leave_one_out_baseline equal to grpo's (or remove it), or to 'opd' with "
+                "on_policy_distillation",
             ),
             "grpo.deduplicate_multimodal_data": Unused(
                 "language-model data has no multimodal parts", _always

@@ -762,6 +762,42 @@ class GRPOLossConfig(TypedDict):
     positive_example_nll_weight: NotRequired[Number]
 
 
+@with_config(_OPEN)
+class TeacherResourceConfig(TypedDict):
+    """A teacher's workers in NeMo-RL's on_policy_distillation.non_colocated_teachers; any other
+    key is a megatron_cfg setting of the teacher (config/on_policy_distillation.py)."""
+
+    tensor_model_parallel_size: NotRequired[int]
+    pipeline_model_parallel_size: NotRequired[int]
+    context_parallel_size: NotRequired[int]
+    expert_model_parallel_size: NotRequired[int]
+    num_nodes: NotRequired[int]
+    gpus_per_node: NotRequired[int]
+    precision: NotRequired[str]
+    micro_batch_size: NotRequired[int]
+    megatron_cfg_overrides: NotRequired[dict[str, Any]]
+
+
+@with_config(_STRICT)
+class NonColocatedTeachersConfig(TypedDict):
+    enabled: NotRequired[bool]
+    default_teacher_cfg: NotRequired[TeacherResourceConfig]
+    teacher_overrides: NotRequired[dict[str, TeacherResourceConfig]]
+
+
+@with_config(_STRICT)
+class OnPolicyDistillationConfig(TypedDict):
+    """NeMo-RL's multi-teacher on-policy distillation inside GRPO (``grpo.adv_estimator.name:
+    opd``); rules and meaning: config/on_policy_distillation.py."""
+
+    enabled: NotRequired[bool]
+    teacher_model_by_agent_name: NotRequired[dict[str, str]]
+    default_teacher_alias: NotRequired[str | None]
+    strict_agent_name_match: NotRequired[bool]
+    deduplicate_shared_teacher_checkpoints: NotRequired[bool]
+    non_colocated_teachers: NotRequired[NonColocatedTeachersConfig | None]
+
+
 @with_config(_STRICT)
 class DistillationConfig(TypedDict):
     num_prompts_per_step: int
@@ -822,7 +858,7 @@ class GRPOMasterConfig(TypedDict):
     # NeMo-RL sections of features this backend does not have (config/ignored_keys.py).
     reward_penalties: NotRequired[OpenSection | None]
     data_plane: NotRequired[OpenSection | None]
-    on_policy_distillation: NotRequired[OpenSection | None]
+    on_policy_distillation: NotRequired[OnPolicyDistillationConfig | None]
     async_rl: NotRequired[AsyncRLConfig | None]
 
 

@@ -79,6 +79,7 @@ def test_waiting_rollouts_survive_the_checkpoints_json_exactly():
         env_spans=[((4, 5),), ()],
         turns=[(GymTurn(3, 4, invalid_tool_call=True), GymTurn(5, 6)), (GymTurn(3, 4),)],
         masked=[False, True],
+        agents=["math_agent", None],  # on-policy distillation's teacher routing
     )
     pipeline = RolloutPipeline(
         1, lambda target: ([group], {"reward": 0.25}), exhausted=lambda: False, last_step=5
@@ -90,10 +91,11 @@ def test_waiting_rollouts_survive_the_checkpoints_json_exactly():
     (back,) = waiting.groups
     assert back.prompt == group.prompt and back.responses == group.responses
     assert back.truncated == group.truncated and back.logprobs == group.logprobs
-    assert (back.env_spans, back.turns, back.masked) == (
+    assert (back.env_spans, back.turns, back.masked, back.agents) == (
         group.env_spans,
         group.turns,
         group.masked,
+        group.agents,
     )
     for name in ("rewards", "scaled"):
         assert torch.equal(getattr(back, name), getattr(group, name))

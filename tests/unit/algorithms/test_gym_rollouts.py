@@ -5,6 +5,7 @@ file."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +16,11 @@ from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.grpo import PromptGroup, training_sequences
 from nemo_rl_offload.config.nemo_gym import uses_gym_rows
 from nemo_rl_offload.data.nemo_gym_rows import load_gym_rows
+from nemo_rl_offload.environments.nemo_gym import GymSettings
 from nemo_rl_offload.environments.nemo_gym_results import GymTurn
 from nemo_rl_offload.errors import UserInputError
 
+REPO = Path(__file__).resolve().parents[3]
 ROW = {
     "responses_create_params": {"input": [{"role": "user", "content": "hi"}], "top_p": 0.5},
     "agent_ref": {"name": "agent"},
@@ -142,3 +145,24 @@ def test_calibration_prompts_are_the_rows_first_requests_in_the_chat_template():
     )
     assert tokenizer.decode(second.ids).endswith("<|user|>\n3+3?\n<|assistant|>\n")
     assert first.prompt_len == len(first.ids)
+
+
+def test_each_sample_keeps_the_agent_that_ran_it():
+    """On-policy distillation routes each sample to a teacher by its row's agent name."""
+    result = json.loads(
+        (REPO / "tests/unit/environments/data/nemo_gym_tool_call_rollout.json").read_text()
+    )
+
+    class Gym:
+        settings = GymSettings(("model.yaml",), {})
+
+        def run(self, rows):
+            return [result for _ in rows]
+
+    rows = [
+        {"agent_ref": {"name": "math_agent"}},
+        {"agent_ref": {"name": "code_agent"}},
+        {"responses_create_params": {}},
+    ]
+    batch = gym_rollouts.samples(Gym(), rows, max_len=4096)
+    assert batch.agents == ["math_agent", "code_agent", None]

@@ -27,7 +27,6 @@ def _nest(dotted: str, value: object) -> dict:
 
 # (key, NeMo-RL's default, another value): not implemented yet, refused unless the default.
 NOT_YET = [
-    ("on_policy_distillation", {"enabled": False}, {"enabled": True}),
     ("grpo.adv_estimator", {"name": "grpo"}, {"name": "reinforce_plus_plus"}),
 ]
 

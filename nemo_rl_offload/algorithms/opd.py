@@ -1,0 +1,117 @@
+"""On-policy distillation inside GRPO (``grpo.adv_estimator.name: opd``): the teachers'
+worker groups and each token's advantage, the teacher's log-probability minus the student's
+before the step. The rules and the routing are config/on_policy_distillation.py's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_rl_offload.algorithms import rewards
+from nemo_rl_offload.algorithms.batching import TokenSequence
+from nemo_rl_offload.config import on_policy_distillation as opd_config
+from nemo_rl_offload.distributed.cluster import worker_count
+from nemo_rl_offload.models.policy_group import PolicyGroup
+
+PREFIX = opd_config.SECTION
+
+
+def token_advantages(
+    sequence: TokenSequence, teacher: np.ndarray, student: np.ndarray
+) -> np.ndarray:
+    """A sequence's advantages on its label positions (position t holds token t+1's):
+    teacher minus student log-probability on the response's tokens, 0 on the prompt's and on
+    the tokens of an environment's turns (which do not train)."""
+    length = len(sequence.ids)
+    values = np.zeros(length - 1, dtype=np.float32)
+    start = sequence.prompt_len - 1
+    gap = (
+        np.asarray(teacher, np.float32)[start : length - 1]
+        - np.asarray(student, np.float32)[start : length - 1]
+    )
+    values[start:] = gap
+    for begin, end in sequence.env_spans or ():
+        values[begin - 1 : end - 1] = 0.0
+    return values
+
+
+def response_mask(sequence: TokenSequence) -> np.ndarray:
+    """The label positions :func:`token_advantages` gives a value to."""
+    mask = np.zeros(len(sequence.ids) - 1, dtype=bool)
+    mask[sequence.prompt_len - 1 :] = True
+    for begin, end in sequence.env_spans or ():
+        mask[begin - 1 : end - 1] = False
+    return mask
+
+
+@dataclass
+class Teachers:
+    """The recipe's teacher groups (one per distinct model) and how samples reach them."""
+
+    routing: opd_config.TeacherRouting
+    groups: dict[str, PolicyGroup]
+
+    @classmethod
+    def start(cls, run: Any, *, seed: int, temperature: float) -> Teachers:
+        """Start one forward-only group per teacher model. They share the policy's GPUs
+        (``gpu_fraction``), and take their log-probabilities at the sampling temperature, as
+        the policy's are (NeMo-RL's teachers are built from the policy's config)."""
+        sections = opd_config.teacher_sections(run.recipe)
+        _, on_gpu = worker_count(run.recipe["cluster"])
+        share = 1.0 / (len(sections) + 1) if on_gpu else 1.0
+        groups = {
+            alias: run.start_group(
+                f"teacher '{alias}'",
+                seed=seed,  # a preset model's weights are the policy's own initial ones
+                trainable=False,
+                gpu_fraction=share,
+                logits_temperature=temperature,
+                section=section,
+            )
+            for alias, section in sections.items()
+        }
+        return cls(opd_config.routing(run.recipe), groups)
+
+    def advantages(
+        self,
+        run: Any,
+        sequences: Sequence[TokenSequence],
+        agents: Sequence[str | None],
+        student: Sequence[np.ndarray],
+        clip: tuple[float | None, float | None] = (None, None),
+    ) -> dict[str, float]:
+        """Set each sequence's per-token advantages (``extras["advantages"]``) from its
+        teacher's log-probabilities and ``student``'s (the policy's before the step), then
+        bounded by ``clip`` (grpo.advantage_clip_low / high, which NeMo-RL applies after its
+        estimator); the step's distillation metrics, under NeMo-RL's names (before the
+        bounds, as NeMo-RL's estimator logs them)."""
+        aliases = self.routing.aliases(agents)
+        teacher: list[np.ndarray | None] = [None] * len(sequences)
+        for group_key, group in self.groups.items():
+            picked = [i for i, a in enumerate(aliases) if self.routing.group_of[a] == group_key]
+            if not picked:
+                continue
+            scored = run.forward_only([sequences[i] for i in picked], group.token_logprobs)
+            for index, row in zip(picked, scored, strict=True):
+                teacher[index] = row
+        gaps = []
+        for sequence, own, theirs in zip(sequences, student, teacher, strict=True):
+            assert theirs is not None  # every alias has a group
+            values = token_advantages(sequence, theirs, own)
+            gaps.append(values[response_mask(sequence)])
+            sequence.extras["advantages"] = rewards.clip_advantages(
+                torch.from_numpy(values), *clip
+            ).numpy()
+        every = np.concatenate(gaps) if gaps else np.zeros(0, np.float32)
+        return {
+            f"{PREFIX}/teacher_student_logprob_gap_mean": float(every.mean())
+            if every.size
+            else 0.0,
+            f"{PREFIX}/adv_mean": float(every.mean()) if every.size else 0.0,
+            f"{PREFIX}/adv_std": float(every.std(ddof=1)) if every.size > 1 else 0.0,
+            **self.routing.metrics(aliases),
+        }
