@@ -264,6 +264,22 @@ def make_groups(
     ]
 
 
+def _gym_routes(batch: gym_rollouts.GymSamples, wanted: bool) -> list[Any] | None:
+    """``policy.router_replay`` on NeMo-Gym rollouts: each sample's routes as the policy's
+    HTTP server returned them through NeMo-Gym (NeMo-RL's ``require_routed_experts``: a
+    sample without them is an error, not a silent unreplayed one)."""
+    if not wanted:
+        return None
+    missing = sum(r is None for r in batch.routes)
+    if missing:
+        raise UserInputError(
+            f"policy.router_replay.enabled: {missing} of {len(batch.routes)} NeMo-Gym samples "
+            "came back without routed_experts; the model server must return them (NeMo-Gym's "
+            "vllm_model passes the policy server's through: return_token_id_information: true)"
+        )
+    return list(batch.routes)
+
+
 def collect_groups(
     run: Run,
     policy: PolicyGroup,
@@ -308,7 +324,7 @@ def collect_groups(
                 batch.rewards,
                 batch.logprobs,
             )
-            routes = None
+            routes = _gym_routes(batch, router_replay.enabled(run.policy_cfg))
         else:
             prompts, responses, scores, logprobs, routes = rollout(
                 run,

@@ -65,6 +65,9 @@ class GymSamples:
     # The agent that ran each sample (its row's agent_ref.name): on-policy distillation's
     # teacher routing reads it.
     agents: list[str | None] = dataclasses.field(default_factory=list)
+    # policy.router_replay: each sample's sampler routes over prompt and response (None each
+    # when the model server returned none).
+    routes: list[np.ndarray | None] = dataclasses.field(default_factory=list)
 
 
 def request_rows(
@@ -114,6 +117,7 @@ def samples(
         out.truncated.append(len(rollout.ids) >= max_len)
         flagged = bool((result.get("instance_config") or {}).get("mask_sample", False))
         out.masked.append(mask_flagged and flagged)
+        out.routes.append(rollout.routes)
     out.agents = [(row.get("agent_ref") or {}).get("name") for row in rows]
     return out
 

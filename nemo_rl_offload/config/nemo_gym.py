@@ -96,13 +96,6 @@ def problems(
             "(a model server such as responses_api_models/vllm_model/configs/"
             "vllm_model_for_training.yaml, and the resources servers and agents)"
         )
-    policy = recipe.get("policy") if isinstance(recipe.get("policy"), Mapping) else {}
-    replay = policy.get("router_replay")
-    if isinstance(replay, Mapping) and replay.get("enabled"):
-        errors.append(
-            "policy.router_replay.enabled: the policy's HTTP server does not return the "
-            "sampler's routes to NeMo-Gym yet; set it to false with env.should_use_nemo_gym"
-        )
     try:
         gym_python()
     except UserInputError as missing:

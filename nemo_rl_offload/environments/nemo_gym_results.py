@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.router_replay import ROUTES_KEY
 from nemo_rl_offload.errors import UserInputError
 
 __all__ = [
@@ -70,6 +71,10 @@ class GymRollout:
     # The sampler's log-probability of every token after the prompt (0 over env spans).
     logprobs: list[float]
     reward: float
+    # policy.router_replay: the sampler's experts of every position [len(ids), MoE layers, k]
+    # (each turn's prompt part from its prefill, its generated part from its decode; -1 where
+    # no forward fed a position), None when the model server returned none.
+    routes: np.ndarray | None = None
 
     @property
     def continuation(self) -> list[int]:
@@ -129,6 +134,7 @@ def rollout_from_result(
     env_spans: list[tuple[int, int]] = []
     turns: list[GymTurn] = []
     logprobs: list[float] = []
+    routes: list[np.ndarray] = []
     for item in output:
         generated = item.get("generation_token_ids")
         if not generated:  # not a generated turn (tool calls, tool results, user messages)
@@ -145,7 +151,7 @@ def rollout_from_result(
                 "chat history was changed between turns (truncated, reasoning stripped) or "
                 "retokenized differently; NeMo-RL refuses such rollouts too"
             )
-        new = prompt[len(ids) :]
+        new, seen = prompt[len(ids) :], len(ids)
         if prompt_len is None:
             prompt_len = len(new)
         elif new:
@@ -158,6 +164,7 @@ def rollout_from_result(
                 f"a NeMo-Gym turn has {len(generated)} generated tokens but {len(values)} "
                 "log-probabilities: the model server must return one per token"
             )
+        routes.append(_turn_routes(item, seen, len(prompt), len(generated), routes))
         invalid, malformed = turn_flags(item, patterns, tags)
         turns.append(GymTurn(len(ids), len(ids) + len(generated), invalid, malformed))
         ids += [int(t) for t in generated]
@@ -169,7 +176,32 @@ def rollout_from_result(
             "may already fill policy.max_total_sequence_length, or the model server does not "
             "return token ids (return_token_id_information: true)"
         )
-    return GymRollout(ids, prompt_len, tuple(env_spans), tuple(turns), logprobs, reward)
+    routed = None
+    if routes and all(r is not None and r.size for r in routes):
+        routed = np.concatenate(routes)
+    return GymRollout(ids, prompt_len, tuple(env_spans), tuple(turns), logprobs, reward, routed)
+
+
+def _turn_routes(
+    item: Mapping[str, Any], seen: int, prompt: int, generated: int, earlier: list[np.ndarray]
+) -> np.ndarray | None:
+    """One turn's rows of a rollout's routes (NeMo-Gym's ``routed_experts`` of the item: its
+    prompt and generated tokens' experts): the rows of the tokens new in this turn. The turn's
+    prefill also routed the previous turn's last token, which that turn's decode never fed, so
+    its row replaces the previous turn's last (as NeMo-RL stitches them)."""
+    raw = item.get(ROUTES_KEY)
+    if raw is None:
+        return None
+    table = np.asarray(raw)
+    if table.ndim != 3 or table.shape[0] < prompt + generated:
+        raise UserInputError(
+            f"a NeMo-Gym turn's {ROUTES_KEY} has shape {tuple(table.shape)}; the model server "
+            f"must return [tokens, MoE layers, k] for its {prompt} prompt and {generated} "
+            "generated tokens"
+        )
+    if seen and earlier and earlier[-1] is not None and earlier[-1].size:
+        earlier[-1][-1] = table[seen - 1]
+    return table[seen : prompt + generated].copy()
 
 
 def penalized_advantages(

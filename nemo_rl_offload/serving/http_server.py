@@ -17,12 +17,14 @@ checks that the three this server needs are there and fails naming the version o
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nemo_rl_offload.config.router_replay import ROUTES_KEY
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.serving import parsers as response_parsers
 from nemo_rl_offload.serving.sampler_client import SamplerClient
@@ -91,6 +93,31 @@ class ServingTokenizer:
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special=False)
+
+
+# megatron-core's chat endpoint puts a choice's routes (the sampler's experts of its prompt
+# and generated tokens) beside its message; NeMo-Gym's model server reads them from the message,
+# under this name (its TokenIDLogProbMixin), and hands them to the trainer with the tokens.
+_MEGATRON_ROUTES = "moe_topk_indices"
+
+
+async def _routes_in_messages(response: Any) -> Any:
+    """A chat completion's routes also in each message as ``routed_experts`` (``policy.
+    router_replay`` through NeMo-Gym); any other response as it is."""
+    if response.status_code != 200 or response.mimetype != "application/json":
+        return response
+    body = await response.get_json()
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or not any(
+        isinstance(c, dict) and c.get(_MEGATRON_ROUTES) is not None for c in choices
+    ):
+        return response
+    for choice in choices:
+        message = choice.get("message")
+        if isinstance(message, dict) and choice.get(_MEGATRON_ROUTES) is not None:
+            message[ROUTES_KEY] = choice[_MEGATRON_ROUTES]
+    response.set_data(json.dumps(body))
+    return response
 
 
 def _endpoint_blueprints() -> list[Any]:
@@ -209,6 +236,11 @@ class PolicyServer:
             return jsonify(listing)
 
         app.register_blueprint(models)
+
+        @app.after_request
+        async def routes_for_nemo_gym(response: Any) -> Any:
+            return await _routes_in_messages(response)
+
         return app
 
     def start(self) -> PolicyServer:

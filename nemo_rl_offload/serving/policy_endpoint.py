@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nemo_rl_offload.config import http_server
+from nemo_rl_offload.config import http_server, router_replay
 from nemo_rl_offload.models.generation import Generated, SamplingSettings
 from nemo_rl_offload.serving.http_server import PolicyServer
 from nemo_rl_offload.serving.sampler_client import SamplerClient
@@ -51,11 +51,19 @@ def serve_policy(
         return None
     generation = policy_cfg.get("generation") or {}
     pad_id = tokenizer.pad_id
+    # policy.router_replay: each completion carries its routes (to NeMo-Gym, for the trainer).
+    record_routes = router_replay.enabled(policy_cfg)
 
     def generate(
         prompts: list[list[int]], sampling: SamplingSettings, seed: int
     ) -> list[Generated]:
-        return policy.generate(prompts, dataclasses.asdict(sampling), seed=seed, pad_id=pad_id)
+        return policy.generate(
+            prompts,
+            dataclasses.asdict(sampling),
+            seed=seed,
+            pad_id=pad_id,
+            record_routes=record_routes,
+        )
 
     client = SamplerClient(
         generate,

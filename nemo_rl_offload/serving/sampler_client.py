@@ -250,7 +250,13 @@ class SamplerClient:
             "num_cached_tokens": 0,
             "policy_epoch": epoch,
             "kv_cache_epoch": epoch,
-            "routing_indices": None,
+            # policy.router_replay: the experts of the prompt's and the kept tokens' positions
+            # (-1 where no forward fed one: the last token), as nested lists for JSON.
+            "routing_indices": (
+                None
+                if generated.routes is None
+                else generated.routes[: len(pending.prompt) + len(ids)].tolist()
+            ),
         }
 
 

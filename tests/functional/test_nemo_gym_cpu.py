@@ -131,6 +131,35 @@ policy:
     assert 0.0 <= val["val_reward"] <= 1.0
 
 
+def test_router_replay_goes_through_nemo_gym(tmp_path: Path) -> None:
+    """policy.router_replay on NeMo-Gym rollouts: the policy's server returns each completion's
+    routes in its message, NeMo-Gym's vllm_model passes them on with the tokens, and every
+    position the sampler fed is replayed in training (router_replay_routed 1)."""
+    shared = _nemo_gym_setup(tmp_path)
+    records, _ = _run(
+        tmp_path,
+        "grpo",
+        f"""defaults: {REPO}/examples/configs/tiny/grpo.yaml
+grpo: {{num_prompts_per_step: 2, num_generations_per_prompt: 2, max_num_steps: 2,
+        val_period: 1000, val_at_start: false}}
+policy:
+  model_name: tiny-moe
+  init_checkpoint: null
+  router_replay: {{enabled: true}}
+  train_global_batch_size: 4
+  train_micro_batch_size: 2
+  logprob_batch_size: 2
+  max_total_sequence_length: 1024
+  generation: {{max_new_tokens: 12}}
+{shared}""",
+    )
+    train = [r for r in records if r["phase"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["router_replay_routed"] == 1.0 for r in train), train
+    for record in train:  # the replayed training forward is the sampler's distribution
+        assert abs(record["token_mult_prob_error"] - 1.0) < 1e-3
+
+
 def test_distillation_trains_on_nemo_gym_rollouts(tmp_path: Path) -> None:
     shared = _nemo_gym_setup(tmp_path)
     sizes = (

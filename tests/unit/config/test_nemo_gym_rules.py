@@ -60,7 +60,6 @@ def test_a_nemo_gym_grpo_recipe_passes(gym_python):
         ({}, "sft", "sft never samples"),
         ({"data__default__dataset_name": "jsonl"}, "grpo", "data.train.dataset_name"),
         ({"env__nemo_gym__config_paths": []}, "grpo", "env.nemo_gym.config_paths"),
-        ({"policy__router_replay": {"enabled": True}}, "grpo", "policy.router_replay.enabled"),
     ],
 )
 def test_what_a_nemo_gym_run_cannot_do_is_one_line(gym_python, changes, algorithm, expected):
@@ -99,3 +98,12 @@ def test_nemo_gyms_rows_are_data_only_with_nemo_gym_on():
     assert not any(line.startswith(("data.", "warning: data.")) for line in errors + warnings)
     errors, _ = ignored_keys.check(_recipe(env__should_use_nemo_gym=False), starting=True)
     assert any(line.startswith("data.train:") for line in errors)
+
+
+def test_router_replay_goes_through_nemo_gym(gym_python):
+    """The policy's server returns each completion's routes in its message, NeMo-Gym's model
+    server passes them on, and the trainer replays them (algorithms/grpo.py)."""
+    errors, _ = nemo_gym.problems(
+        _recipe(policy__router_replay={"enabled": True}), "grpo", starting=False
+    )
+    assert errors == []

@@ -135,3 +135,30 @@ def test_penalties_overwrite_the_flagged_turns_advantages_only():
         )
         is None
     )
+
+
+def test_a_rollouts_routes_are_stitched_from_its_turns_as_nemo_rl_does():
+    """policy.router_replay through NeMo-Gym: each turn's item carries the experts of its
+    prompt and generated tokens. The sequence takes each turn's new rows; the previous turn's
+    last token, which only the next turn's prefill fed, takes that prefill's row."""
+    result = copy.deepcopy(RESULT)
+    first, second = _generated(result)
+    for turn, item in enumerate((first, second), start=1):
+        rows = len(item["prompt_token_ids"]) + len(item["generation_token_ids"])
+        item["routed_experts"] = [[[turn * 1000 + row]] for row in range(rows)]
+    rollout = rollout_from_result(result)
+    routes = rollout.routes
+    assert routes is not None and routes.shape == (len(rollout.ids), 1, 1)
+    end1 = len(first["prompt_token_ids"]) + len(first["generation_token_ids"])
+    expected = [1000 + row for row in range(end1 - 1)]
+    expected += [2000 + row for row in range(end1 - 1, len(rollout.ids))]
+    assert routes[:, 0, 0].tolist() == expected
+
+
+def test_routes_of_the_wrong_shape_are_one_line():
+    result = copy.deepcopy(RESULT)
+    first, _ = _generated(result)
+    first["routed_experts"] = [[[1]]]
+    with pytest.raises(UserInputError, match="routed_experts has shape"):
+        rollout_from_result(result)
+    assert rollout_from_result(RESULT).routes is None  # a server that returns none

@@ -104,3 +104,25 @@ def test_a_burst_is_gathered_into_one_call_until_it_goes_quiet():
     client.stop()
     assert calls == [4, 1]
     assert all(r["status"] == "COMPLETED" and r["generated_tokens"] == [EOS] for r in records)
+
+
+def test_a_completion_carries_its_routes_for_router_replay():
+    """With routes recorded (policy.router_replay), the record's routing_indices are the
+    experts of the prompt's and the kept tokens' positions (megatron-core's endpoints return
+    them as each choice's moe_topk_indices)."""
+    import asyncio
+
+    import numpy as np
+
+    from nemo_rl_offload.models.generation import Generated
+
+    routes = np.arange(6 * 2 * 1).reshape(6, 2, 1)  # prompt 2 + 4 sampled, 2 layers, top-1
+
+    def generate(prompts, settings, seed):
+        return [Generated([3, 4, 5, EOS], [-0.1] * 4, routes) for _ in prompts]
+
+    client = SamplerClient(generate, decode=str, max_len=32, eos_id=EOS, gather_quiet_s=0.0)
+    record = asyncio.run(client.add_request([1, 2], SamplingParams(num_tokens_to_generate=3)))
+    client.stop()
+    assert record["generated_tokens"] == [3, 4, 5]  # cut at its own max_tokens
+    assert record["routing_indices"] == routes[:5].tolist()
