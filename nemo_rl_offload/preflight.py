@@ -355,7 +355,9 @@ def _check_deadline(recipe: dict[str, Any], report: Report) -> None:
         )
 
 
-def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Report) -> None:
+def _check_logger_and_batches(
+    recipe: dict[str, Any], algorithm: str, report: Report, starting: bool
+) -> None:
     """Keys that act only in some setups say so where they would not; logprob_batch_size is a
     positive row count, equal to the training micro-batch at TP >= 4."""
     logger = recipe.get("logger") if isinstance(recipe.get("logger"), dict) else {}
@@ -392,7 +394,7 @@ def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Re
         )
         differs = isinstance(rows, int) and isinstance(tp, int) and tp >= 4 and rows != micro
         if differs and not forced:
-            _tp_batch_variance(where, rows, micro, tp, report)
+            _tp_batch_variance(where, rows, micro, tp, report, starting)
     policy = recipe.get("policy") if isinstance(recipe.get("policy"), dict) else {}
     if algorithm == "dpo":
         for key in ("sequence_packing", "dynamic_batching"):
@@ -423,10 +425,15 @@ def _check_logger_and_batches(recipe: dict[str, Any], algorithm: str, report: Re
 TP_ACCURACY_SWITCH = "NRL_IGNORE_TP_ACCURACY_CHECK"
 
 
-def _tp_batch_variance(where: str, rows: int, micro: Any, tp: int, report: Report) -> None:
-    """A forward-only batch that differs from the training micro-batch at TP >= 4: refused as
-    NeMo-RL refuses it, since the old policy's log-probabilities would not be the training
-    pass's; NeMo-RL's switch turns that into a warning that still names the risk."""
+def _tp_batch_variance(
+    where: str, rows: int, micro: Any, tp: int, report: Report, starting: bool
+) -> None:
+    """A forward-only batch that differs from the training micro-batch at TP >= 4: a run
+    refuses it as NeMo-RL refuses it, since the old policy's log-probabilities would not be the
+    training pass's; NeMo-RL's switch turns that into a warning that still names the risk. The
+    switch is the launch environment's, which ``validate`` may not share (a recipe checked on a
+    laptop and launched on a cluster), so without it ``validate`` warns and a run refuses, as
+    for a recipe's unset environment variables."""
     what = (
         f"{rows} differs from train_micro_batch_size {micro} at tensor parallel size {tp}: at "
         "TP >= 4 results depend on the batch size, so the log-probabilities of the ratio's old "
@@ -439,10 +446,19 @@ def _tp_batch_variance(where: str, rows: int, micro: Any, tp: int, report: Repor
             "that difference rather than on the policy's change"
         )
         return
-    report.errors.append(
-        f"{where}.logprob_batch_size: {what} (NeMo-RL refuses this too); set them equal, or "
-        "tensor_model_parallel_size below 4, or loss_fn.force_on_policy_ratio: true (ratio 1), "
-        f"or set {TP_ACCURACY_SWITCH}=1 to accept it"
+    ways_out = (
+        "set them equal, or tensor_model_parallel_size below 4, or "
+        f"loss_fn.force_on_policy_ratio: true (ratio 1), or set {TP_ACCURACY_SWITCH}=1 to "
+        "accept it"
+    )
+    if starting:
+        report.errors.append(
+            f"{where}.logprob_batch_size: {what} (NeMo-RL refuses this too); {ways_out}"
+        )
+        return
+    report.warnings.append(
+        f"warning: {where}.logprob_batch_size: {what}; a run refuses it unless "
+        f"{TP_ACCURACY_SWITCH} is set where it starts (NeMo-RL refuses it too); {ways_out}"
     )
 
 
@@ -519,7 +535,7 @@ def check_recipe(
     _check_checkpointing(recipe, algorithm, report)
     _check_tokenizer(recipe, report, starting)
     _check_deadline(recipe, report)
-    _check_logger_and_batches(recipe, algorithm, report)
+    _check_logger_and_batches(recipe, algorithm, report, starting)
     _check_data_source(recipe, report)
     if algorithm == "grpo" and isinstance(recipe.get("loss_fn"), dict):
         loss_errors, loss_warnings = grpo_loss_problems(recipe["loss_fn"])

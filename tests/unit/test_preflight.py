@@ -153,9 +153,9 @@ TP4_DIFFERS = [
 ]
 
 
-def _tp4_report(*overrides: str):
+def _tp4_report(*overrides: str, starting: bool = True):
     recipe = load_recipe("examples/configs/tiny/grpo.yaml", [*TP4_DIFFERS, *overrides])
-    return check_recipe(recipe, megatron_crosscheck=False)
+    return check_recipe(recipe, megatron_crosscheck=False, starting=starting)
 
 
 def test_tp4_batch_variance_is_refused_without_nemo_rls_switch_naming_four_ways_out(monkeypatch):
@@ -172,6 +172,17 @@ def test_tp4_batch_variance_is_refused_without_nemo_rls_switch_naming_four_ways_
     ):
         assert way_out in error
     assert not [w for w in report.warnings if "logprob_batch_size" in w]
+
+
+def test_validate_without_the_switch_warns_that_a_run_will_refuse(monkeypatch):
+    """The switch is the launch environment's: validate on another machine cannot know it, so
+    it warns (naming what a run does and the ways out) where a starting run refuses."""
+    monkeypatch.delenv("NRL_IGNORE_TP_ACCURACY_CHECK", raising=False)
+    report = _tp4_report(starting=False)
+    assert not [e for e in report.errors if "logprob_batch_size" in e]
+    (warning,) = [w for w in report.warnings if "logprob_batch_size" in w]
+    assert "a run refuses it unless NRL_IGNORE_TP_ACCURACY_CHECK is set" in warning
+    assert "set them equal" in warning
 
 
 @pytest.mark.parametrize("value", ["1", "yes"])

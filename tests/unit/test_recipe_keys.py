@@ -16,9 +16,9 @@ from nemo_rl_offload.preflight import check_recipe
 pytest.importorskip("megatron.core")
 
 
-def report_for(algorithm: str, *overrides: str):
+def report_for(algorithm: str, *overrides: str, starting: bool = False):
     recipe = load_recipe(f"examples/configs/tiny/{algorithm}.yaml", list(overrides))
-    return check_recipe(recipe, megatron_crosscheck=False)
+    return check_recipe(recipe, megatron_crosscheck=False, starting=starting)
 
 
 def lines_about(report, key: str) -> list[str]:
@@ -68,6 +68,7 @@ def test_logprob_batch_size_must_be_positive_and_matches_at_tp4():
         "grpo",
         "policy.logprob_batch_size=64",
         "++policy.megatron_cfg.tensor_model_parallel_size=4",
+        starting=True,  # validate only warns: the switch is the launch environment's
     )
     assert any(line.startswith("policy.logprob_batch_size: 64 differs") for line in tp4.errors)
     same = report_for("grpo", "++policy.megatron_cfg.tensor_model_parallel_size=4")
