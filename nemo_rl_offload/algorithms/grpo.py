@@ -448,21 +448,20 @@ def start(run: Run) -> loop.Steps:
     options = losses.PolicyLossOptions.from_recipe(loss_cfg)
     error_threshold = cfg.get("seq_logprob_error_threshold")
     run.connect()
+    distilling = on_policy_distillation.enabled(run.recipe)
+    # NeMo-RL's training, old and reference log-probabilities are of the sampling
+    # distribution's temperature (top-k / top-p are not applied to them here); so are an
+    # on-policy distillation teacher's.
+    temperature = float((policy_cfg.get("generation") or {}).get("temperature", 1.0))
     policy = run.start_group(
         "policy",
         seed=seed,
         trainable=True,
         with_reference=holds_reference(run.recipe, "grpo"),
-        # NeMo-RL's training, old and reference log-probabilities are of the sampling
-        # distribution's temperature (top-k / top-p are not applied to them here)
-        logits_temperature=float((policy_cfg.get("generation") or {}).get("temperature", 1.0)),
+        logits_temperature=temperature,
+        gpu_fraction=opd.gpu_share(run.recipe) if distilling else 1.0,
     )
-    temperature = float((policy_cfg.get("generation") or {}).get("temperature", 1.0))
-    teachers = (
-        opd.Teachers.start(run, seed=seed, temperature=temperature)
-        if on_policy_distillation.enabled(run.recipe)
-        else None
-    )
+    teachers = opd.Teachers.start(run, seed=seed, temperature=temperature) if distilling else None
     gym = gym_rollouts.start_sampling(run, policy, prompts, seed=seed)
     meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})

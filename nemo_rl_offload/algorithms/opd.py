@@ -48,6 +48,13 @@ def response_mask(sequence: TokenSequence) -> np.ndarray:
     return mask
 
 
+def gpu_share(recipe: Any) -> float:
+    """Each group's share of a GPU when the policy and its teacher groups share the workers'
+    GPUs (one group per distinct teacher model); 1 on CPU workers."""
+    _, on_gpu = worker_count(recipe["cluster"])
+    return 1.0 / (len(opd_config.teacher_sections(recipe)) + 1) if on_gpu else 1.0
+
+
 @dataclass
 class Teachers:
     """The recipe's teacher groups (one per distinct model) and how samples reach them."""
@@ -58,11 +65,10 @@ class Teachers:
     @classmethod
     def start(cls, run: Any, *, seed: int, temperature: float) -> Teachers:
         """Start one forward-only group per teacher model. They share the policy's GPUs
-        (``gpu_fraction``), and take their log-probabilities at the sampling temperature, as
+        (:func:`gpu_share`), and take their log-probabilities at the sampling temperature, as
         the policy's are (NeMo-RL's teachers are built from the policy's config)."""
         sections = opd_config.teacher_sections(run.recipe)
-        _, on_gpu = worker_count(run.recipe["cluster"])
-        share = 1.0 / (len(sections) + 1) if on_gpu else 1.0
+        share = gpu_share(run.recipe)
         groups = {
             alias: run.start_group(
                 f"teacher '{alias}'",

@@ -200,3 +200,16 @@ def test_each_response_token_s_advantage_is_teacher_minus_student():
     # label positions 0..6; the response's labels are positions 2..6 (tokens 3..7)
     assert values.tolist() == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 4.0]
     assert response_mask(sequence).tolist() == [False, False, True, True, False, False, True]
+
+
+def test_the_policy_and_each_teacher_model_share_a_gpu():
+    from nemo_rl_offload.algorithms.opd import gpu_share
+
+    report = report_for(
+        OPD,
+        "++on_policy_distillation={enabled: true, default_teacher_alias: a, "
+        "teacher_model_by_agent_name: {a: tiny-dense, b: tiny-dense, c: tiny-moe}}",
+    )
+    on_gpus = {**report.recipe, "cluster": {"gpus_per_node": 1, "num_nodes": 1}}
+    assert gpu_share(on_gpus) == pytest.approx(1 / 3)  # the policy, tiny-dense's and tiny-moe's
+    assert gpu_share(report.recipe) == 1.0  # CPU workers
