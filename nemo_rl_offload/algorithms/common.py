@@ -261,16 +261,18 @@ class Run:
         *,
         where: str = "policy",
         keep_labels: bool = True,
+        rows: int | None = None,
     ) -> list[Any]:
         """Per-sequence results of a forward-only pass of ``where``'s workers over
-        micro-batches of :meth:`logprob_rows` rows, or of ``logprob_mb_tokens`` tokens with
+        micro-batches of :meth:`logprob_rows` rows (``rows`` when given: an on-policy
+        distillation teacher's ``micro_batch_size``), or of ``logprob_mb_tokens`` tokens with
         sequence packing or dynamic batching (``batching.forward_only`` says how results map
         back)."""
         settings = self.batching(where)
         if settings.mode == "rows":
             return batching.forward_only(
                 sequences,
-                self.logprob_rows(where),
+                self.logprob_rows(where) if rows is None else rows,
                 run_pass,
                 pad_id=self.tokenizer.pad_id,
                 round_to=self.round_to,

@@ -61,6 +61,8 @@ class Teachers:
 
     routing: opd_config.TeacherRouting
     groups: dict[str, PolicyGroup]
+    # Each group's forward-only rows per micro-batch (its micro_batch_size; None: the policy's).
+    rows: dict[str, int | None]
 
     @classmethod
     def start(cls, run: Any, *, seed: int, temperature: float) -> Teachers:
@@ -80,7 +82,8 @@ class Teachers:
             )
             for alias, section in sections.items()
         }
-        return cls(opd_config.routing(run.recipe), groups)
+        rows = {alias: section.get("logprob_batch_size") for alias, section in sections.items()}
+        return cls(opd_config.routing(run.recipe), groups, rows)
 
     def advantages(
         self,
@@ -101,7 +104,9 @@ class Teachers:
             picked = [i for i, a in enumerate(aliases) if self.routing.group_of[a] == group_key]
             if not picked:
                 continue
-            scored = run.forward_only([sequences[i] for i in picked], group.token_logprobs)
+            scored = run.forward_only(
+                [sequences[i] for i in picked], group.token_logprobs, rows=self.rows[group_key]
+            )
             for index, row in zip(picked, scored, strict=True):
                 teacher[index] = row
         gaps = []

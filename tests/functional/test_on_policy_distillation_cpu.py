@@ -85,6 +85,8 @@ def _overrides(student: Path, teacher: Path, root: Path) -> list[str]:
         "++loss_fn.truncated_importance_sampling_ratio_min=0.2",
         "++grpo.adv_estimator={name: opd}",
         "++on_policy_distillation={enabled: true, default_teacher_alias: math_agent, "
+        # the teacher's forward-only micro-batches: 8 rows (the policy's are 16)
+        "non_colocated_teachers: {default_teacher_cfg: {micro_batch_size: 8}}, "
         f"teacher_model_by_agent_name: {{math_agent: {teacher}}}}}",
         f"checkpointing.checkpoint_dir={root / 'ckpt'}",
         f"logger.log_dir={root / 'logs'}",
