@@ -198,30 +198,43 @@ def teacher_sections(recipe: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return sections
 
 
-def _megatron_keys() -> set[str]:
+def _megatron_keys() -> dict[str, Any]:
+    """megatron_cfg's keys and their types (the schema's)."""
     from nemo_rl_offload.config.schema import MegatronConfig
 
-    return set(get_type_hints(MegatronConfig))
+    return get_type_hints(MegatronConfig)
 
 
-def _resource_problems(where: str, settings: Mapping[str, Any], known: set[str]) -> list[str]:
+def _type_problem(where: str, key: str, hint: Any, value: Any) -> str | None:
+    """The schema's check of one megatron_cfg value (strict, as a recipe's own are)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        TypeAdapter(hint).validate_python(value, strict=True)
+    except ValidationError as bad:
+        reason = bad.errors()[0]["msg"].lower() if bad.errors() else "not valid"
+        return f"{where}.{key}: {reason} (got: {value!r})"
+    return None
+
+
+def _resource_problems(
+    where: str, settings: Mapping[str, Any], known: Mapping[str, Any]
+) -> list[str]:
     errors = []
     for key in (*_PARALLEL, *_PLACEMENT, "micro_batch_size"):
-        value = settings.get(key)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
+        value = settings.get(key)  # other types are the schema's to report
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             errors.append(f"{where}.{key}: {value!r} is not a whole number >= 1; give one")
     precision = settings.get("precision")
-    if precision is not None and precision not in PRECISIONS:
+    if isinstance(precision, str) and precision not in PRECISIONS:
         errors.append(
             f"{where}.precision: {precision!r} is not a precision; give one of "
             f"{', '.join(PRECISIONS)}"
         )
     overrides = settings.get("megatron_cfg_overrides")
-    extra = [k for k in settings if k not in _RESOURCE_KEYS]
-    extra += list(overrides) if isinstance(overrides, Mapping) else []
-    for key in extra:
+    extra = {k: v for k, v in settings.items() if k not in _RESOURCE_KEYS}
+    extra.update(overrides if isinstance(overrides, Mapping) else {})
+    for key, value in extra.items():
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
@@ -229,6 +242,8 @@ def _resource_problems(where: str, settings: Mapping[str, Any], known: set[str])
                 f"{where}.{key}: not a megatron_cfg setting{hint}; a teacher's other keys are "
                 "its megatron_cfg overrides"
             )
+        elif (problem := _type_problem(where, key, known[key], value)) is not None:
+            errors.append(problem)
     return errors
 
 

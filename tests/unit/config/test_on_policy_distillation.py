@@ -104,6 +104,15 @@ BAD = [
         [
             OPD,
             ON,
+            "++on_policy_distillation.non_colocated_teachers={default_teacher_cfg: "
+            "{megatron_cfg_overrides: {sequence_parallel: 'yes'}}}",
+        ],
+        "default_teacher_cfg.sequence_parallel: input should be a valid boolean",
+    ),
+    (
+        [
+            OPD,
+            ON,
             "++on_policy_distillation.teacher_model_by_agent_name.a=llama-1b",
         ],
         "on_policy_distillation.teacher_model_by_agent_name.a: llama-1b's vocabulary",
