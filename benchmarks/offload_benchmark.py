@@ -606,6 +606,38 @@ def _python_gc_after_first_step() -> None:
         raise SystemExit(f"{GC_ENV}={mode}: give freeze, off or nothing")
 
 
+def _main_thread_counters() -> dict[str, float] | None:
+    """This thread's CPU seconds, context switches and the CPU it last ran on (Linux), read
+    around each step: a host-bound step whose thread lost the CPU (involuntary switches) or
+    waited (voluntary ones) is slow for its host, not for its offloading."""
+    try:
+        status = Path("/proc/thread-self/status").read_text()
+        stat = Path("/proc/thread-self/stat").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return {
+        "cpu_s": time.thread_time(),
+        "wall_s": time.perf_counter(),
+        "involuntary": float(fields["nonvoluntary_ctxt_switches"]),
+        "voluntary": float(fields["voluntary_ctxt_switches"]),
+        "cpu": float(stat.rsplit(")", 1)[1].split()[36]),  # field 39: processor
+    }
+
+
+def _host_share(before: dict[str, float] | None, after: dict[str, float] | None) -> dict:
+    """A step's host figures from the counters around it (none off Linux)."""
+    if before is None or after is None:
+        return {}
+    return {
+        "host_thread_cpu_s": after["cpu_s"] - before["cpu_s"],
+        "host_wall_s": after["wall_s"] - before["wall_s"],
+        "host_involuntary_switches": after["involuntary"] - before["involuntary"],
+        "host_voluntary_switches": after["voluntary"] - before["voluntary"],
+        "host_cpu": after["cpu"],
+    }
+
+
 def run_case(
     name: str, settings: dict[str, Any], args: argparse.Namespace, data: list, on_gpu: bool
 ) -> dict[str, Any]:
@@ -635,8 +667,11 @@ def run_case(
         for index, step in enumerate(data):
             if index == 1:
                 _python_gc_after_first_step()
+            before = _main_thread_counters()
             with context:
-                steps.append(worker.train(step, {"name": "nll"}))
+                metrics = worker.train(step, {"name": "nll"})
+            metrics.update(_host_share(before, _main_thread_counters()))
+            steps.append(metrics)
         forward: dict[str, float] = {}
         if name == "no_offload":
             forward["forward_s_per_microbatch"] = forward_time_s(worker, data[0][0])

@@ -39,7 +39,8 @@ as offload_benchmark.py's does.
 
 Output: ``profile_<model>_seq<N>.json`` in --out (one summary per case) and a gzipped Chrome
 trace per case, loadable in chrome://tracing or Perfetto; with ``--host``,
-``host_<model>_seq<N>.json`` (the medians per case).
+``host_<model>_seq<N>.json`` (the medians per case); with ``--python``, the cProfile profile of
+the step per case (``pstats_<model>_seq<N>_<case>.prof``).
 
 Run on a GPU machine:
     python3 benchmarks/profile_offload_step.py --model llama-1b --seq 4096 \\
@@ -212,14 +213,23 @@ def split_steps(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 OFFLOAD_CODE = ("fine_grained_activation_offload", "nemo_rl_offload/offload/")
 
 
-def python_profile(step: Any) -> dict[str, Any]:
+def _file_safe(name: str) -> str:
+    """A case name as a file name that survives copying between machines (``:`` and ``+`` out)."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def python_profile(step: Any, dump: Path | None = None) -> dict[str, Any]:
     """Run ``step()`` under cProfile: the 25 functions with the most own time, and the
-    cumulative time of each offload function (Megatron's hooks, this package's runtime)."""
+    cumulative time of each offload function (Megatron's hooks, this package's runtime). With
+    ``dump``, the whole profile is written there too (``pstats.Stats(path)`` reads it: callers,
+    callees and every function, for questions the summary does not answer)."""
     import cProfile
     import pstats
 
     profiler = cProfile.Profile()
     profiler.runcall(step)
+    if dump is not None:
+        profiler.dump_stats(str(dump))
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, _)
 
     def label(key: tuple[str, int, str]) -> str:
@@ -404,7 +414,10 @@ def profile_case(name: str, args: argparse.Namespace, out: Path) -> dict[str, An
             worker.train(step, {"name": "nll"})
         torch.cuda.synchronize()
         if args.python:
-            python = python_profile(lambda: worker.train(data[-profiled - 1], {"name": "nll"}))
+            python = python_profile(
+                lambda: worker.train(data[-profiled - 1], {"name": "nll"}),
+                out / f"pstats_{args.model}_seq{args.seq}_{_file_safe(name)}.prof",
+            )
             torch.cuda.synchronize()
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:

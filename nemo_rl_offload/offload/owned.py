@@ -48,6 +48,7 @@ import functools
 import hashlib
 import importlib.metadata
 import inspect
+import math
 import textwrap
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -59,7 +60,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.offload.shared_copies import SharedCopies, SharedView, is_dense_permutation
+from nemo_rl_offload.offload.shared_copies import (
+    SharedCopies,
+    SharedView,
+    is_dense_permutation,
+    is_storage_image,
+)
 
 # The megatron-core release whose offload code the subclasses below were checked against.
 CHECKED_MEGATRON_VERSION = "0.19.2"
@@ -146,6 +152,13 @@ def _state_bytes(state: Any) -> int:
         return state.moved_bytes()
     host = state[1]
     return host.numel() * host.element_size()
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream: never before CUDA is
+    initialised (a cheaper first test than ``torch.cuda.is_available()``, which reads the
+    environment on every call)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _timing_wanted() -> bool:
@@ -353,6 +366,8 @@ class OwnedHostPool(fgo.OffloadTensorPool):
         self._stepping: set[Hashable] = set()  # plans whose step is being recorded
         self._handles = 0
         self._handle_of: dict[int, int] = {}  # address of a drawn buffer: its event handle
+        # (address, bytes, dtype, shape): the view allocate lent for it (dropped with buffers)
+        self._views: dict[tuple[int, int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         self.grew = False  # a buffer was made since the last settle
 
     # --- accounting -------------------------------------------------------------------------
@@ -379,6 +394,8 @@ class OwnedHostPool(fgo.OffloadTensorPool):
             return
         for address in addresses:
             self._buffers.pop(address, None)
+        dropped = set(addresses)
+        self._views = {key: v for key, v in self._views.items() if key[0] not in dropped}
         if self.pin_memory and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # no copy of the last step still uses a dropped slab
             torch._C._host_emptyCache()
@@ -401,9 +418,7 @@ class OwnedHostPool(fgo.OffloadTensorPool):
         memory grows with the sum over step shapes).
         Remove when: Megatron's pool shares buffers across shapes and bounds its pinned bytes
         (then ``FINGERPRINTS`` loses its entry)."""
-        numel = 1
-        for dim in shape:
-            numel *= int(dim)
+        numel = shape.numel() if isinstance(shape, torch.Size) else math.prod(map(int, shape))
         nbytes = numel * dtype.itemsize
         self._stats["allocation_requests"] += 1
         index = bisect.bisect_left(self._free, (nbytes, -1))
@@ -429,10 +444,16 @@ class OwnedHostPool(fgo.OffloadTensorPool):
         self._handles += 1
         self._handle_of[address] = self._handles
         self._steps[plan].append((self._handles, nbytes))
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if _capturing():
             self.reserved_by_plan.setdefault(plan, set()).add(address)
-        data = self._buffers[address].data[:nbytes]
-        return data.view(dtype).view(shape)
+        # A step's draws recur in the next step (same buffer, dtype and shape): the typed view
+        # is made once per buffer and request, not per draw.
+        key = (address, nbytes, dtype, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            data = self._buffers[address].data[:nbytes]
+            view = self._views[key] = data.view(dtype).view(shape)
+        return view
 
     def free(self, tensor: torch.Tensor) -> None:
         """Return the buffer ``tensor`` views (the tensor :meth:`allocate` gave, or any view
@@ -471,6 +492,7 @@ class OwnedHostPool(fgo.OffloadTensorPool):
         with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone
             self._drop(list(self._buffers))
         self._buffers.clear()
+        self._views.clear()
         self._free.clear()
         self._live.clear()
         self._handle_of.clear()
@@ -615,19 +637,30 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         too (Megatron gives those a fresh pinned tensor per offload, which torch's caching
         host allocator keeps, rounded up to a power of two, after the reload)."""
         use_cpu_pool = use_cpu_pool or self.choices.pool_every_group
-        if (
-            not self.choices.strided_copies
-            or src_tensor.is_contiguous()
-            or not is_dense_permutation(src_tensor)
-        ):
+        contiguous = src_tensor.is_contiguous()
+        if contiguous and self.choices.lean_hooks:  # Megatron's copy, without its debug call
+            return self._host_copy(src_tensor, use_cpu_pool, pin_memory, contiguous=True)
+        if not self.choices.strided_copies or contiguous or not is_dense_permutation(src_tensor):
             return super().offload(src_tensor, pin_memory=pin_memory, use_cpu_pool=use_cpu_pool)
-        size, stride = src_tensor.shape, src_tensor.stride()
+        return self._host_copy(src_tensor, use_cpu_pool, pin_memory, contiguous=False)
+
+    def _host_copy(
+        self, src_tensor: Any, use_cpu_pool: bool, pin_memory: bool, *, contiguous: bool
+    ) -> tuple[Any, torch.Tensor, bool]:
+        """``src_tensor`` copied (asynchronously, when pinned) into a host tensor of its shape
+        and strides (a pooled buffer, or a new tensor): Megatron's offload state for it."""
+        size = src_tensor.shape
         if use_cpu_pool:
-            pooled = self.cpu_tensor_pool.allocate(size, dtype=src_tensor.dtype)
-            host = pooled.as_strided(size, stride)
+            host = self.cpu_tensor_pool.allocate(size, dtype=src_tensor.dtype)
+            if not contiguous:
+                host = host.as_strided(size, src_tensor.stride())
         else:
             host = torch.empty_strided(
-                size, stride, dtype=src_tensor.dtype, device="cpu", pin_memory=pin_memory
+                size,
+                src_tensor.stride(),
+                dtype=src_tensor.dtype,
+                device="cpu",
+                pin_memory=pin_memory,
             )
         host.copy_(src_tensor, non_blocking=pin_memory)
         return (src_tensor.device, host, use_cpu_pool)
@@ -730,7 +763,69 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         if not self.do_offload:
             return None
         _wait_for(self.d2h_stream, _STREAMS.current())
-        return self.bulk_offload(name, forced_released_tensors)
+        return self._lean_bulk_offload(name, forced_released_tensors)
+
+    def bulk_offload(self, name: str, forced_released_tensors: Any) -> Any:
+        """Megatron's ``bulk_offload``, lean with ``lean_hooks`` (:meth:`on_group_commit_forward`):
+        no debug messages, and a released tensor waits for the compute stream without a new
+        ``Stream`` object per call.
+
+        Stands in for / remove when: as :meth:`on_group_commit_forward`."""
+        if not self._lean_now():
+            return super().bulk_offload(name, forced_released_tensors)
+        return self._lean_bulk_offload(name, forced_released_tensors)
+
+    def _lean_bulk_offload(self, name: str, forced_released_tensors: Any) -> None:
+        pending = self._groups_to_offload
+        group = next((g for g in pending if g._name == name), None)
+        assert group is not None, f"Group {name} not found in {pending}"
+        if self.should_bulk_offload(group):
+            self._groups_to_reload.append(group)
+            self._lean_bulk_offload_group(group)
+            if forced_released_tensors:
+                current = _STREAMS.current()
+                for released in forced_released_tensors:
+                    if self.tensor_need_offloading_checker(released):
+                        released.record_stream(current)
+                        released.untyped_storage().resize_(0)
+        pending.remove(group)
+
+    def on_group_start_forward(self, name: str) -> Any:
+        """Megatron's hook, lean with ``lean_hooks``: the same bookkeeping without formatting
+        debug messages on every call (Megatron prints them only with its DEBUG flag). It
+        records nothing on the GPU, so also under graph capture.
+
+        Stands in for / remove when: as :meth:`on_group_commit_forward`."""
+        if not self.choices.lean_hooks:
+            return super().on_group_start_forward(name)
+        if not self.do_offload:
+            return None
+        groups = self.offload_groups
+        index = self._offloaded_group_index + 1
+        if self.is_warmup:
+            groups.append(fgo.OffloadTensorGroup(name))
+            self._max_group_size = max(self._max_group_size, index)
+        else:  # the next group of this name (Megatron's scan, without copying the list)
+            while index <= len(groups) and groups[index - 1]._name != name:
+                index += 1
+        self._offloaded_group_index = index
+        self._tensor_count_current_group = 0
+        self._groups_to_offload.append(groups[index - 1])
+        return None
+
+    def tensor_push(self, tensor: Any) -> Any:
+        """Megatron's saved-tensor hook, lean with ``lean_hooks``: a plain CUDA tensor is
+        tagged and kept in the current group at once (anything else takes Megatron's path,
+        which decides whether to manage it). Also under graph capture: it records nothing.
+
+        Stands in for / remove when: as :meth:`on_group_commit_forward`."""
+        if not self.choices.lean_hooks or type(tensor) is not torch.Tensor or not tensor.is_cuda:
+            return super().tensor_push(tensor)
+        index = self._offloaded_group_index
+        tag = (index, self._tensor_count_current_group)
+        self._tensor_count_current_group += 1
+        self.offload_groups[index - 1]._tensors[tag] = tensor
+        return tag
 
     def on_group_start_backward(self) -> Any:
         """Megatron's hook, lean with ``lean_hooks`` (:meth:`on_group_commit_forward`).
@@ -794,19 +889,23 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         shared = self.shared_copies if self.choices.one_copy_per_storage else None
         _STREAMS.use(d2h)
         try:
-            for tag, tensor in group._tensors.items():
-                if self.tensor_need_offloading_checker(tensor):
-                    view = shared.view_of(tensor) if shared is not None else None
+            tensors = group._tensors
+            for tag, tensor in tensors.items():
+                if not self.tensor_need_offloading_checker(tensor):
+                    continue
+                image = shared is not None and is_storage_image(tensor)
+                if image:
+                    view = shared.view_of(tensor, image=True)
                     if view is not None:  # its bytes were copied by an earlier saver
-                        group.push_tensor(tag, view)
+                        tensors[tag] = view
                         continue
-                    state = self.offload(tensor, use_cpu_pool=group.use_cpu_pool)
-                    if self.is_warmup:
-                        group.update_offload_info(tensor)
-                    tensor.record_stream(d2h)
-                    group.push_tensor(tag, state)
-                    if shared is not None:
-                        shared.note(group, tag, tensor, state)
+                state = self.offload(tensor, use_cpu_pool=group.use_cpu_pool)
+                if self.is_warmup:
+                    group.update_offload_info(tensor)
+                tensor.record_stream(d2h)
+                tensors[tag] = state
+                if image:
+                    shared.note(group, tag, tensor, state, image=True)
             group.record_offload_event(d2h)
         finally:
             _STREAMS.use(compute)
@@ -846,6 +945,20 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         self._groups_to_reload.pop()
         self._reloading_group.append(group)
         fgo.nvtx_range_pop("activation reloading " + group._name)
+
+
+def _finished(chunk: Any, name: str | None) -> bool:
+    """Megatron's ``ChunkOffloadHandler.finish_all_groups`` without its debug message: no
+    group left to offload or reload, or none of ``name`` from the current index on."""
+    if (
+        not chunk._groups_to_reload
+        and not chunk._groups_to_offload
+        and (chunk._offloaded_group_index > 0)
+    ):
+        return True
+    assert name is not None, "Name is required"
+    groups = chunk.offload_groups
+    return all(group._name != name for group in groups[chunk._offloaded_group_index :])
 
 
 class OwnedOffloadManager(fgo.PipelineOffloadManager):
@@ -901,6 +1014,36 @@ class OwnedOffloadManager(fgo.PipelineOffloadManager):
         self._cur_forward_chunk = cur_chunk
         cur_chunk.vpp_rank = cur_vpp_rank
         self._cached_chunks_forward.append(cur_chunk)
+
+    def on_save_for_backward(self, tensor: torch.Tensor) -> Any:
+        """Megatron's saved-tensor hook, lean with ``lean_hooks``: without formatting a debug
+        message per saved tensor (:meth:`OwnedChunkHandler.tensor_push` does the rest).
+
+        Stands in for / remove when: as :meth:`OwnedChunkHandler.on_group_commit_forward`."""
+        if not self.choices.lean_hooks:
+            return super().on_save_for_backward(tensor)
+        assert self.inside_context, "Must be inside offload context"
+        return self._cur_forward_chunk.tensor_push(tensor)
+
+    def pop_forward_chunk(self, name: str | None = None) -> Any:
+        """Megatron's method, lean with ``lean_hooks``: the same choice of the forward chunk
+        without formatting debug messages (here and in the chunk's ``finish_all_groups``).
+
+        Stands in for / remove when: as :meth:`OwnedChunkHandler.on_group_commit_forward`."""
+        if not self.choices.lean_hooks:
+            return super().pop_forward_chunk(name)
+        chunk = self._cur_forward_chunk
+        if not self.do_offload or self._is_warmup:
+            return chunk
+        chunks = self._cached_chunks_forward
+        while chunk is None or _finished(chunk, name):
+            if self._cached_chunks_index_forward >= len(chunks):
+                chunk = None
+                break
+            chunk = chunks[self._cached_chunks_index_forward]
+            self._cached_chunks_index_forward += 1
+        self._cur_forward_chunk = chunk
+        return chunk
 
     def post_warmup_callback(self) -> None:
         """Megatron's callback after the warm-up step, with the plan's fraction placement and
@@ -1059,6 +1202,23 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
     ),
     Fingerprint(
         "ChunkOffloadHandler.on_group_commit_backward", "7787996702ca2bdf", _HOOKS, _HOOKS_GONE
+    ),
+    Fingerprint("ChunkOffloadHandler.bulk_offload", "9a7d4390fb9db7a5", _HOOKS, _HOOKS_GONE),
+    Fingerprint(
+        "ChunkOffloadHandler.on_group_start_forward", "0fd5c8c8fcde4a69", _HOOKS, _HOOKS_GONE
+    ),
+    Fingerprint("ChunkOffloadHandler.tensor_push", "1432fdbc45b51064", _HOOKS, _HOOKS_GONE),
+    Fingerprint(
+        "ChunkOffloadHandler.finish_all_groups",
+        "7a06fd76496b842f",
+        "re-implemented by the lean pop_forward_chunk (lean_hooks)",
+        _HOOKS_GONE,
+    ),
+    Fingerprint(
+        "PipelineOffloadManager.on_save_for_backward", "b94a695152e0aea5", _HOOKS, _HOOKS_GONE
+    ),
+    Fingerprint(
+        "PipelineOffloadManager.pop_forward_chunk", "db68856d7ef0d807", _HOOKS, _HOOKS_GONE
     ),
     Fingerprint(
         "ChunkOffloadHandler.tensor_need_offloading_checker",

@@ -43,6 +43,8 @@ def is_dense_permutation(tensor: Any) -> bool:
     """Whether the tensor's elements fill its memory span exactly, in some order of its
     dimensions (a transpose or permute of a contiguous tensor), so that its bytes can be copied
     as one block. Dimensions of size 1 have no meaningful stride and are skipped."""
+    if tensor.is_contiguous():  # the identity order (the offload hooks ask this per tensor)
+        return True
     expected = 1
     laid_out = zip(tensor.shape, tensor.stride(), strict=True)
     for stride, size in sorted((stride, size) for size, stride in laid_out if size != 1):
@@ -176,10 +178,11 @@ class SharedCopies:
         check asks this of every saved tensor)."""
         return bool(self._kept) and self._kept.get(tensor.untyped_storage()) is not None
 
-    def view_of(self, tensor: Tensor) -> SharedView | None:
+    def view_of(self, tensor: Tensor, *, image: bool | None = None) -> SharedView | None:
         """A view of the copy already made of ``tensor``'s storage in this micro-batch (the
-        first saver's state becomes a view too), or None: it must be copied."""
-        if not is_storage_image(tensor):
+        first saver's state becomes a view too), or None: it must be copied. ``image``: what
+        :func:`is_storage_image` says of ``tensor``, when the caller knows it already."""
+        if not (is_storage_image(tensor) if image is None else image):
             return None
         found = self._offloaded.get(tensor.untyped_storage())
         if found is None or found_dtype(found) != tensor.dtype:
@@ -194,14 +197,17 @@ class SharedCopies:
             found = copy
         return SharedView(found, tensor)
 
-    def note(self, group: Any, tag: Any, tensor: Tensor, state: Any) -> None:
+    def note(
+        self, group: Any, tag: Any, tensor: Tensor, state: Any, *, image: bool | None = None
+    ) -> None:
         """``tensor`` was offloaded as ``state``: later savers of its storage can share it
-        when the host copy is a byte image of the storage (same strides, whole storage)."""
+        when the host copy is a byte image of the storage (same strides, whole storage).
+        ``image``: as for :meth:`view_of`."""
         if (
             type(state) is tuple
             and len(state) == 3
             and state[1].stride() == tensor.stride()
-            and is_storage_image(tensor)
+            and (is_storage_image(tensor) if image is None else image)
         ):
             self._offloaded.put(tensor.untyped_storage(), _Offloaded(group, tag, state))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -517,7 +518,7 @@ def test_the_pool_rebuilds_to_the_largest_plan_when_smaller_ones_came_first():
 def test_graph_reserved_buffers_stay_until_their_plan_is_released(monkeypatch):
     pool = _pool()
     mib = 2**20
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     _step(pool, "graphed", [mib, mib])  # drawn under capture: reserved for the plan
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -707,3 +708,153 @@ def test_a_modules_own_fraction_spreads_only_its_groups(printed):
 def test_a_modules_own_fraction_needs_the_spread_placement():
     with pytest.raises(ValueError, match="spread"):
         owned.PlanChoices(fraction_placement="earliest", fraction_by_module=(("attn_proj", 0.5),))
+
+
+# --- the lean forward hooks answer as Megatron's ----------------------------------------------
+
+LAYER = ("attn_norm", "core_attn", "attn_proj", "mlp_norm")
+
+
+def _forward_chunk(lean: bool, warmup: bool, names: tuple[str, ...] = ()) -> Any:
+    """A handler as the forward hooks find it at a micro-batch's start (``names``: the groups
+    its warm-up step recorded)."""
+    return _bare(
+        owned.OwnedChunkHandler,
+        choices=owned.PlanChoices(lean_hooks=lean),
+        do_offload=True,
+        is_warmup=warmup,
+        offload_groups=[fgo.OffloadTensorGroup(name) for name in names],
+        _offloaded_group_index=0,
+        _groups_to_offload=[],
+        _groups_to_reload=[],
+        _tensor_count_current_group=0,
+        _max_group_size=0,
+    )
+
+
+def _start_state(chunk: Any) -> tuple:
+    return (
+        chunk._offloaded_group_index,
+        chunk._max_group_size,
+        chunk._tensor_count_current_group,
+        [group._name for group in chunk.offload_groups],
+        [chunk.offload_groups.index(group) for group in chunk._groups_to_offload],
+    )
+
+
+@pytest.mark.parametrize(
+    ("warmup", "recorded", "started"),
+    [
+        (True, (), LAYER * 2),  # the warm-up step records a group per start
+        (False, LAYER * 2, LAYER * 2),  # a replayed step finds each at the next index
+        # a replayed step whose next group of a name lies further on (a group of the plan
+        # whose module did not run this time): Megatron's scan skips to it
+        (False, LAYER * 2, ("attn_norm", "mlp_norm", "core_attn")),
+    ],
+)
+def test_the_lean_group_start_keeps_megatrons_books(warmup, recorded, started):
+    lean, megatron = (_forward_chunk(flag, warmup, recorded) for flag in (True, False))
+    for name in started:
+        lean.on_group_start_forward(name)
+        fgo.ChunkOffloadHandler.on_group_start_forward(megatron, name)
+        assert _start_state(lean) == _start_state(megatron)
+        lean._tensor_count_current_group = megatron._tensor_count_current_group = 3
+
+
+def _chunk_at(index: int, pending: int, reloading: int) -> Any:
+    chunk = _forward_chunk(True, False, LAYER * 2)
+    chunk._offloaded_group_index = index
+    chunk._groups_to_offload = chunk.offload_groups[:pending]
+    chunk._groups_to_reload = chunk.offload_groups[:reloading]
+    return chunk
+
+
+@pytest.mark.parametrize("name", ["attn_norm", "mlp_norm", "router"])
+@pytest.mark.parametrize(
+    ("index", "pending", "reloading"), [(0, 0, 0), (3, 1, 0), (5, 0, 2), (8, 0, 0), (8, 1, 0)]
+)
+def test_a_chunk_is_finished_when_megatrons_says_so(name, index, pending, reloading):
+    chunk = _chunk_at(index, pending, reloading)
+    assert owned._finished(chunk, name) is fgo.ChunkOffloadHandler.finish_all_groups(chunk, name)
+
+
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize(("warmup", "current"), [(True, 0), (False, None), (False, 0), (False, 1)])
+def test_the_lean_forward_chunk_is_megatrons_choice(lean, warmup, current):
+    """The forward's next chunk: the current one while it has groups of the name left, else
+    the next cached one that has (none past the last)."""
+    chunks = [_chunk_at(8, 0, 0), _chunk_at(2, 0, 0), _chunk_at(0, 0, 0)]
+
+    def manager() -> Any:
+        return _bare(
+            owned.OwnedOffloadManager,
+            choices=owned.PlanChoices(lean_hooks=lean),
+            do_offload=True,
+            _is_warmup=warmup,
+            _cur_forward_chunk=None if current is None else chunks[current],
+            _cached_chunks_forward=chunks,
+            _cached_chunks_index_forward=1 if current is not None else 0,
+        )
+
+    ours, megatrons = manager(), manager()
+    for name in ("attn_norm", "mlp_norm", "attn_norm"):
+        got = ours.pop_forward_chunk(name)
+        expected = fgo.PipelineOffloadManager.pop_forward_chunk(megatrons, name)
+        assert got is expected and ours._cached_chunks_index_forward == (
+            megatrons._cached_chunks_index_forward
+        )
+
+
+@pytest.fixture
+def lean_cpu(monkeypatch):
+    """The lean commit on CPU: no capture, the stream calls as no-ops, CPU tensors offloadable."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(
+        owned, "_STREAMS", SimpleNamespace(use=lambda s: None, current=lambda: "compute")
+    )
+    streams: list = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: streams.append(s))
+    monkeypatch.setattr(
+        owned.OwnedChunkHandler, "tensor_need_offloading_checker", lambda self, t: t.numel() > 1
+    )
+    return streams
+
+
+@pytest.mark.parametrize("offloads", [True, False])
+def test_the_lean_commit_offloads_the_named_group_and_releases_what_it_is_given(
+    monkeypatch, lean_cpu, offloads
+):
+    chunk = _forward_chunk(True, True, ("attn_norm", "core_attn", "core_attn"))
+    chunk._groups_to_offload = list(chunk.offload_groups)
+    copied: list = []
+    monkeypatch.setattr(owned.OwnedChunkHandler, "_lean_bulk_offload_group", copied.append)
+    monkeypatch.setattr(owned.OwnedChunkHandler, "should_bulk_offload", lambda self, g: offloads)
+    released, kept = torch.ones(4), torch.ones(1)
+    chunk.bulk_offload("core_attn", [released, kept])
+    first_core_attn = chunk.offload_groups[1]  # Megatron's choice among pending groups of a name
+    assert first_core_attn not in chunk._groups_to_offload and len(chunk._groups_to_offload) == 2
+    if offloads:
+        assert copied == [first_core_attn] and chunk._groups_to_reload == [first_core_attn]
+        assert released.untyped_storage().nbytes() == 0 and lean_cpu == ["compute"]
+        assert kept.untyped_storage().nbytes() == kept.element_size()  # too small to offload
+    else:  # the group stays on the GPU: nothing copied or released, the commit consumed
+        assert not copied and not chunk._groups_to_reload and not lean_cpu
+        assert released.untyped_storage().nbytes() == 4 * released.element_size()
+
+
+def test_the_pool_lends_one_view_per_buffer_and_request_across_steps():
+    pool = _pool()
+    shape = torch.Size([64, 8])
+    first = pool.allocate(shape, torch.bfloat16)
+    pool.free(first)
+    pool.reset()
+    again = pool.allocate(shape, torch.bfloat16)
+    assert again is first  # the next step's draw: the same view, not a new one
+    other = pool.allocate(torch.Size([512]), torch.bfloat16)  # a new buffer: its own view
+    assert other is not first and other.shape == (512,)
+    pool.free(again)
+    pool.free(other)
+    pool.clear()
+    assert not pool._views  # no view outlives its buffer
+    fresh = pool.allocate(shape, torch.bfloat16)
+    assert fresh is not first and fresh.shape == shape

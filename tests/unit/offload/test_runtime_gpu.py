@@ -144,3 +144,34 @@ def test_two_groups_saving_one_storage_move_it_once_each_way():
     assert back_input.stride() == expected_input.stride()
     assert back_out.untyped_storage().data_ptr() == back_input.untyped_storage().data_ptr()
     assert handler.cpu_tensor_pool.in_use() == 0
+
+
+def test_the_lean_saved_tensor_hook_tags_as_megatrons():
+    """A CUDA tensor the lean hook takes gets Megatron's tag in Megatron's group; anything else
+    (a parameter, a CPU tensor) goes through Megatron's own hook, which leaves it as it is."""
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    from nemo_rl_offload.offload import owned
+
+    def chunk(lean: bool) -> owned.OwnedChunkHandler:
+        handler = object.__new__(owned.OwnedChunkHandler)
+        handler.choices = owned.PlanChoices(lean_hooks=lean)
+        handler.offload_groups = [fgo.OffloadTensorGroup("core_attn")]
+        handler._offloaded_group_index = 1
+        handler._tensor_count_current_group = 0
+        return handler
+
+    tensors = [
+        torch.ones(4, device="cuda"),
+        torch.nn.Parameter(torch.ones(4, device="cuda")),
+        torch.ones(4),
+        torch.ones(2, 2, device="cuda").t(),
+    ]
+    lean, megatron = chunk(True), chunk(False)
+    for tensor in tensors:
+        got, expected = lean.tensor_push(tensor), megatron.tensor_push(tensor)
+        assert type(got) is type(expected) and (
+            got == expected if isinstance(got, tuple) else got is expected
+        )
+    assert list(lean.offload_groups[0]._tensors) == list(megatron.offload_groups[0]._tensors)
+    assert lean._tensor_count_current_group == megatron._tensor_count_current_group == 2
