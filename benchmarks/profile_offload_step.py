@@ -147,16 +147,40 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     # An idle stretch the host caused: the kernel that ends it was launched after it began
     # (the GPU had run out of work). Otherwise the kernel was queued and waited on an event.
     starts = sorted(
-        (event["ts"] * 1e-6, launches.get(event.get("args", {}).get("correlation")))
+        (
+            event["ts"] * 1e-6,
+            launches.get(event.get("args", {}).get("correlation")),
+            str(event.get("name", "")),
+        )
         for event in events
         if event.get("cat") == "kernel" and event.get("ph") == "X"
     )
-    next_kernel = [start for start, _ in starts]
+    next_kernel = [start for start, _, _ in starts]
+    names = [name for _, _, name in starts]
     host_behind = 0.0
+    stretches = []
     for gap_start, gap_end in idle:
         index = bisect.bisect_left(next_kernel, gap_end)
-        if index < len(starts) and starts[index][1] is not None and starts[index][1] > gap_start:
+        behind = (
+            index < len(starts) and starts[index][1] is not None and starts[index][1] > gap_start
+        )
+        if behind:
             host_behind += gap_end - gap_start
+        stretches.append((gap_end - gap_start, gap_start, index, behind))
+    # The longest idle stretches, where in the step and what ended them: a stretch that ends
+    # with a kernel queued before it began waited on an event (a copy, another stream).
+    longest = [
+        {
+            "at_ms": round((gap_start - window[0]) * 1e3, 2),
+            "idle_ms": round(length * 1e3, 3),
+            "host_behind": behind,
+            "d2h_running": bool(_intersect([(gap_start, gap_start + length)], d2h)),
+            "h2d_running": bool(_intersect([(gap_start, gap_start + length)], h2d)),
+            "previous_kernel": names[index - 1][:80] if index > 0 else None,
+            "next_kernel": names[index][:80] if index < len(names) else None,
+        }
+        for length, gap_start, index, behind in sorted(stretches, reverse=True)[:20]
+    ]
     return {
         "window_s": window[1] - window[0],
         "compute_busy_s": _length(compute),
@@ -165,6 +189,7 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         "idle_during_d2h_s": idle_d2h_only,
         "idle_no_copy_s": idle_total - idle_h2d - idle_d2h_only,
         "idle_host_behind_s": host_behind,
+        "longest_idle": longest,
         "d2h_busy_s": _length(d2h),
         "h2d_busy_s": _length(h2d),
         # Copies out and back at once share the PCIe link (~50 GB/s each way against ~55 for
