@@ -78,6 +78,9 @@ class Candidate:
     predicted_fwd_bwd_s: float | None = None
     # policy.logprob_chunk_size the candidate sets (None: the recipe's loss as it is)
     logprob_chunk: int | None = None
+    # (module, fraction) pairs in place of ``fraction`` for those modules
+    # (activation_offload_fraction_by_module)
+    fraction_by_module: tuple[tuple[str, float], ...] = ()
 
     @property
     def failed(self) -> str | None:
@@ -99,7 +102,8 @@ class Candidate:
             parts.append("recompute " + "+".join(self.recompute_modules))
         if self.modules:
             suffix = "" if self.fraction == 1.0 else f" x{self.fraction:g}"
-            parts.append("+".join(self.modules) + suffix)
+            own = "".join(f" ({module} x{share:g})" for module, share in self.fraction_by_module)
+            parts.append("+".join(self.modules) + suffix + own)
         return (", ".join(parts) or "no offload") + loss
 
     def settings(self) -> ActivationSettings:
@@ -121,6 +125,7 @@ class Candidate:
             frozenset(self.modules),
             self.fraction,
             frozenset(self.recompute_modules),
+            fraction_by_module=self.fraction_by_module,
             lean_loss=lean,
         )
 
@@ -132,6 +137,8 @@ class Candidate:
             settings["offload_modules"] = list(self.modules)
             if self.fraction != 1.0:
                 settings["activation_offload_fraction"] = self.fraction
+            if self.fraction_by_module:
+                settings["activation_offload_fraction_by_module"] = dict(self.fraction_by_module)
         if self.full_recompute:
             settings.update(activation_checkpointing=True, recompute_granularity="full")
             if self.recompute_num_layers is not None:
@@ -177,9 +184,27 @@ def live_modules(
     return tuple(m for m in modules if m in live)
 
 
+def one_module_shares(modules: tuple[str, ...]) -> list[tuple[tuple[str, float], ...]]:
+    """The per-module fractions searched for an offload set of two or more modules: one module
+    at each fraction below 1 of :data:`FRACTIONS`, the others whole (a set's bytes between its
+    subsets', where the copies of the whole set would not hide behind the compute). Not
+    ``attn_proj`` beside ``core_attn``: core_attn's groups copy the projection's input on every
+    layer (the rules refuse that pair)."""
+    if len(modules) < 2:
+        return []
+    return [
+        ((module, share),)
+        for module in modules
+        if not (module == "attn_proj" and "core_attn" in modules)
+        for share in FRACTIONS
+        if share < 1.0
+    ]
+
+
 def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]:
     """Every candidate the planner considers, before the rules: with each selective recompute
-    set, each subset of the offload modules that still have bytes to move, at each fraction;
+    set, each subset of the offload modules that still have bytes to move, at each fraction,
+    and with one of its modules at a fraction of its own (:func:`one_module_shares`);
     full recompute of every layer, with and without the layer inputs offloaded, and of the
     first N layers. Where the table knows the bytes of the loss's log-softmax in chunks (a
     recipe without a ``logprob_chunk_size``), every candidate sets one
@@ -196,6 +221,10 @@ def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]
         for modules in _subsets(live_modules(table, recompute, offloadable_modules(is_moe))):
             for fraction in FRACTIONS if modules else (1.0,):
                 out.append(Candidate(modules, fraction, None, recompute_modules=recompute))
+            out.extend(
+                Candidate(modules, 1.0, None, recompute_modules=recompute, fraction_by_module=own)
+                for own in one_module_shares(modules)
+            )
     out.append(Candidate((), 1.0, None, full_recompute=True))
     if not dtensor:
         out.append(Candidate((LAYER_INPUT,), 1.0, None, full_recompute=True))

@@ -84,21 +84,30 @@ TRUTH = Calibration(
 )
 
 
+BY_MODULE = "activation_offload_fraction_by_module"
+
+
 def candidate_of(overrides: list[str]) -> planner.Candidate:
     """The candidate a measurement's override lines set (the planner's patch, read back)."""
     settings: dict[str, Any] = {}
+    own: dict[str, float] = {}  # activation_offload_fraction_by_module, one line per module
     for line in overrides:
         override = parse_override(line)
-        if override.path[:2] == ("policy", "megatron_cfg"):
+        if override.path[:3] == ("policy", "megatron_cfg", BY_MODULE):
+            own[override.path[3]] = float(override.value)
+        elif override.path[:2] == ("policy", "megatron_cfg"):
             settings[override.path[-1]] = override.value
     fgo = settings.get("fine_grained_activation_offloading") is True
     modules = tuple(settings.get("offload_modules") or ()) if fgo else ()
     fraction = float(settings.get("activation_offload_fraction", 1.0))
+    shares = tuple(own.items())
     if settings.get("activation_checkpointing") is not True:
-        return planner.Candidate(modules, fraction, None)
+        return planner.Candidate(modules, fraction, None, fraction_by_module=shares)
     if settings.get("recompute_granularity") == "selective":
         recompute = tuple(settings.get("recompute_modules") or ())
-        return planner.Candidate(modules, fraction, None, recompute_modules=recompute)
+        return planner.Candidate(
+            modules, fraction, None, recompute_modules=recompute, fraction_by_module=shares
+        )
     block = settings.get("recompute_num_layers") if settings.get("recompute_method") else None
     return planner.Candidate(modules, 1.0, None, full_recompute=True, recompute_num_layers=block)
 

@@ -741,3 +741,58 @@ def test_the_chunked_loss_candidates_bytes_are_validates_estimate_of_the_patched
     expected = activations(effective, build_ledger(patched), activation_bytes=2).total
     assert costs.removal(lean).activation_bytes == pytest.approx(expected, rel=1e-12)
     assert costs.removal(lean).activation_bytes < costs.removal(plain).activation_bytes
+
+
+def test_the_menu_tries_one_module_of_a_set_at_a_fraction_of_its_own():
+    """A set of two or more modules also comes with each one of them at half its groups (never
+    attn_proj beside core_attn, which the rules refuse): its patch sets the per-module key, its
+    overrides apply, and it keeps bytes between the whole set's and the set without it."""
+    from nemo_rl_offload.config.loader import apply_overrides
+    from nemo_rl_offload.plan_menu import menu
+
+    costs = small_costs(layers=8)
+    table = costs.layers.table
+    candidates = menu(table, is_moe=False, dtensor=False)
+    own = [c for c in candidates if c.fraction_by_module]
+    assert own and all(len(c.modules) >= 2 and c.fraction == 1.0 for c in own)
+    assert not any(
+        "attn_proj" in dict(c.fraction_by_module) and "core_attn" in c.modules for c in own
+    )
+    half = next(
+        c
+        for c in own
+        if c.modules == ("attn_norm", "core_attn") and not c.recompute_modules
+        if c.fraction_by_module == (("attn_norm", 0.5),)
+    )
+    assert half.name == "attn_norm+core_attn (attn_norm x0.5)"
+    settings = half.patch()["policy"]["megatron_cfg"]
+    assert settings["activation_offload_fraction_by_module"] == {"attn_norm": 0.5}
+    recipe = {"policy": {"megatron_cfg": {"tensor_model_parallel_size": 1}}}
+    patched = apply_overrides(recipe, planner.render_overrides(half.patch(), recipe))
+    assert patched["policy"]["megatron_cfg"]["activation_offload_fraction_by_module"] == {
+        "attn_norm": 0.5
+    }
+
+    def kept(candidate: planner.Candidate) -> float:
+        return table.estimate(candidate.settings()).total
+
+    whole = planner.Candidate(("attn_norm", "core_attn"), 1.0, None)
+    without = planner.Candidate(("core_attn",), 1.0, None)
+    assert kept(whole) < kept(half) < kept(without)
+    assert not any(c.fraction_by_module for c in candidates if len(c.modules) < 2)
+
+
+def test_a_one_module_share_is_a_plan_validate_accepts_on_a_real_recipe():
+    import io
+
+    from nemo_rl_offload.cli import main
+
+    recipe = {"policy": {"megatron_cfg": {"tensor_model_parallel_size": 1}}}
+    half = planner.Candidate(
+        ("attn_norm", "core_attn", "mlp_norm"), 1.0, None, fraction_by_module=(("mlp_norm", 0.5),)
+    )
+    lines = planner.render_overrides(half.patch(), recipe)
+    config = RESULTS.parents[1] / "examples" / "configs" / "grpo_math_1B_megatron.yaml"
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["validate", "--no-estimate", "--config", str(config), *lines], out, err)
+    assert code == 0, err.getvalue()

@@ -94,3 +94,18 @@ def test_idle_time_the_host_caused_is_told_from_waits_on_queued_work():
     summary = profile.summarise_trace(events)
     assert summary["idle_s"] == pytest.approx(80e-6)
     assert summary["idle_host_behind_s"] == pytest.approx(30e-6)
+
+
+def test_the_longest_idle_stretches_say_where_they_were_and_what_ended_them():
+    events = [
+        _span("kernel", "gemm", 0, 100),
+        _span("kernel", "norm", 150, 160),  # after 50 us idle while a copy out runs
+        _span("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 90, 140, stream=20),
+        _span("kernel", "softmax", 180, 200),  # after 20 us with no copy
+    ]
+    longest = profile.summarise_trace(events)["longest_idle"]
+    assert [(s["at_ms"], s["idle_ms"]) for s in longest] == [(0.1, 0.05), (0.16, 0.02)]
+    first, second = longest
+    assert (first["previous_kernel"], first["next_kernel"]) == ("gemm", "norm")
+    assert first["d2h_running"] and not first["h2d_running"] and not second["d2h_running"]
+    assert second["next_kernel"] == "softmax" and not second["host_behind"]
