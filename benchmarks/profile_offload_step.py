@@ -107,6 +107,32 @@ def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
     return out
 
 
+# The host's CUDA calls in a trace: the runtime API's and the driver API's (cuBLASLt's GEMMs and
+# Triton's kernels are launched through the driver: without it their launch time is unknown).
+HOST_API = ("cuda_runtime", "cuda_driver")
+
+
+def _calls_between(
+    starts: list[tuple[float, float | None, str]],
+    index: int,
+    runtime_calls: list[tuple[float, str]],
+    call_times: list[float],
+) -> list[str]:
+    """The CUDA runtime calls the host made after launching kernel ``index - 1`` and before
+    launching kernel ``index`` (at most 12, counted by name), or [] when either launch time is
+    unknown."""
+    if index <= 0 or index >= len(starts):
+        return []
+    before, after = starts[index - 1][1], starts[index][1]
+    if before is None or after is None:
+        return []
+    low, high = bisect.bisect_right(call_times, before), bisect.bisect_left(call_times, after)
+    counts: dict[str, int] = {}
+    for _, name in runtime_calls[low:high]:
+        counts[name] = counts.get(name, 0) + 1
+    return [f"{name} x{count}" for name, count in list(counts.items())[:12]]
+
+
 def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     """The step's GPU timeline split as the module docstring says (times in seconds)."""
     kernels: dict[Any, list[Interval]] = {}
@@ -131,8 +157,14 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
     launches = {
         event["args"]["correlation"]: event["ts"] * 1e-6
         for event in events
-        if event.get("cat") == "cuda_runtime" and "correlation" in event.get("args", {})
+        if event.get("cat") in HOST_API and "correlation" in event.get("args", {})
     }
+    runtime_calls = sorted(
+        (event["ts"] * 1e-6, str(event.get("name", "")))
+        for event in events
+        if event.get("cat") in HOST_API and event.get("ph") == "X"
+    )
+    call_times = [at for at, _ in runtime_calls]
     compute_stream = max(kernels, key=lambda stream: _length(bench.union(kernels[stream])))
     compute = bench.union([span for spans in kernels.values() for span in spans])
     every_gpu_span = [s for spans in kernels.values() for s in spans] + [
@@ -178,6 +210,9 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             "h2d_running": bool(_intersect([(gap_start, gap_start + length)], h2d)),
             "previous_kernel": names[index - 1][:80] if index > 0 else None,
             "next_kernel": names[index][:80] if index < len(names) else None,
+            # What the host issued between launching the kernel before and the kernel after
+            # (a stream wait there is what a queued kernel waited for).
+            "calls_between": _calls_between(starts, index, runtime_calls, call_times),
         }
         for length, gap_start, index, behind in sorted(stretches, reverse=True)[:20]
     ]

@@ -109,3 +109,61 @@ def test_the_longest_idle_stretches_say_where_they_were_and_what_ended_them():
     assert (first["previous_kernel"], first["next_kernel"]) == ("gemm", "norm")
     assert first["d2h_running"] and not first["h2d_running"] and not second["d2h_running"]
     assert second["next_kernel"] == "softmax" and not second["host_behind"]
+
+
+def test_an_idle_stretch_lists_what_the_host_issued_between_its_two_kernels():
+    def kernel(name: str, start: float, end: float, correlation: int) -> dict:
+        event = _span("kernel", name, start, end)
+        event["args"]["correlation"] = correlation
+        return event
+
+    def call(name: str, at: float, correlation: int | None = None) -> dict:
+        args = {} if correlation is None else {"correlation": correlation}
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": at, "dur": 1, "args": args}
+
+    events = [
+        call("cudaLaunchKernel", 0, 1),
+        kernel("sdpa", 5, 100, 1),
+        call("cudaEventRecord", 2),
+        call("cudaStreamWaitEvent", 3),
+        call("cudaMemcpyAsync", 4),
+        call("cudaMemcpyAsync", 4.5),
+        call("cudaLaunchKernel", 6, 2),  # queued long before the stretch: it waited
+        kernel("gemm", 150, 200, 2),
+    ]
+    (stretch,) = profile.summarise_trace(events)["longest_idle"]
+    assert not stretch["host_behind"] and stretch["next_kernel"] == "gemm"
+    assert stretch["calls_between"] == [
+        "cudaEventRecord x1",
+        "cudaStreamWaitEvent x1",
+        "cudaMemcpyAsync x2",
+    ]
+
+
+def test_a_kernel_launched_through_the_driver_api_has_its_launch_time():
+    """cuBLASLt's GEMMs and Triton's kernels are launched with the driver API: a stretch the
+    host caused before one of them is the host's, not a wait on queued work."""
+    kernel = _span("kernel", "nvjet_gemm", 150, 200)
+    kernel["args"]["correlation"] = 2
+    first = _span("kernel", "norm", 0, 100)
+    first["args"]["correlation"] = 1
+    launches = [
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": 0,
+            "dur": 1,
+            "args": {"correlation": 1},
+        },
+        {
+            "ph": "X",
+            "cat": "cuda_driver",
+            "name": "cuLaunchKernelEx",
+            "ts": 120,
+            "dur": 1,
+            "args": {"correlation": 2},
+        },
+    ]
+    (stretch,) = profile.summarise_trace([first, kernel, *launches])["longest_idle"]
+    assert stretch["host_behind"] and stretch["calls_between"] == []
