@@ -227,7 +227,8 @@ def test_dead_worker_fails_the_job_within_a_minute(tmp_path):
             if line.startswith("[train 3/"):
                 break
         pids = subprocess.run(["pgrep", "-f", "PolicyWorker"], capture_output=True, text=True)
-        victims = [int(pid) for pid in pids.stdout.split()]
+        # This job's workers only: a test running beside this one (pytest-xdist) has its own.
+        victims = [pid for pid in map(int, pids.stdout.split()) if _descends_from(pid, process.pid)]
         assert victims, "no worker process found"
         killed_at = time.monotonic()
         os.kill(victims[-1], signal.SIGKILL)
@@ -239,6 +240,20 @@ def test_dead_worker_fails_the_job_within_a_minute(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is a child, grandchild, ... of ``ancestor`` (Ray's workers are
+    children of the raylet that the job's driver started)."""
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's id
+        if pid == ancestor:
+            return True
+    return False
 
 
 def _free_port() -> int:
