@@ -81,6 +81,8 @@ class Candidate:
     # (module, fraction) pairs in place of ``fraction`` for those modules
     # (activation_offload_fraction_by_module)
     fraction_by_module: tuple[tuple[str, float], ...] = ()
+    # the output layer in the loss's chunks too (policy.megatron_cfg.chunked_output_layer)
+    output_chunked: bool = False
 
     @property
     def failed(self) -> str | None:
@@ -92,6 +94,8 @@ class Candidate:
     @functools.cached_property
     def name(self) -> str:
         loss = f", log-softmax in chunks of {self.logprob_chunk}" if self.logprob_chunk else ""
+        if self.output_chunked:
+            loss = f", output layer and log-softmax in chunks of {self.logprob_chunk}"
         if self.full_recompute:
             name = "full recompute"
             if self.recompute_num_layers is not None:
@@ -113,13 +117,17 @@ class Candidate:
         if self.full_recompute:
             if self.recompute_num_layers is None:
                 return ActivationSettings(
-                    offload=frozenset(self.modules), full=UNIFORM, lean_loss=lean
+                    offload=frozenset(self.modules),
+                    full=UNIFORM,
+                    lean_loss=lean,
+                    output_chunked=self.output_chunked,
                 )
             return ActivationSettings(
                 offload=frozenset(self.modules),
                 full=BLOCK,
                 num_layers=self.recompute_num_layers,
                 lean_loss=lean,
+                output_chunked=self.output_chunked,
             )
         return ActivationSettings(
             frozenset(self.modules),
@@ -127,6 +135,7 @@ class Candidate:
             frozenset(self.recompute_modules),
             fraction_by_module=self.fraction_by_module,
             lean_loss=lean,
+            output_chunked=self.output_chunked,
         )
 
     def patch(self) -> Patch:
@@ -153,6 +162,8 @@ class Candidate:
             )
         else:
             settings["activation_checkpointing"] = False
+        if self.output_chunked:
+            settings["chunked_output_layer"] = True
         patch = megatron_patch(settings)
         if self.logprob_chunk is not None:
             patch["policy"]["logprob_chunk_size"] = self.logprob_chunk
@@ -209,7 +220,9 @@ def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]
     first N layers. Where the table knows the bytes of the loss's log-softmax in chunks (a
     recipe without a ``logprob_chunk_size``), every candidate sets one
     (:data:`LEAN_LOSS_CHUNK`): the cost model times the loss the same either way and the
-    chunked one keeps less, so a candidate without it could never be chosen. A DTensor policy
+    chunked one keeps less, so a candidate without it could never be chosen. Where the table
+    also knows the bytes with the output layer in those chunks, each candidate comes with that
+    too (no logits kept, the output layer's forward run again in the backward). A DTensor policy
     reads one recompute switch (full recompute) and so gets no selective, block or
     chunked-loss candidates."""
     layers = table.stage_layers
@@ -233,6 +246,8 @@ def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]
             out.append(Candidate((), 1.0, None, full_recompute=True, recompute_num_layers=covered))
     if table.lean_model is not None and not dtensor:
         out = [dataclasses.replace(c, logprob_chunk=LEAN_LOSS_CHUNK) for c in out]
+        if table.chunked_model is not None:
+            out += [dataclasses.replace(c, output_chunked=True) for c in out]
     return out
 
 
@@ -260,6 +275,8 @@ def layer_costs(
     flops_per_token: Callable[[str, str], float],
     activation_bytes: int,
     lean_ledger: Any = None,
+    chunked_ledger: Any = None,
+    output_flops: float = 0.0,
 ) -> LayerCosts:
     """The cost model's view of a recipe from its effective settings and activation ledger
     (:class:`offload.ledger.Ledger`) at its tokens per micro-batch: the activation table
@@ -267,15 +284,19 @@ def layer_costs(
     counts too) and each layer kind's recompute FLOPs. ``flops_per_token(kind, option)``:
     forward FLOPs per token of a recompute option in a layer of that kind. ``lean_ledger``:
     the same recipe's ledger with a ``logprob_chunk_size`` (its loss's bytes), for the
-    chunked-loss candidates; None offers none."""
+    chunked-loss candidates; None offers none. ``chunked_ledger``: the same with
+    ``chunked_output_layer`` too, for the chunked-output candidates (``output_flops``: one
+    micro-batch's output-layer forward FLOPs on a rank, which they run again)."""
     table = ActivationTable.of(effective, ledger, activation_bytes=activation_bytes)
     if lean_ledger is not None:
         table = table.with_lean_loss(lean_ledger, effective)
+        if chunked_ledger is not None:
+            table = table.with_chunked_output(chunked_ledger, effective)
     flops = {
         kind: {o: flops_per_token(kind, o) * table.tokens for o in FLOP_OPTIONS}
         for kind in table.layers_of()
     }
-    return LayerCosts(table, flops)
+    return LayerCosts(table, flops, output_flops if chunked_ledger is not None else 0.0)
 
 
 def predictor(

@@ -383,11 +383,12 @@ def _layer_costs(
 ) -> RecipeCosts:
     """The recipe's :class:`RecipeCosts` from its activation ledger, measured on the CPU (a
     seam: tests give a small one); with ``chunked_loss`` and no ``logprob_chunk_size`` in the
-    recipe, also the loss's bytes with one (the ledger measured again with it)."""
+    recipe, also the loss's bytes with one (the ledger measured again with it), and with the
+    output layer in those chunks too (once more)."""
     from nemo_rl_offload.config.model_presets import section_architecture
     from nemo_rl_offload.models.ledger_run import build_ledger
     from nemo_rl_offload.offload import apply, ledger
-    from nemo_rl_offload.offload.activation_bytes import dtype_bytes
+    from nemo_rl_offload.offload.activation_bytes import dtype_bytes, parallel_sizes
     from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, layer_costs
 
     architecture = section_architecture(section, base_dir=base_dir)
@@ -404,12 +405,18 @@ def _layer_costs(
 
     element = dtype_bytes(section.get("precision") or "float32")
     hidden = int(effective.value("hidden_size"))
-    lean = None
+    lean = chunked = None
     if chunked_loss and not section.get("logprob_chunk_size"):
-        lean = build_ledger({**section, "logprob_chunk_size": LEAN_LOSS_CHUNK}, base_dir=base_dir)
-    layers = layer_costs(effective, built, flops, element, lean)
-    forward = layers.forward_flops()
-    forward += 2 * hidden * architecture.vocab_size * built.tokens_per_microbatch
+        lean_section = {**section, "logprob_chunk_size": LEAN_LOSS_CHUNK}
+        lean = build_ledger(lean_section, base_dir=base_dir)
+        megatron_cfg = section.get("megatron_cfg") or {}
+        if not megatron_cfg.get("chunked_output_layer"):
+            chunked_cfg = {**megatron_cfg, "chunked_output_layer": True}
+            chunked = build_ledger({**lean_section, "megatron_cfg": chunked_cfg}, base_dir=base_dir)
+    tp = parallel_sizes(effective)["tensor_model_parallel_size"]
+    output = 2 * hidden * architecture.vocab_size * built.tokens_per_microbatch
+    layers = layer_costs(effective, built, flops, element, lean, chunked, output / tp)
+    forward = layers.forward_flops() + output
     return RecipeCosts(layers, forward, microbatches)
 
 

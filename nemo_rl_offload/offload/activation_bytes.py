@@ -119,6 +119,9 @@ class ActivationSettings:
     # The loss's log-softmax in chunks (policy.logprob_chunk_size) where the recipe's ledger
     # has the plain loss: the table's ``lean_model`` bytes in place of its ``model``.
     lean_loss: bool = False
+    # The output layer in those chunks too (policy.megatron_cfg.chunked_output_layer) where
+    # the recipe's ledger has it whole: the table's ``chunked_model`` bytes.
+    output_chunked: bool = False
 
     def fraction_of(self, module: str | None) -> float:
         """The share of ``module``'s groups offloaded."""
@@ -246,11 +249,21 @@ class ActivationTable:
     stage_layers: int
     # ``model`` with the loss's log-softmax in chunks (:meth:`with_lean_loss`); None: unknown.
     lean_model: float | None = None
+    # ``model`` with the output layer in those chunks too (:meth:`with_chunked_output`).
+    chunked_model: float | None = None
 
     def with_lean_loss(self, lean_ledger: Ledger, effective: EffectiveSettings) -> ActivationTable:
         """This table with ``lean_model`` from the ledger of the same recipe with a
         ``logprob_chunk_size`` (its model entries: the logits kept in their precision)."""
         return replace(self, lean_model=_model_bytes(lean_ledger, self.tokens, effective))
+
+    def with_chunked_output(
+        self, chunked_ledger: Ledger, effective: EffectiveSettings
+    ) -> ActivationTable:
+        """This table with ``chunked_model`` from the ledger of the same recipe with a
+        ``logprob_chunk_size`` and ``chunked_output_layer`` (its model entries: the final
+        hidden states and the labels, no logits)."""
+        return replace(self, chunked_model=_model_bytes(chunked_ledger, self.tokens, effective))
 
     @classmethod
     def of(
@@ -337,12 +350,16 @@ class ActivationTable:
         freed = covered(settings.recompute)
         modules = _merge([self._row(row, settings, freed) for row in self.rows])
         moved = sum(m.saved - m.kept for m in modules if m.removed_by.startswith("offload"))
-        lean = settings.lean_loss and self.lean_model is not None
+        model = self.model
+        if settings.output_chunked and self.chunked_model is not None:
+            model = self.chunked_model
+        elif settings.lean_loss and self.lean_model is not None:
+            model = self.lean_model
         common: dict[str, Any] = {
             "tokens": self.tokens,
             "tokens_source": self.tokens_source,
             "in_flight": self.in_flight,
-            "model": self.lean_model if lean else self.model,
+            "model": model,
         }
         if settings.full is None:
             return ActivationEstimate(modules=modules, offloaded=moved, **common)

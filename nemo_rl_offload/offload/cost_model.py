@@ -80,6 +80,9 @@ class LayerCosts:
 
     table: ActivationTable
     flops: dict[str, dict[str, float]]
+    # One micro-batch's output-layer forward FLOPs on a rank: what the chunked output layer
+    # runs again in the backward (each chunk's logits recomputed).
+    output_flops: float = 0.0
 
     def forward_flops(self) -> float:
         """One micro-batch's forward FLOPs through the stage's layers."""
@@ -106,14 +109,16 @@ def removal(costs: LayerCosts, plan: ActivationSettings) -> Removal:
     FLOPs and hooks each checkpoint input it offloads; selective recompute re-runs its
     options' FLOPs (an elementwise option's traffic instead, unless a larger option that
     covers it runs it); offloading hooks each offload module of each layer, in proportion to
-    the fraction."""
+    the fraction; the chunked output layer re-runs the output layer's forward."""
     table = costs.table
     kept = table.estimate(plan)
     layers = table.layers_of()
+    output = costs.output_flops if plan.output_chunked else 0.0
     if plan.full is not None:
         share = table.recomputed_layers(plan) / max(1, table.stage_layers)
         hooks = float(table.checkpoints(plan)) if LAYER_INPUT in plan.offload else 0.0
-        return Removal(kept.total, kept.offloaded, costs.forward_flops() * share, 0.0, hooks)
+        flops = costs.forward_flops() * share + output
+        return Removal(kept.total, kept.offloaded, flops, 0.0, hooks)
     freed = covered(plan.recompute)
     traffic = sum(
         row.layers * 2 * row.nbytes
@@ -126,7 +131,7 @@ def removal(costs: LayerCosts, plan: ActivationSettings) -> Removal:
         hooks += n * sum(plan.fraction_of(module) for module in present)
         options = plan.recompute - ELEMENTWISE_RECOMPUTE
         flops += n * sum(costs.flops.get(kind, {}).get(o, 0.0) for o in options)
-    return Removal(kept.total, kept.offloaded, flops, traffic, hooks)
+    return Removal(kept.total, kept.offloaded, flops + output, traffic, hooks)
 
 
 @dataclass(frozen=True)

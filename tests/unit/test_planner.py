@@ -796,3 +796,63 @@ def test_a_one_module_share_is_a_plan_validate_accepts_on_a_real_recipe():
     out, err = io.StringIO(), io.StringIO()
     code = main(["validate", "--no-estimate", "--config", str(config), *lines], out, err)
     assert code == 0, err.getvalue()
+
+
+def test_each_chunked_loss_candidate_comes_with_the_output_layer_in_chunks_too():
+    """Where the table knows the bytes with the output layer in the loss's chunks, every
+    chunked-loss candidate has a twin that sets chunked_output_layer: it keeps the table's
+    chunked model bytes (no logits) and runs the output layer's forward again in the backward."""
+    from nemo_rl_offload.offload import cost_model
+    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, menu
+
+    costs = small_costs(layers=8)
+    lean_only = dataclasses.replace(costs.layers.table, lean_model=0.25 * GIB)
+    table = dataclasses.replace(lean_only, chunked_model=0.05 * GIB)
+    assert not any(c.output_chunked for c in menu(lean_only, is_moe=False, dtensor=False))
+    candidates = menu(table, is_moe=False, dtensor=False)
+    chunked = [c for c in candidates if c.output_chunked]
+    assert len(chunked) * 2 == len(candidates)
+    assert all(c.logprob_chunk == LEAN_LOSS_CHUNK for c in chunked)
+    twin = next(c for c in chunked if c.modules == ("core_attn",) and not c.recompute_modules)
+    assert twin.name == f"core_attn, output layer and log-softmax in chunks of {LEAN_LOSS_CHUNK}"
+    patch = twin.patch()["policy"]
+    assert patch["megatron_cfg"]["chunked_output_layer"] is True
+    assert patch["logprob_chunk_size"] == LEAN_LOSS_CHUNK
+    lean = dataclasses.replace(twin, output_chunked=False)
+    assert "chunked_output_layer" not in lean.patch()["policy"]["megatron_cfg"]
+    assert table.estimate(lean.settings()).total - table.estimate(twin.settings()).total == (
+        pytest.approx(0.2 * GIB)
+    )
+    both = cost_model.LayerCosts(table, costs.layers.flops, output_flops=3e12)
+    calibration = dataclasses.replace(Simulated(costs, 32.0).truth, offload_peak_bytes=0.0)
+    extra = cost_model.predict(both, twin.settings(), calibration).step_s
+    extra -= cost_model.predict(both, lean.settings(), calibration).step_s
+    assert extra == pytest.approx(calibration.microbatches * 3e12 / calibration.flops_per_s)
+    assert not any(c.output_chunked for c in menu(table, is_moe=False, dtensor=True))
+
+
+def test_the_chunked_output_candidates_bytes_are_validates_estimate_of_the_patched_recipe():
+    from support.policies import make_policy
+
+    from nemo_rl_offload.config.loader import deep_merge
+    from nemo_rl_offload.config.model_presets import architecture_for
+    from nemo_rl_offload.models.ledger_run import build_ledger
+    from nemo_rl_offload.offload import apply
+    from nemo_rl_offload.offload.activation_bytes import activations
+    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, Candidate
+
+    section = make_policy("tiny-dense")
+    section["max_total_sequence_length"] = 64
+    costs = planner._layer_costs(section, None, 2)
+    table = costs.layers.table
+    assert table.chunked_model is not None and table.chunked_model < table.lean_model
+    chunked = Candidate(
+        ("core_attn",), 1.0, None, logprob_chunk=LEAN_LOSS_CHUNK, output_chunked=True
+    )
+    patched = deep_merge({"policy": section}, chunked.patch())["policy"]
+    effective = apply.effective_settings(
+        patched, architecture_for("tiny-dense"), te_installed=False
+    )
+    expected = activations(effective, build_ledger(patched), activation_bytes=2).total
+    assert costs.removal(chunked).activation_bytes == pytest.approx(expected, rel=1e-12)
+    assert costs.removal(chunked).recompute_flops == pytest.approx(costs.layers.output_flops)
