@@ -618,7 +618,6 @@ def _main_thread_counters() -> dict[str, float] | None:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     return {
         "cpu_s": time.thread_time(),
-        "wall_s": time.perf_counter(),
         "involuntary": float(fields["nonvoluntary_ctxt_switches"]),
         "voluntary": float(fields["voluntary_ctxt_switches"]),
         "cpu": float(stat.rsplit(")", 1)[1].split()[36]),  # field 39: processor
@@ -631,7 +630,6 @@ def _host_share(before: dict[str, float] | None, after: dict[str, float] | None)
         return {}
     return {
         "host_thread_cpu_s": after["cpu_s"] - before["cpu_s"],
-        "host_wall_s": after["wall_s"] - before["wall_s"],
         "host_involuntary_switches": after["involuntary"] - before["involuntary"],
         "host_voluntary_switches": after["voluntary"] - before["voluntary"],
         "host_cpu": after["cpu"],

@@ -115,12 +115,12 @@ HOST_API = ("cuda_runtime", "cuda_driver")
 def _calls_between(
     starts: list[tuple[float, float | None, str]],
     index: int,
-    runtime_calls: list[tuple[float, str]],
+    host_calls: list[tuple[float, str]],
     call_times: list[float],
 ) -> list[str]:
-    """The CUDA runtime calls the host made after launching kernel ``index - 1`` and before
-    launching kernel ``index`` (at most 12, counted by name), or [] when either launch time is
-    unknown."""
+    """The CUDA calls (runtime and driver API) the host made after launching kernel
+    ``index - 1`` and before launching kernel ``index`` (the first 12 names, each with its
+    count), or [] when either launch time is unknown."""
     if index <= 0 or index >= len(starts):
         return []
     before, after = starts[index - 1][1], starts[index][1]
@@ -128,7 +128,7 @@ def _calls_between(
         return []
     low, high = bisect.bisect_right(call_times, before), bisect.bisect_left(call_times, after)
     counts: dict[str, int] = {}
-    for _, name in runtime_calls[low:high]:
+    for _, name in host_calls[low:high]:
         counts[name] = counts.get(name, 0) + 1
     return [f"{name} x{count}" for name, count in list(counts.items())[:12]]
 
@@ -159,12 +159,12 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
         for event in events
         if event.get("cat") in HOST_API and "correlation" in event.get("args", {})
     }
-    runtime_calls = sorted(
+    host_calls = sorted(
         (event["ts"] * 1e-6, str(event.get("name", "")))
         for event in events
         if event.get("cat") in HOST_API and event.get("ph") == "X"
     )
-    call_times = [at for at, _ in runtime_calls]
+    call_times = [at for at, _ in host_calls]
     compute_stream = max(kernels, key=lambda stream: _length(bench.union(kernels[stream])))
     compute = bench.union([span for spans in kernels.values() for span in spans])
     every_gpu_span = [s for spans in kernels.values() for s in spans] + [
@@ -212,7 +212,7 @@ def summarise_trace(events: list[dict[str, Any]]) -> dict[str, Any]:
             "next_kernel": names[index][:80] if index < len(names) else None,
             # What the host issued between launching the kernel before and the kernel after
             # (a stream wait there is what a queued kernel waited for).
-            "calls_between": _calls_between(starts, index, runtime_calls, call_times),
+            "calls_between": _calls_between(starts, index, host_calls, call_times),
         }
         for length, gap_start, index, behind in sorted(stretches, reverse=True)[:20]
     ]

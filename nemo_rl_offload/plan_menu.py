@@ -93,9 +93,10 @@ class Candidate:
 
     @functools.cached_property
     def name(self) -> str:
-        loss = f", log-softmax in chunks of {self.logprob_chunk}" if self.logprob_chunk else ""
-        if self.output_chunked:
-            loss = f", output layer and log-softmax in chunks of {self.logprob_chunk}"
+        chunks = f" of {self.logprob_chunk}" if self.logprob_chunk else ""
+        loss = f", log-softmax in chunks{chunks}" if self.logprob_chunk else ""
+        if self.output_chunked:  # in the recipe's own chunks when the candidate sets none
+            loss = f", output layer and log-softmax in chunks{chunks}"
         if self.full_recompute:
             name = "full recompute"
             if self.recompute_num_layers is not None:
@@ -221,8 +222,9 @@ def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]
     recipe without a ``logprob_chunk_size``), every candidate sets one
     (:data:`LEAN_LOSS_CHUNK`): the cost model times the loss the same either way and the
     chunked one keeps less, so a candidate without it could never be chosen. Where the table
-    also knows the bytes with the output layer in those chunks, each candidate comes with that
-    too (no logits kept, the output layer's forward run again in the backward). A DTensor policy
+    knows the bytes with the output layer in the loss's chunks too (the recipe's or those), each
+    candidate also comes with that (no logits kept, the output layer's forward run again in the
+    backward). A DTensor policy
     reads one recompute switch (full recompute) and so gets no selective, block or
     chunked-loss candidates."""
     layers = table.stage_layers
@@ -244,10 +246,12 @@ def menu(table: ActivationTable, is_moe: bool, dtensor: bool) -> list[Candidate]
         step = max(1, layers // BLOCK_STEPS)
         for covered in range(step, layers, step):
             out.append(Candidate((), 1.0, None, full_recompute=True, recompute_num_layers=covered))
-    if table.lean_model is not None and not dtensor:
+    if dtensor:
+        return out
+    if table.lean_model is not None:
         out = [dataclasses.replace(c, logprob_chunk=LEAN_LOSS_CHUNK) for c in out]
-        if table.chunked_model is not None:
-            out += [dataclasses.replace(c, output_chunked=True) for c in out]
+    if table.chunked_model is not None:
+        out += [dataclasses.replace(c, output_chunked=True) for c in out]
     return out
 
 
@@ -284,19 +288,20 @@ def layer_costs(
     counts too) and each layer kind's recompute FLOPs. ``flops_per_token(kind, option)``:
     forward FLOPs per token of a recompute option in a layer of that kind. ``lean_ledger``:
     the same recipe's ledger with a ``logprob_chunk_size`` (its loss's bytes), for the
-    chunked-loss candidates; None offers none. ``chunked_ledger``: the same with
-    ``chunked_output_layer`` too, for the chunked-output candidates (``output_flops``: one
-    micro-batch's output-layer forward FLOPs on a rank, which they run again)."""
+    chunked-loss candidates; None offers none. ``chunked_ledger``: the recipe's ledger with a
+    chunk size and ``chunked_output_layer``, for the chunked-output candidates;
+    ``output_flops``: one micro-batch's output-layer forward FLOPs on a rank, which they run
+    again."""
     table = ActivationTable.of(effective, ledger, activation_bytes=activation_bytes)
     if lean_ledger is not None:
         table = table.with_lean_loss(lean_ledger, effective)
-        if chunked_ledger is not None:
-            table = table.with_chunked_output(chunked_ledger, effective)
+    if chunked_ledger is not None:
+        table = table.with_chunked_output(chunked_ledger, effective)
     flops = {
         kind: {o: flops_per_token(kind, o) * table.tokens for o in FLOP_OPTIONS}
         for kind in table.layers_of()
     }
-    return LayerCosts(table, flops, output_flops if chunked_ledger is not None else 0.0)
+    return LayerCosts(table, flops, output_flops)
 
 
 def predictor(

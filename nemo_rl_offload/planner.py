@@ -382,9 +382,10 @@ def _layer_costs(
     section: dict[str, Any], base_dir: Any, microbatches: int, chunked_loss: bool = True
 ) -> RecipeCosts:
     """The recipe's :class:`RecipeCosts` from its activation ledger, measured on the CPU (a
-    seam: tests give a small one); with ``chunked_loss`` and no ``logprob_chunk_size`` in the
-    recipe, also the loss's bytes with one (the ledger measured again with it), and with the
-    output layer in those chunks too (once more)."""
+    seam: tests give a small one). With ``chunked_loss``: for a recipe without a
+    ``logprob_chunk_size``, also the loss's bytes with one (the ledger measured again with
+    it); for a recipe without ``chunked_output_layer``, also the bytes with the output layer in
+    the loss's chunks (once more)."""
     from nemo_rl_offload.config.model_presets import section_architecture
     from nemo_rl_offload.models.ledger_run import build_ledger
     from nemo_rl_offload.offload import apply, ledger
@@ -406,13 +407,16 @@ def _layer_costs(
     element = dtype_bytes(section.get("precision") or "float32")
     hidden = int(effective.value("hidden_size"))
     lean = chunked = None
-    if chunked_loss and not section.get("logprob_chunk_size"):
-        lean_section = {**section, "logprob_chunk_size": LEAN_LOSS_CHUNK}
-        lean = build_ledger(lean_section, base_dir=base_dir)
+    if chunked_loss:
+        chunked_section = section
+        if not section.get("logprob_chunk_size"):
+            chunked_section = {**section, "logprob_chunk_size": LEAN_LOSS_CHUNK}
+            lean = build_ledger(chunked_section, base_dir=base_dir)
         megatron_cfg = section.get("megatron_cfg") or {}
         if not megatron_cfg.get("chunked_output_layer"):
             chunked_cfg = {**megatron_cfg, "chunked_output_layer": True}
-            chunked = build_ledger({**lean_section, "megatron_cfg": chunked_cfg}, base_dir=base_dir)
+            chunked_section = {**chunked_section, "megatron_cfg": chunked_cfg}
+            chunked = build_ledger(chunked_section, base_dir=base_dir)
     tp = parallel_sizes(effective)["tensor_model_parallel_size"]
     output = 2 * hidden * architecture.vocab_size * built.tokens_per_microbatch
     layers = layer_costs(effective, built, flops, element, lean, chunked, output / tp)
@@ -547,7 +551,8 @@ def _plan(
         return verdicts[candidate.name]
 
     print("plan: the activation ledger (on the CPU) ...", file=err)
-    # A DTensor policy gets no chunked-loss candidates (plan_menu.menu): no second ledger.
+    # A DTensor policy gets no chunked-loss or chunked-output candidates (plan_menu.menu): no
+    # further ledgers.
     costs = _layer_costs(recipe["policy"], Path.cwd(), step_microbatches(recipe), not dtensor)
     candidates = menu(costs.layers.table, is_moe, dtensor)
     calibrator = Calibrator(costs)

@@ -765,17 +765,9 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         _wait_for(self.d2h_stream, _STREAMS.current())
         return self._lean_bulk_offload(name, forced_released_tensors)
 
-    def bulk_offload(self, name: str, forced_released_tensors: Any) -> Any:
-        """Megatron's ``bulk_offload``, lean with ``lean_hooks`` (:meth:`on_group_commit_forward`):
-        no debug messages, and a released tensor waits for the compute stream without a new
-        ``Stream`` object per call.
-
-        Stands in for / remove when: as :meth:`on_group_commit_forward`."""
-        if not self._lean_now():
-            return super().bulk_offload(name, forced_released_tensors)
-        return self._lean_bulk_offload(name, forced_released_tensors)
-
     def _lean_bulk_offload(self, name: str, forced_released_tensors: Any) -> None:
+        """Megatron's ``bulk_offload`` for the lean commit: no debug messages, and a released
+        tensor waits for the compute stream without a new ``Stream`` object per call."""
         pending = self._groups_to_offload
         group = next((g for g in pending if g._name == name), None)
         assert group is not None, f"Group {name} not found in {pending}"
@@ -895,7 +887,7 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
                     continue
                 image = shared is not None and is_storage_image(tensor)
                 if image:
-                    view = shared.view_of(tensor, image=True)
+                    view = shared.view_of(tensor)
                     if view is not None:  # its bytes were copied by an earlier saver
                         tensors[tag] = view
                         continue
@@ -905,7 +897,7 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
                 tensor.record_stream(d2h)
                 tensors[tag] = state
                 if image:
-                    shared.note(group, tag, tensor, state, image=True)
+                    shared.note(group, tag, tensor, state)
             group.record_offload_event(d2h)
         finally:
             _STREAMS.use(compute)
@@ -950,15 +942,11 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
 def _finished(chunk: Any, name: str | None) -> bool:
     """Megatron's ``ChunkOffloadHandler.finish_all_groups`` without its debug message: no
     group left to offload or reload, or none of ``name`` from the current index on."""
-    if (
-        not chunk._groups_to_reload
-        and not chunk._groups_to_offload
-        and (chunk._offloaded_group_index > 0)
-    ):
+    index = chunk._offloaded_group_index
+    if index > 0 and not chunk._groups_to_reload and not chunk._groups_to_offload:
         return True
     assert name is not None, "Name is required"
-    groups = chunk.offload_groups
-    return all(group._name != name for group in groups[chunk._offloaded_group_index :])
+    return all(group._name != name for group in chunk.offload_groups[index:])
 
 
 class OwnedOffloadManager(fgo.PipelineOffloadManager):
@@ -1203,7 +1191,12 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
     Fingerprint(
         "ChunkOffloadHandler.on_group_commit_backward", "7787996702ca2bdf", _HOOKS, _HOOKS_GONE
     ),
-    Fingerprint("ChunkOffloadHandler.bulk_offload", "9a7d4390fb9db7a5", _HOOKS, _HOOKS_GONE),
+    Fingerprint(
+        "ChunkOffloadHandler.bulk_offload",
+        "9a7d4390fb9db7a5",
+        "re-implemented by the lean commit (OwnedChunkHandler._lean_bulk_offload; lean_hooks)",
+        _HOOKS_GONE,
+    ),
     Fingerprint(
         "ChunkOffloadHandler.on_group_start_forward", "0fd5c8c8fcde4a69", _HOOKS, _HOOKS_GONE
     ),

@@ -178,12 +178,11 @@ class SharedCopies:
         check asks this of every saved tensor)."""
         return bool(self._kept) and self._kept.get(tensor.untyped_storage()) is not None
 
-    def view_of(self, tensor: Tensor, *, image: bool | None = None) -> SharedView | None:
+    def view_of(self, tensor: Tensor) -> SharedView | None:
         """A view of the copy already made of ``tensor``'s storage in this micro-batch (the
-        first saver's state becomes a view too), or None: it must be copied. ``image``: what
-        :func:`is_storage_image` says of ``tensor``, when the caller knows it already."""
-        if not (is_storage_image(tensor) if image is None else image):
-            return None
+        first saver's state becomes a view too), or None: it must be copied. ``tensor`` is a
+        storage image (:func:`is_storage_image`, which the caller checks once for this and
+        :meth:`note`)."""
         found = self._offloaded.get(tensor.untyped_storage())
         if found is None or found_dtype(found) != tensor.dtype:
             return None
@@ -197,18 +196,10 @@ class SharedCopies:
             found = copy
         return SharedView(found, tensor)
 
-    def note(
-        self, group: Any, tag: Any, tensor: Tensor, state: Any, *, image: bool | None = None
-    ) -> None:
-        """``tensor`` was offloaded as ``state``: later savers of its storage can share it
-        when the host copy is a byte image of the storage (same strides, whole storage).
-        ``image``: as for :meth:`view_of`."""
-        if (
-            type(state) is tuple
-            and len(state) == 3
-            and state[1].stride() == tensor.stride()
-            and (is_storage_image(tensor) if image is None else image)
-        ):
+    def note(self, group: Any, tag: Any, tensor: Tensor, state: Any) -> None:
+        """``tensor``, a storage image (as for :meth:`view_of`), was offloaded as ``state``:
+        later savers of its storage can share it when the host copy has its strides."""
+        if type(state) is tuple and len(state) == 3 and state[1].stride() == tensor.stride():
             self._offloaded.put(tensor.untyped_storage(), _Offloaded(group, tag, state))
 
     def __len__(self) -> int:

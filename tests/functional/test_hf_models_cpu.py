@@ -11,32 +11,19 @@ any worker starts, with one line naming the file or tensor.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from support.training_cli import REPO, cli
 
-REPO = Path(__file__).resolve().parents[2]
 TINY_SFT = REPO / "examples" / "configs" / "tiny" / "sft.yaml"
 sys.path.insert(0, str(REPO / "examples"))
 
 from make_hf_model import make_model_dir  # noqa: E402
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "nemo_rl_offload.cli", *args],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
 
 
 def _val_microbatches(model_dir: Path, overrides: list[str]) -> list[dict]:

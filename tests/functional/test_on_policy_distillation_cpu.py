@@ -15,17 +15,15 @@ is not even logged.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from support.training_cli import REPO, cli
 
-REPO = Path(__file__).resolve().parents[2]
 TINY_GRPO = REPO / "examples" / "configs" / "tiny" / "grpo.yaml"
 sys.path.insert(0, str(REPO / "examples"))
 
@@ -35,18 +33,6 @@ GAP = "on_policy_distillation/teacher_student_logprob_gap_mean"
 # How much of the starting gap the student must close in the run's steps (the tiny run closed
 # far more: benchmarks/results/2026-11-27_cpu_on_policy_distillation.md).
 MIN_GAP_CLOSED = 0.3
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "nemo_rl_offload.cli", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +81,7 @@ def _overrides(student: Path, teacher: Path, root: Path) -> list[str]:
 
 def test_the_student_closes_its_gap_to_the_teacher(models, tmp_path):
     student, teacher = models
-    done = _cli("grpo", "--config", str(TINY_GRPO), *_overrides(student, teacher, tmp_path))
+    done = cli("grpo", "--config", str(TINY_GRPO), *_overrides(student, teacher, tmp_path))
     assert done.returncode == 0, done.stderr[-4000:]
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     train = [r for r in map(json.loads, lines) if r["phase"] == "train"]
@@ -113,7 +99,7 @@ def test_a_teacher_of_another_vocabulary_is_refused_before_any_worker(models, tm
     config = json.loads((other / "config.json").read_text())
     config["vocab_size"] += 64
     (other / "config.json").write_text(json.dumps(config))
-    done = _cli("validate", "--config", str(TINY_GRPO), *_overrides(student, other, tmp_path))
+    done = cli("validate", "--config", str(TINY_GRPO), *_overrides(student, other, tmp_path))
     assert done.returncode != 0
     assert (
         "on_policy_distillation.teacher_model_by_agent_name.math_agent: " in done.stderr

@@ -11,43 +11,23 @@ the uninterrupted run's.
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.training_cli import TINY, metrics, outputs
+from support.training_cli import cli as run_cli
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "examples" / "configs" / "tiny"
 EXACT_KEYS = ("loss", "grad_norm", "lr")
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "nemo_rl_offload.cli", *args],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def train_records(root: Path) -> list[dict]:
-    lines = (root / "logs" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["phase"] == "train"]
-
-
-def paths(root: Path) -> list[str]:
-    return [f"checkpointing.checkpoint_dir={root / 'ckpt'}", f"logger.log_dir={root / 'logs'}"]
+cli = functools.partial(run_cli, timeout=600)
 
 
 def run(algorithm: str, overrides: list[str], root: Path) -> subprocess.CompletedProcess:
     config = TINY / f"{algorithm}.yaml"
-    done = cli(algorithm, "--config", str(config), *overrides, *paths(root))
+    done = cli(algorithm, "--config", str(config), *overrides, *outputs(root))
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 
@@ -64,7 +44,7 @@ def stopped_while_saving(done: Path, stopped: Path, saved: int, saving: int) -> 
         shutil.copy(part, partial / part.name)  # one rank's data; no metadata, no state.json
     (stopped / "logs").mkdir()
     with (stopped / "logs" / "metrics.jsonl").open("w") as out:
-        for record in train_records(done):
+        for record in metrics(done, "train"):
             if record["step"] > saved:  # logged by the crashed run before it saved
                 record = {**record, **dict.fromkeys(EXACT_KEYS, -1.0)}
             out.write(json.dumps(record) + "\n")
@@ -81,7 +61,7 @@ def assert_resumes_exactly(
     assert "removed an incomplete checkpoint" in again.stderr
     names = sorted(p.name for p in (stopped / "ckpt").iterdir())
     assert names == [f"step_{saved:06d}", f"step_{steps:06d}"]
-    expected, resumed = train_records(done), train_records(stopped)
+    expected, resumed = metrics(done, "train"), metrics(stopped, "train")
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     for want, got in zip(expected, resumed, strict=True):
         for key in EXACT_KEYS:
@@ -143,7 +123,7 @@ def test_grpo_with_distributed_optimizer_resumes_bitwise(sft_done, tmp_path):
     assert (
         "data.max_input_seq_length: " in first.stderr and "train examples reach 14" in first.stderr
     )
-    truncated = [r["prompts_truncated"] for r in train_records(done)]
+    truncated = [r["prompts_truncated"] for r in metrics(done, "train")]
     assert all(0 <= n <= 4 for n in truncated) and sum(truncated) > 0, truncated
     assert_resumes_exactly("grpo", grpo, done, tmp_path / "stopped", saved=2, steps=4)
 
@@ -159,11 +139,11 @@ def test_sft_stopped_by_its_deadline_resumes_to_the_same_losses(sft_done, tmp_pa
     first = run("sft", [*SFT, "checkpointing.checkpoint_must_save_by=00:00:00:01"], stopped)
     assert "checkpointing.checkpoint_must_save_by: stopped after step 1 of 6" in first.stderr
     assert "run the same command again" in first.stderr
-    assert [r["step"] for r in train_records(stopped)] == [1]
+    assert [r["step"] for r in metrics(stopped, "train")] == [1]
     assert sorted(p.name for p in (stopped / "ckpt").iterdir()) == ["step_000001"]
     again = run("sft", SFT, stopped)
     assert f"resumed from {stopped / 'ckpt' / 'step_000001'} (step 1)" in again.stderr
-    expected, resumed = train_records(sft_done), train_records(stopped)
+    expected, resumed = metrics(sft_done, "train"), metrics(stopped, "train")
     assert [r["step"] for r in resumed] == list(range(1, 7))
     for want, got in zip(expected, resumed, strict=True):
         for key in EXACT_KEYS:
@@ -191,7 +171,7 @@ def test_async_grpo_trains_on_older_rollouts_and_resumes_bitwise(sft_done, tmp_p
     asynchronous = [*grpo, "++grpo.async_grpo.enabled=true"]
     done = tmp_path / "uninterrupted"
     run("grpo", asynchronous, done)
-    records = train_records(done)
+    records = metrics(done, "train")
     assert [r["avg_trajectory_age"] for r in records] == [0.0, 1.0, 1.0]
     assert records[0]["grad_norm"] > 0
     # sampler against training log-probabilities: the same weights at step 1 (rounding only),

@@ -91,25 +91,37 @@ def candidate_of(overrides: list[str]) -> planner.Candidate:
     """The candidate a measurement's override lines set (the planner's patch, read back)."""
     settings: dict[str, Any] = {}
     own: dict[str, float] = {}  # activation_offload_fraction_by_module, one line per module
+    chunk = None  # policy.logprob_chunk_size
     for line in overrides:
         override = parse_override(line)
         if override.path[:3] == ("policy", "megatron_cfg", BY_MODULE):
             own[override.path[3]] = float(override.value)
         elif override.path[:2] == ("policy", "megatron_cfg"):
             settings[override.path[-1]] = override.value
+        elif override.path == ("policy", "logprob_chunk_size"):
+            chunk = override.value
     fgo = settings.get("fine_grained_activation_offloading") is True
+    common: dict[str, Any] = {
+        "logprob_chunk": chunk,
+        "output_chunked": settings.get("chunked_output_layer") is True,
+    }
     modules = tuple(settings.get("offload_modules") or ()) if fgo else ()
-    fraction = float(settings.get("activation_offload_fraction", 1.0))
-    shares = tuple(own.items())
-    if settings.get("activation_checkpointing") is not True:
-        return planner.Candidate(modules, fraction, None, fraction_by_module=shares)
-    if settings.get("recompute_granularity") == "selective":
-        recompute = tuple(settings.get("recompute_modules") or ())
+    if settings.get("activation_checkpointing") is True and (
+        settings.get("recompute_granularity") != "selective"
+    ):
+        block = settings.get("recompute_num_layers") if settings.get("recompute_method") else None
         return planner.Candidate(
-            modules, fraction, None, recompute_modules=recompute, fraction_by_module=shares
+            modules, 1.0, None, full_recompute=True, recompute_num_layers=block, **common
         )
-    block = settings.get("recompute_num_layers") if settings.get("recompute_method") else None
-    return planner.Candidate(modules, 1.0, None, full_recompute=True, recompute_num_layers=block)
+    selective = settings.get("activation_checkpointing") is True
+    return planner.Candidate(
+        modules,
+        float(settings.get("activation_offload_fraction", 1.0)),
+        None,
+        recompute_modules=tuple(settings.get("recompute_modules") or ()) if selective else (),
+        fraction_by_module=tuple(own.items()),
+        **common,
+    )
 
 
 @dataclass

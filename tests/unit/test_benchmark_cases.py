@@ -278,3 +278,14 @@ def test_the_long_context_matrix_default_cases_are_accepted_by_the_rules(tokens)
     for name, settings in bench.resolve_cases("llama-1b", names).items():
         section = bench.recipe_section(recipe, overrides, "llama-1b", tokens, settings)
         assert bench.check_section(section) == [], name
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/status").exists(), reason="Linux /proc only")
+def test_a_step_records_its_host_threads_cpu_seconds_and_switches():
+    before = bench._main_thread_counters()
+    sum(range(200_000))  # some CPU work on this thread
+    share = bench._host_share(before, bench._main_thread_counters())
+    assert share["host_thread_cpu_s"] > 0
+    assert share["host_involuntary_switches"] >= 0 and share["host_voluntary_switches"] >= 0
+    assert share["host_cpu"] >= 0
+    assert bench._host_share(None, before) == {}  # off Linux: nothing, not zeros

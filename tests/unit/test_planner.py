@@ -856,3 +856,26 @@ def test_the_chunked_output_candidates_bytes_are_validates_estimate_of_the_patch
     expected = activations(effective, build_ledger(patched), activation_bytes=2).total
     assert costs.removal(chunked).activation_bytes == pytest.approx(expected, rel=1e-12)
     assert costs.removal(chunked).recompute_flops == pytest.approx(costs.layers.output_flops)
+
+
+def test_a_recipe_with_its_own_chunk_size_gets_the_chunked_output_layer_in_those_chunks():
+    """A recipe that sets logprob_chunk_size gets no chunked-loss twins (its loss is chunked
+    already) but does get the output layer in its own chunks: the patch sets only the switch."""
+    from support.policies import make_policy
+
+    from nemo_rl_offload.plan_menu import menu
+
+    section = make_policy("tiny-dense")
+    section.update(max_total_sequence_length=64, logprob_chunk_size=16)
+    costs = planner._layer_costs(section, None, 2)
+    table = costs.layers.table
+    assert table.lean_model is None and table.chunked_model < table.model
+    candidates = menu(table, is_moe=False, dtensor=False)
+    assert not any(c.logprob_chunk for c in candidates)
+    twin = next(c for c in candidates if c.output_chunked and not c.modules)
+    assert twin.name.endswith(", output layer and log-softmax in chunks")
+    assert table.estimate(twin.settings()).model == table.chunked_model
+    patch = twin.patch()["policy"]
+    assert "logprob_chunk_size" not in patch and patch["megatron_cfg"]["chunked_output_layer"]
+    section["megatron_cfg"]["chunked_output_layer"] = True  # already chunked: nothing to add
+    assert planner._layer_costs(section, None, 2).layers.table.chunked_model is None

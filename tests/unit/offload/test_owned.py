@@ -830,7 +830,7 @@ def test_the_lean_commit_offloads_the_named_group_and_releases_what_it_is_given(
     monkeypatch.setattr(owned.OwnedChunkHandler, "_lean_bulk_offload_group", copied.append)
     monkeypatch.setattr(owned.OwnedChunkHandler, "should_bulk_offload", lambda self, g: offloads)
     released, kept = torch.ones(4), torch.ones(1)
-    chunk.bulk_offload("core_attn", [released, kept])
+    chunk._lean_bulk_offload("core_attn", [released, kept])
     first_core_attn = chunk.offload_groups[1]  # Megatron's choice among pending groups of a name
     assert first_core_attn not in chunk._groups_to_offload and len(chunk._groups_to_offload) == 2
     if offloads:
