@@ -326,7 +326,10 @@ HOOK_ENTRIES = (
     ("FineGrainedOffloadingGroupStartFunction", "backward", "reload"),
     ("FineGrainedOffloadingGroupCommitFunction", "backward", "reload wait"),
 )
+OWNED = "nemo_rl_offload.offload.owned"
+RECOMPUTE = "nemo_rl_offload.models.discard_checkpoint"
 # Called from inside the entry points (``--host-detail``): their seconds overlap the hooks'.
+# ``where`` is a class of Megatron's offload module, or ``module.path:Class`` elsewhere.
 INNER_ENTRIES = (
     ("ChunkOffloadHandler", "should_bulk_offload", "should offload"),
     ("ChunkOffloadHandler", "bulk_offload_group", "offload group"),
@@ -338,6 +341,23 @@ INNER_ENTRIES = (
     ("ChunkOffloadHandler", "tensor_pop", "pop"),
     ("OffloadTensorPool", "allocate", "pool allocate"),
     ("OffloadTensorPool", "free", "pool free"),
+    # The project's own handler and pool (their lean hooks replace the methods above), and the
+    # autograd Functions around each group (what a group costs beyond its hooks' own code).
+    (f"{OWNED}:OwnedChunkHandler", "on_group_commit_forward", "owned commit"),
+    (f"{OWNED}:OwnedChunkHandler", "_lean_bulk_offload_group", "owned offload group"),
+    (f"{OWNED}:OwnedChunkHandler", "_host_copy", "owned host copy"),
+    (f"{OWNED}:OwnedChunkHandler", "on_group_start_forward", "owned start"),
+    (f"{OWNED}:OwnedChunkHandler", "_lean_bulk_reload_group", "owned reload group"),
+    (f"{OWNED}:OwnedHostPool", "allocate", "owned pool allocate"),
+    ("FineGrainedOffloadingGroupCommitFunction", "forward", "commit function"),
+    ("FineGrainedOffloadingGroupStartFunction", "forward", "start function"),
+    (f"{RECOMPUTE}:DiscardingCheckpoint", "checkpoint", "recompute checkpoint"),
+    (
+        f"{RECOMPUTE}:DiscardingCheckpoint",
+        "discard_output_and_register_recompute",
+        "recompute discard",
+    ),
+    (f"{RECOMPUTE}:DiscardingCheckpoint", "_rebuild", "recompute rebuild"),
 )
 # The host calls that wait for the GPU (``--host-detail``), clocked wherever they are called:
 # a step whose syncs wait long is not host-bound by its own work. (torch attribute, label)
@@ -348,6 +368,20 @@ SYNC_ENTRIES = (
     ("Tensor", "tolist", "sync tolist"),
     ("Tensor", "cpu", "sync cpu"),
 )
+
+
+def entry_owner(where: str) -> Any:
+    """The module or class a clocked entry's ``where`` names (see ``INNER_ENTRIES``)."""
+    import importlib
+
+    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
+
+    if where == "module":
+        return fgo
+    if ":" not in where:
+        return getattr(fgo, where)
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _clocked(function: Callable[..., Any], label: str, totals: dict[str, float]) -> Any:
@@ -369,7 +403,6 @@ def host_clock(detail: bool = False) -> Iterator[dict[str, float]]:
     ``sync <label>`` for the calls that wait for the GPU; the caller clears it between steps."""
     import megatron.core.pipeline_parallel as pipeline
     import torch
-    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
     totals: dict[str, float] = {}
     # (owner, attribute, what its class dict held: None when inherited), to put back after.
@@ -390,7 +423,7 @@ def host_clock(detail: bool = False) -> Iterator[dict[str, float]]:
     entries = [("hook", entry) for entry in HOOK_ENTRIES]
     entries += [("inner", entry) for entry in INNER_ENTRIES] if detail else []
     for kind, (where, attribute, label) in entries:
-        clock(fgo if where == "module" else getattr(fgo, where), attribute, f"{kind} {label}")
+        clock(entry_owner(where), attribute, f"{kind} {label}")
     for path, attribute, label in SYNC_ENTRIES if detail else ():
         owner = torch
         for part in path.split("."):
@@ -407,6 +440,97 @@ def host_clock(detail: bool = False) -> Iterator[dict[str, float]]:
                 delattr(owner, attribute)
             else:
                 setattr(owner, attribute, own)
+
+
+class PhaseClock:
+    """``--phases``: when the host issued each micro-batch's forward and backward
+    (Megatron's ``forward_step`` and ``backward_step``) and when the GPU ran them (CUDA events
+    recorded at each call's entry and exit on the current stream), on one time line from an
+    origin synchronised once, before the first clocked step (a synchronisation between steps
+    would take away the lead the host has when a step begins while the GPU still runs the
+    previous one's optimizer). ``lead_ms`` at a phase's entry is the GPU work still queued
+    when the host began it (zero: the GPU waits for the host); a phase whose GPU span equals
+    its host span with no lead is host-bound."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, float, float, Any, Any]]] = []
+        self.origin: tuple[float, Any] | None = None
+
+    def start_step(self) -> None:
+        import torch
+
+        if self.origin is None:
+            torch.cuda.synchronize()
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+            self.origin = (time.perf_counter(), origin)
+        self.steps.append([])
+
+    def wrap(self, function: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        import torch
+
+        def clocked(*args: Any, **kwargs: Any) -> Any:
+            entry = torch.cuda.Event(enable_timing=True)
+            entry.record()
+            host_entry = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                exit_event = torch.cuda.Event(enable_timing=True)
+                exit_event.record()
+                if self.steps:
+                    mark = (kind, host_entry, time.perf_counter(), entry, exit_event)
+                    self.steps[-1].append(mark)
+
+        return clocked
+
+    def phases(self) -> list[list[dict[str, float | str]]]:
+        """Each clocked step's phases in ms from the step's first host entry (call after the
+        last step)."""
+        import torch
+
+        assert self.origin is not None
+        host_origin, origin = self.origin
+        torch.cuda.synchronize()
+        steps = []
+        for marks in self.steps:
+            if not marks:
+                steps.append([])
+                continue
+            base = (marks[0][1] - host_origin) * 1e3
+            phases = []
+            for kind, host_entry, host_exit, entry, exit_event in marks:
+                gpu_entry, gpu_exit = origin.elapsed_time(entry), origin.elapsed_time(exit_event)
+                host_entry_ms = (host_entry - host_origin) * 1e3
+                phases.append(
+                    {
+                        "phase": kind,
+                        "host_entry_ms": round(host_entry_ms - base, 3),
+                        "host_ms": round((host_exit - host_entry) * 1e3, 3),
+                        "gpu_entry_ms": round(gpu_entry - base, 3),
+                        "gpu_ms": round(gpu_exit - gpu_entry, 3),
+                        "lead_ms": round(gpu_entry - host_entry_ms, 3),
+                    }
+                )
+            steps.append(phases)
+        return steps
+
+
+@contextlib.contextmanager
+def phase_clock() -> Iterator[PhaseClock]:
+    """Clock Megatron's ``forward_step`` and ``backward_step`` (:class:`PhaseClock`) while
+    inside, and put both back after."""
+    from megatron.core.pipeline_parallel import schedules
+
+    clock = PhaseClock()
+    originals = {name: getattr(schedules, name) for name in ("forward_step", "backward_step")}
+    for name, function in originals.items():
+        setattr(schedules, name, clock.wrap(function, name.removesuffix("_step")))
+    try:
+        yield clock
+    finally:
+        for name, function in originals.items():
+            setattr(schedules, name, function)
 
 
 def _case_worker(name: str, args: argparse.Namespace, steps: int) -> tuple[Any, list] | dict:
@@ -446,15 +570,21 @@ def host_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         for step in data[: args.warmup]:
             worker.train(step, {"name": "nll"})
-        with host_clock(args.host_detail) as totals:
+        phases = phase_clock() if args.phases else contextlib.nullcontext()
+        with host_clock(args.host_detail) as totals, phases as clock:
             for step in data[args.warmup :]:
                 totals.clear()
+                if clock is not None:
+                    clock.start_step()
                 metrics = worker.train(step, {"name": "nll"})
                 hooks = sum(v for k, v in totals.items() if k.startswith("hook "))
                 steps.append({"fwd_bwd_s": metrics["fwd_bwd_time_s"], "hooks_s": hooks, **totals})
+            if clock is not None:
+                for record, phases_of_step in zip(steps, clock.phases(), strict=True):
+                    record["phases"] = phases_of_step
     finally:
         worker.close()
-    keys = sorted({key for step in steps for key in step})
+    keys = sorted({key for step in steps for key in step if key != "phases"})
     medians = {key: statistics.median(step.get(key, 0.0) for step in steps) for key in keys}
     return {"case": name, "steps": len(steps), **medians, "per_step": steps}
 
@@ -552,14 +682,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host-steps", type=int, default=8, help="clocked steps with --host")
     parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="with --host, also clock each micro-batch's forward and backward on the host and "
+        "on the GPU (how far ahead the host was when each began)",
+    )
+    parser.add_argument(
         "--host-detail",
         action="store_true",
         help="with --host, also clock the functions the hooks call (their times overlap)",
     )
     args = parser.parse_args(argv)
-    if args.host_detail and not args.host:
-        print("--host-detail: clocks --host steps; add --host", file=sys.stderr)
-        return 2
+    for flag, given in (("--host-detail", args.host_detail), ("--phases", args.phases)):
+        if given and not args.host:
+            print(f"{flag}: clocks --host steps; add --host", file=sys.stderr)
+            return 2
     if bench.model_overrides_refused(args):
         return 2
     if args.recipe and args.model_override:

@@ -14,7 +14,7 @@ import profile_offload_step as profile  # noqa: E402
 
 def _entries(fgo):
     return {
-        (where, attribute): (fgo if where == "module" else getattr(fgo, where)).__dict__[attribute]
+        (where, attribute): profile.entry_owner(where).__dict__[attribute]
         for where, attribute, _ in profile.HOOK_ENTRIES + profile.INNER_ENTRIES
     }
 
@@ -40,10 +40,9 @@ def test_clocks_a_static_backward_and_restores_every_entry():
 
 def test_every_clocked_entry_exists_in_megatron_and_torch():
     import torch
-    from megatron.core.pipeline_parallel import fine_grained_activation_offload as fgo
 
     for where, attribute, _ in profile.HOOK_ENTRIES + profile.INNER_ENTRIES:
-        assert callable(getattr(fgo if where == "module" else getattr(fgo, where), attribute))
+        assert callable(getattr(profile.entry_owner(where), attribute))
     for path, attribute, _ in profile.SYNC_ENTRIES:
         owner = torch
         for part in path.split("."):
@@ -75,3 +74,19 @@ def test_detail_clocks_inherited_sync_calls_and_removes_them_after():
     assert torch.tensor(4).item() == 4
     assert torch.cuda.Event.__dict__["synchronize"] is event_synchronize
     assert _entries(fgo) == before  # the inner entries too
+
+
+def test_phase_clock_wraps_the_schedule_steps_and_restores_them():
+    from megatron.core.pipeline_parallel import schedules
+
+    before = (schedules.forward_step, schedules.backward_step)
+    with profile.phase_clock() as clock:
+        assert schedules.forward_step is not before[0]
+        assert schedules.backward_step is not before[1]
+        assert clock.steps == []
+    assert (schedules.forward_step, schedules.backward_step) == before
+
+
+def test_phases_without_host_is_one_line(capsys):
+    assert profile.main(["--phases"]) == 2
+    assert capsys.readouterr().err.strip() == "--phases: clocks --host steps; add --host"

@@ -13,6 +13,7 @@ pytestmark = [
 
 
 def _build(model="tiny-dense", seed=0, precision="float32", **cfg):
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from support.policies import make_policy
 
     from nemo_rl_offload.config.model_presets import architecture_for
@@ -22,7 +23,10 @@ def _build(model="tiny-dense", seed=0, precision="float32", **cfg):
     policy = make_policy(model, **cfg)
     policy["precision"] = precision
     effective = effective_settings(policy, architecture_for(model), te_installed=False)
+    # Megatron initialises weights on the GPU from its model-parallel RNG tracker, which each
+    # build advances: seeding it too gives every build of a seed the same weights.
     torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
     return build_gpt_model(effective, architecture_for(model), on_gpu=True)
 
 
@@ -236,12 +240,16 @@ def test_selective_recompute_without_te_on_gpu(megatron_gpu, modules):
 
     arch = architecture_for("tiny-dense").transformer
     batch = _batches(architecture_for("tiny-dense").vocab_size, 1)[0]
-    plain_held, plain = _held_and_grads(_build()[0], batch)
-    _, again = _held_and_grads(_build()[0], batch)
+    first, second = _build()[0], _build()[0]
     model, warnings = _build(
         activation_checkpointing=True, recompute_granularity="selective", recompute_modules=modules
     )
     assert warnings == []
+    for other in (second, model):  # else the comparison below compares different models
+        weights = zip(first.parameters(), other.parameters(), strict=True)
+        assert all(torch.equal(a, b) for a, b in weights), "same seed, same weights"
+    plain_held, plain = _held_and_grads(first, batch)
+    _, again = _held_and_grads(second, batch)
     held, grads = _held_and_grads(model, batch)
     for name, want in plain.items():
         spread = (again[name] - want).abs().max()
@@ -257,3 +265,39 @@ def test_selective_recompute_without_te_on_gpu(megatron_gpu, modules):
         assert abs(plain_held - held - expected) <= 0.02 * expected, (plain_held, held, expected)
     else:
         assert held < plain_held
+
+
+def test_microbatches_reach_the_gpu_without_waiting_for_queued_work():
+    """The worker's micro-batches go through pinned memory without a synchronisation: the
+    host returns while the GPU still runs earlier work (there, the previous step's optimizer),
+    and the tensors hold the values and dtypes given."""
+    import time
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from nemo_rl_offload.models.policy_worker import PolicyWorker
+
+    worker = SimpleNamespace(on_gpu=True, device=torch.device("cuda"))
+    given = [
+        {"input_ids": np.arange(8192, dtype=np.int64).reshape(1, -1), "mask": np.ones((1, 8))},
+        {"input_ids": np.zeros((1, 4), dtype=np.int64), "mask": np.zeros((1, 4), dtype=bool)},
+    ]
+    PolicyWorker._tensors(worker, given)  # the pinned pool's first blocks are made here
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued GPU work
+    end.record()
+    began = time.perf_counter()
+    tensors = PolicyWorker._tensors(worker, given)
+    host_s = time.perf_counter() - began
+    torch.cuda.synchronize()
+    queued_s = start.elapsed_time(end) / 1e3
+    assert host_s < queued_s / 10, (host_s, queued_s)
+    for want, got in zip(given, tensors, strict=True):
+        for key, value in want.items():
+            assert got[key].is_cuda
+            assert np.array_equal(got[key].cpu().numpy(), value)
+            assert got[key].cpu().numpy().dtype == value.dtype
