@@ -90,3 +90,39 @@ def test_phase_clock_wraps_the_schedule_steps_and_restores_them():
 def test_phases_without_host_is_one_line(capsys):
     assert profile.main(["--phases"]) == 2
     assert capsys.readouterr().err.strip() == "--phases: clocks --host steps; add --host"
+
+
+def test_phase_clock_puts_host_and_gpu_on_one_time_line(monkeypatch):
+    """A phase's host and GPU times from its marks: the GPU's from events measured against the
+    origin event, the lead as the GPU's entry after the host's, both from the step's first host
+    entry."""
+    import torch
+
+    class Event:  # a CUDA event at a GPU time (ms) from the origin
+        def __init__(self, at_ms: float) -> None:
+            self.at_ms = at_ms
+
+        def elapsed_time(self, other: Event) -> float:
+            return other.at_ms - self.at_ms
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    clock = profile.PhaseClock()
+    clock.origin = (10.0, Event(0.0))  # host seconds, GPU origin
+    clock.steps = [
+        [
+            ("forward", 10.001, 10.003, Event(5.0), Event(9.0)),
+            ("backward", 10.004, 10.005, Event(9.0), Event(20.0)),
+        ]
+    ]
+    forward, backward = clock.phases()[0]
+    assert forward == {
+        "phase": "forward",
+        "host_entry_ms": 0.0,
+        "host_ms": 2.0,
+        "gpu_entry_ms": 4.0,
+        "gpu_ms": 4.0,
+        "lead_ms": 4.0,
+    }
+    assert backward["host_entry_ms"] == 3.0
+    assert backward["gpu_ms"] == 11.0
+    assert backward["lead_ms"] == 5.0
