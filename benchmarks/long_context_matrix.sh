@@ -9,7 +9,8 @@
 # GPU each (round robin).
 # Run on the GPU machine from the repository root:
 #     OUT=DIR [SEQS="8192 16384 32768"] [CASES=a,b,...] [CASES_16384=c,d,...] [STEPS=5] [GPUS=1] [FIRST_GPU=0] \
-#         [LIMIT=seconds per length] bash benchmarks/long_context_matrix.sh
+#         [LIMIT=seconds per length] [STANDING_START=1] bash benchmarks/long_context_matrix.sh
+# STANDING_START=1 waits for the GPU before each step (offload_benchmark.py --standing-start).
 # CASES_<N> gives the cases at N tokens, CASES those of every length without one (a plan that
 # cannot fit at a length need not be run there; default_cases below otherwise). Writes
 # DIR/seq<N>/ (the benchmark's JSON and markdown table per length, and each case's record as it
@@ -50,7 +51,7 @@ for seq in $SEQS; do
             --recipe examples/configs/grpo_math_1B_megatron.yaml "${OVERRIDES[@]}" \
             --seq "$seq" --microbatches 2 --steps "$STEPS" \
             --cases "${!cases_here:-${CASES:-$(default_cases "$seq")}}" \
-            --out "$OUT/seq$seq" > "$OUT/seq$seq.log" 2>&1
+            ${STANDING_START:+--standing-start} --out "$OUT/seq$seq" > "$OUT/seq$seq.log" 2>&1
         echo "seq $seq rc=$? (GPU $CUDA_VISIBLE_DEVICES)"
     ) &
     lane=$(( (lane + 1) % GPUS ))

@@ -19,7 +19,11 @@ markdown table, and a PNG of peak memory against time when matplotlib is install
 Run on a GPU machine (measured on an H100: 6.3 minutes for moe-1b at 4096, one process per case):
     python3 benchmarks/offload_benchmark.py --model llama-1b --seq 4096 --out /tmp/bench
 Cases can be narrowed with --cases NAME,NAME; --list prints them. --rounds N measures every
-case in N processes (the order reversed every other round) and reports their median.
+case in N processes (the order reversed every other round) and reports their median. Steps
+follow each other as a training loop's do (the host begins a step while the GPU finishes the
+previous one's optimizer); --standing-start waits for the GPU before each step instead, as a
+step after a pause begins (benchmarks/results/2026-11-27_h100_forward_lead_3b_seq8192.md shows
+what that lead is worth at 8k).
 """
 
 from __future__ import annotations
@@ -493,6 +497,7 @@ def run_case_in_subprocess(name: str, args: argparse.Namespace, out: Path) -> di
         *(["--recipe", args.recipe] if args.recipe else []),
         *[f"--recipe-override={line}" for line in args.recipe_override],
         *[f"--model-override={line}" for line in args.model_override],
+        *(["--standing-start"] if getattr(args, "standing_start", False) else []),
         "--one-case",
         name,
         "--out",
@@ -662,9 +667,12 @@ def run_case(
             else contextlib.nullcontext()
         )
         steps = []
+        standing_start = bool(getattr(args, "standing_start", False)) and on_gpu
         for index, step in enumerate(data):
             if index == 1:
                 _python_gc_after_first_step()
+            if standing_start:  # the GPU idle when the step begins, as after a pause
+                torch.cuda.synchronize()
             before = _main_thread_counters()
             with context:
                 metrics = worker.train(step, {"name": "nll"})
@@ -699,6 +707,7 @@ def run_case(
         "d2h_gb_per_s": statistics.median(s.get("d2h_gb_per_s", 0.0) for s in timed),
         "h2d_gb_per_s": statistics.median(s.get("h2d_gb_per_s", 0.0) for s in timed),
         "losses": [s["loss"] / s["num_tokens"] for s in steps],
+        "standing_start": standing_start,
         "steps": steps,
     }
     record.update(forward)
@@ -954,6 +963,14 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="measure every case in this many processes, the case order reversed every other "
         "round, and report the median (the host's speed drifts during a run)",
+    )
+    parser.add_argument(
+        "--standing-start",
+        action="store_true",
+        help="wait for the GPU before each step, so that the host begins the step's first "
+        "forward level with it (as a step after a pause, such as the first training step "
+        "after generation); by default steps follow each other and the host starts while the "
+        "GPU still runs the previous step's optimizer",
     )
     parser.add_argument("--list", action="store_true", help="print the case names and exit")
     parser.add_argument(

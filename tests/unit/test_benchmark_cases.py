@@ -289,3 +289,43 @@ def test_a_step_records_its_host_threads_cpu_seconds_and_switches():
     assert share["host_involuntary_switches"] >= 0 and share["host_voluntary_switches"] >= 0
     assert share["host_cpu"] >= 0
     assert bench._host_share(None, before) == {}  # off Linux: nothing, not zeros
+
+
+@pytest.mark.parametrize("standing_start", [False, True])
+def test_a_standing_start_waits_for_the_gpu_before_each_step(monkeypatch, standing_start):
+    """--standing-start synchronises before every step (and says so in the record); by
+    default the steps follow each other without waiting. The child process gets the flag."""
+    import argparse
+
+    import torch
+
+    waits: list[int] = []
+    trained: list[int] = []
+
+    class Worker:
+        def train(self, step, loss):
+            trained.append(len(waits))
+            return {"fwd_bwd_time_s": 1.0, "loss": 2.0, "num_tokens": 1.0}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "build_worker", lambda section, on_gpu: Worker())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: waits.append(1))
+    args = argparse.Namespace(
+        recipe=None,
+        recipe_override=[],
+        model="tiny-dense",
+        seq=32,
+        precision="float32",
+        model_override=[],
+        standing_start=standing_start,
+    )
+    record = bench.run_case("fgo_norms", {}, args, [[], [], []], on_gpu=True)
+    assert record["standing_start"] is standing_start
+    assert trained == ([1, 2, 3] if standing_start else [0, 0, 0])
+    captured: list[list[str]] = []
+    monkeypatch.setattr(bench, "run_child", lambda command, *rest: captured.append(command))
+    args.rows, args.steps, args.microbatches = 1, 3, 2
+    bench.run_case_in_subprocess("fgo_norms", args, Path("/tmp"))
+    assert ("--standing-start" in captured[0]) is standing_start
