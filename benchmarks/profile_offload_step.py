@@ -25,7 +25,9 @@ seconds spent inside the hooks, by entry point. A step whose host time reaches i
 host-bound: there, every microsecond of hook work is a microsecond of step time. With
 ``--host-detail`` it also clocks the functions the hooks call (``inner ...``, overlapping the
 hooks' seconds) and the host calls that wait for the GPU (``sync ...``: event and stream
-synchronize, ``item``, ``tolist``, ``cpu``), wherever they are called from.
+synchronize, ``item``, ``tolist``, ``cpu``), wherever they are called from. With ``--phases``
+(:class:`PhaseClock`) each step's record also lists every micro-batch's forward and backward:
+the host's time in it, the GPU's, and how far the GPU was behind when the host began it.
 
 With ``--python``, one more step runs under cProfile: where the host's time goes by Python
 function (``python_top``: the functions with the most own time; ``python_offload``: the
