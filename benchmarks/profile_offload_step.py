@@ -496,10 +496,7 @@ class PhaseClock:
         torch.cuda.synchronize()
         steps = []
         for marks in self.steps:
-            if not marks:
-                steps.append([])
-                continue
-            base = (marks[0][1] - host_origin) * 1e3
+            base = (marks[0][1] - host_origin) * 1e3 if marks else 0.0
             phases = []
             for kind, host_entry, host_exit, entry, exit_event in marks:
                 gpu_entry, gpu_exit = origin.elapsed_time(entry), origin.elapsed_time(exit_event)

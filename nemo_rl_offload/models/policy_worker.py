@@ -441,23 +441,18 @@ class PolicyWorker:
     # ------------------------------------------------------------------------- passes
     def _tensors(self, microbatches: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
         """The micro-batches on the device. On a GPU they go through pinned memory without
-        waiting: the host then begins the forward while the GPU still runs the previous step's
-        optimizer, so a forward whose host work is close to its GPU time starts ahead of the
-        GPU instead of level with it (a blocking copy waited for the whole queue)."""
+        waiting for the GPU: the host then begins the forward while the GPU still runs the
+        previous step's optimizer, so a forward whose host work is close to its GPU time starts
+        ahead of the GPU instead of level with it."""
         import torch
 
-        if not self.on_gpu:
-            return [
-                {key: torch.tensor(value, device=self.device) for key, value in mb.items()}
-                for mb in microbatches
-            ]
-        return [
-            {
-                key: torch.tensor(value).pin_memory().to(self.device, non_blocking=True)
-                for key, value in mb.items()
-            }
-            for mb in microbatches
-        ]
+        def on_device(value: np.ndarray) -> torch.Tensor:
+            tensor = torch.tensor(value)
+            if not self.on_gpu:
+                return tensor
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+
+        return [{key: on_device(value) for key, value in mb.items()} for mb in microbatches]
 
     def train(self, microbatches: list[dict[str, np.ndarray]], loss: dict[str, Any]) -> dict:
         """One optimizer step over this rank's micro-batches; returns loss and metric sums."""

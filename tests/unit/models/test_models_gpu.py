@@ -13,20 +13,20 @@ pytestmark = [
 
 
 def _build(model="tiny-dense", seed=0, precision="float32", **cfg):
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from support.policies import make_policy
 
     from nemo_rl_offload.config.model_presets import architecture_for
     from nemo_rl_offload.models.builder import build_gpt_model
+    from nemo_rl_offload.models.parallel import initialize_megatron_parallel
     from nemo_rl_offload.offload.apply import effective_settings
 
     policy = make_policy(model, **cfg)
     policy["precision"] = precision
     effective = effective_settings(policy, architecture_for(model), te_installed=False)
     # Megatron initialises weights on the GPU from its model-parallel RNG tracker, which each
-    # build advances: seeding it too gives every build of a seed the same weights.
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    # build advances: seeding every generator again (as a worker does for its model, joining
+    # the fixture's groups) gives every build of a seed the same weights.
+    initialize_megatron_parallel({}, seed=seed, on_gpu=True)
     return build_gpt_model(effective, architecture_for(model), on_gpu=True)
 
 
