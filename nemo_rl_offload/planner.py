@@ -87,6 +87,27 @@ __all__ = [
 # candidate predicted up to this much over the budget may still fit, and is tried; only its
 # measured peak decides.
 PREDICTION_TOLERANCE = 0.02
+# How far peak predictions miss before an offload plan of the recipe is measured: on the 3B
+# shape they came within 5% of the measured peaks, either way
+# (benchmarks/results/2026-11-26_h100_plan_3b_seq8192.txt, 2026-11-27_h100_plan_3b_seq32768_
+# chunked_loss.txt, 2026-11-27_h100_plan_3b_seq16384_before_incumbent.txt). A candidate
+# predicted this far under a budget surely fits it (trial_order).
+PEAK_MARGIN = 0.05
+# The host time an offload hook adds to a step before an offload plan of the recipe has been
+# measured: what the 3B shape's 8k plans showed beyond their recompute and copies, about a
+# tenth of a millisecond per hook (benchmarks/results/2026-11-26_h100_long_context_3b_seq8192.json,
+# the offload plans with the cheap recompute against the cheap recompute alone; the planner's
+# fit in 2026-11-26_h100_plan_3b_seq8192.txt). Zero made every offload plan look as fast as its
+# copies' floor, and the first trials went to the plans that move the most.
+HOST_S_PER_HOOK_PRIOR = 1e-4
+# The share of the copies' time that shows in the step before an offload plan of the recipe
+# has been measured (cost_model.Calibration.copy_pressure): the 3B shape's 16k plans that
+# copied most showed about this much of their copy time beyond their recompute and hooks
+# (benchmarks/results/2026-11-27_h100_plan_3b_seq16384_before_incumbent.txt, the plan that
+# offloads five modules; 2025-11-25_h100x2_long_context_3b_seq16384_expandable.json). At 8k
+# and 32k the measured plans showed less: a measured offload plan rescales both priors
+# (cost_model.offload_scale), so a recipe where copies hide learns it from its first one.
+COPY_PRESSURE_PRIOR = 0.15
 MCFG = "policy.megatron_cfg"
 GRAPH_INFLIGHT = 4  # max inflight offloads for graphed measurements when the recipe sets none
 EXPANDABLE_SEGMENTS = "expandable_segments:True"  # see allocator_settings
@@ -223,13 +244,26 @@ class ProfileFailed(RuntimeError):
     why (out of memory with its sizes, or the exception)."""
 
 
-def trial_order(fitting: list[Candidate], predict: Any, budget: float) -> list[Candidate]:
+def trial_order(
+    fitting: list[Candidate], predict: Any, budget: float, *, incumbent: bool = True
+) -> list[Candidate]:
     """The order to measure a budget's candidates in (``fitting``: fastest first, each
     predicted within the budget or within the prediction's tolerance over it): those predicted
     within the budget first, then the borderline ones, each group fastest first. With few
     trials, plans predicted just over the budget, which mostly turn out over it, must not use
-    them all up (benchmarks/results/2026-11-26_h100_plan_3b_seq8192_before_trial_order.txt)."""
-    return sorted(fitting, key=lambda c: predict(c)[0] > budget)
+    them all up (benchmarks/results/2026-11-26_h100_plan_3b_seq8192_before_trial_order.txt).
+
+    Without an ``incumbent`` (no measured plan but the profiles fits the budget: full
+    recompute, when it fits, is the slowest way to), the fastest candidate predicted to fit
+    with ``PEAK_MARGIN`` to spare goes first: a plan that surely fits bounds the rest (only
+    candidates predicted faster than it are measured after it), where plans predicted just
+    under the budget ran out of memory and used up the trials
+    (benchmarks/results/2026-11-27_h100_plan_3b_seq16384_before_incumbent.txt)."""
+    ordered = sorted(fitting, key=lambda c: predict(c)[0] > budget)
+    if incumbent:
+        return ordered
+    safe = next((c for c in ordered if predict(c)[0] <= budget * (1 - PEAK_MARGIN)), None)
+    return ordered if safe is None else [safe, *(c for c in ordered if c is not safe)]
 
 
 def measure_candidate(
@@ -367,15 +401,22 @@ class Calibrator:
             hbm_bytes_per_s=DEFAULT_HBM_BYTES_PER_S,
             d2h_bytes_per_s=statistics.median(self.d2h) if self.d2h else DEFAULT_COPY_BYTES_PER_S,
             h2d_bytes_per_s=statistics.median(self.h2d) if self.h2d else DEFAULT_COPY_BYTES_PER_S,
+            host_s_per_hook=HOST_S_PER_HOOK_PRIOR,
+            copy_pressure=COPY_PRESSURE_PRIOR,
         )
-        per_hook = [
-            h
+        overhead_scales = [
+            s
             for removed, seconds in self.offload_runs
-            if (h := cost_model.host_s_per_hook(seconds, removed, calibration)) is not None
+            if (s := cost_model.offload_scale(seconds, removed, calibration)) is not None
         ]
-        if per_hook:
-            calibration = replace(calibration, host_s_per_hook=statistics.median(per_hook))
-        return calibration
+        if not overhead_scales:
+            return calibration
+        fitted = statistics.median(overhead_scales)
+        return replace(
+            calibration,
+            host_s_per_hook=fitted * HOST_S_PER_HOOK_PRIOR,
+            copy_pressure=fitted * COPY_PRESSURE_PRIOR,
+        )
 
 
 def _layer_costs(
@@ -633,10 +674,11 @@ def _plan(
                 if c.measured_peak_gib is not None and c.measured_peak_gib <= budget
             ]
             fastest = min((c.measured_fwd_bwd_s or 0.0 for c in done), default=float("inf"))
+            incumbent = any(c is not plain and c is not recompute for c in done)
             chosen = next(
                 (
                     c
-                    for c in trial_order(fitting, predict, budget)
+                    for c in trial_order(fitting, predict, budget, incumbent=incumbent)
                     if c.name not in measured and predict(c)[1] < fastest
                 ),
                 None,
@@ -826,7 +868,8 @@ def _calibration_line(calibration: Calibration | None) -> str | None:
         f"cost model: resident {c.resident_bytes / 2**30:.2f} GiB + {c.activation_scale:.2f} x "
         f"the ledger's activations; {c.flops_per_s / 1e12:.0f} TFLOP/s; copies "
         f"{c.d2h_bytes_per_s / 1e9:.0f}/{c.h2d_bytes_per_s / 1e9:.0f} GB/s to/from the host; "
-        f"{1e6 * c.host_s_per_hook:.0f} us of host time per offload hook"
+        f"{1e6 * c.host_s_per_hook:.0f} us of host time per offload hook and "
+        f"{100 * c.copy_pressure:.0f}% of the copies' time"
         + (
             f"; offload plans peak {c.offload_peak_bytes / 2**30:+.2f} GiB beyond it"
             if c.offload_peak_bytes is not None

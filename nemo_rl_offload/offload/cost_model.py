@@ -150,6 +150,11 @@ class Calibration:
     d2h_bytes_per_s: float
     h2d_bytes_per_s: float
     host_s_per_hook: float = 0.0
+    # The share of the copies' own time (each way, per micro-batch) that shows in the step
+    # beyond their floor: copies that fit inside the compute's windows by their bandwidth
+    # still slowed the 3B shape's 16k step (benchmarks/results/2026-11-27_h100_plan_3b_
+    # seq16384_before_incumbent.txt), which the floor alone put at no cost.
+    copy_pressure: float = 0.0
     # What an offload plan's peak holds beyond the activations it keeps, fitted from the
     # offload plans measured (None until one is; :func:`offload_peak_prior_bytes`, a lower
     # bound, stands in). Such a plan peaks as the backward starts, with the output layer's
@@ -193,8 +198,21 @@ def step_time_s(removed: Removal, calibration: Calibration) -> float:
     extra = removed.recompute_flops / c.flops_per_s
     extra += removed.recompute_traffic_bytes / c.hbm_bytes_per_s
     extra += overhead_floor_s(removed.offloaded_bytes, times, c.d2h_bytes_per_s, c.h2d_bytes_per_s)
-    extra += removed.hooks * c.host_s_per_hook
+    extra += offload_overhead_s(removed, c)
     return c.base_step_s + c.microbatches * extra
+
+
+def copy_seconds(removed: Removal, calibration: Calibration) -> float:
+    """One micro-batch's copies at the calibrated bandwidths, to the host and back."""
+    c = calibration
+    return removed.offloaded_bytes / c.d2h_bytes_per_s + removed.offloaded_bytes / c.h2d_bytes_per_s
+
+
+def offload_overhead_s(removed: Removal, calibration: Calibration) -> float:
+    """What offloading adds to one micro-batch beyond the copies' floor: each hook's host time
+    and the copies' pressure on the compute they overlap."""
+    c = calibration
+    return removed.hooks * c.host_s_per_hook + c.copy_pressure * copy_seconds(removed, c)
 
 
 def offload_peak_prior_bytes(costs: LayerCosts, removed: Removal) -> float:
@@ -271,12 +289,16 @@ def flops_per_s(
     return work / recompute_step_s if recompute_step_s > 0 else float("inf")
 
 
-def host_s_per_hook(
+def offload_scale(
     measured_step_s: float, removed: Removal, calibration: Calibration
 ) -> float | None:
-    """The host time per offload hook a measured offload run shows beyond the rest of the
-    model (None: the run hooked nothing)."""
-    if removed.hooks <= 0:
+    """How many times the calibration's offload overhead (:func:`offload_overhead_s`: hooks'
+    host time and copy pressure) a measured offload run shows beyond the rest of the model
+    (None: the run hooked nothing, or the calibration puts no overhead on it). One scale for
+    both terms: a run or two cannot tell host time from copy pressure apart (the plans that
+    hook more also copy more), so the priors' mix stays and the measurements set its size."""
+    overhead = offload_overhead_s(removed, calibration)
+    if removed.hooks <= 0 or overhead <= 0:
         return None
-    without = step_time_s(removed, replace(calibration, host_s_per_hook=0.0))
-    return max(0.0, (measured_step_s - without) / (calibration.microbatches * removed.hooks))
+    without = step_time_s(removed, replace(calibration, host_s_per_hook=0.0, copy_pressure=0.0))
+    return max(0.0, (measured_step_s - without) / (calibration.microbatches * overhead))

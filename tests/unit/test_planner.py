@@ -13,6 +13,7 @@ from support.fake_planner import GIB, Simulated, graphed_records, small_costs
 
 from nemo_rl_offload import planner
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.offload import cost_model
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 TABLES = sorted(RESULTS.glob("*_benchmark_*.json"))
@@ -711,6 +712,43 @@ def test_trials_take_plans_predicted_within_the_budget_before_borderline_ones():
     fitting = [planner.Candidate((name,), 1.0, None) for name in "abcd"]  # fastest first
     order = planner.trial_order(fitting, lambda c: (peaks[c.modules[0]], 1.0), budget=10.0)
     assert [c.modules[0] for c in order] == ["b", "d", "a", "c"]
+
+
+def test_without_a_measured_plan_that_fits_the_fastest_surely_fitting_one_goes_first():
+    """No incumbent: the fastest candidate predicted at least PEAK_MARGIN under the budget is
+    measured first (it bounds the rest); the others keep their order. With one, or with none
+    that sure, the order is the plain one."""
+    margin = 10.0 * (1 - planner.PEAK_MARGIN)
+    peaks = {"a": 9.9, "b": 9.8, "c": margin - 0.1, "d": margin - 0.5}
+    fitting = [planner.Candidate((name,), 1.0, None) for name in "abcd"]  # fastest first
+    predict = lambda c: (peaks[c.modules[0]], 1.0)  # noqa: E731
+    names = lambda order: [c.modules[0] for c in order]  # noqa: E731
+    assert names(planner.trial_order(fitting, predict, 10.0, incumbent=False)) == list("cabd")
+    assert names(planner.trial_order(fitting, predict, 10.0, incumbent=True)) == list("abcd")
+    unsure = fitting[:2]
+    assert names(planner.trial_order(unsure, predict, 10.0, incumbent=False)) == list("ab")
+
+
+def test_before_an_offload_run_the_priors_price_hooks_and_copies_and_a_run_rescales_both():
+    """The calibration's offload overhead starts at the priors (host time per hook, copy
+    pressure); a measured offload run scales both by what it showed beyond the rest."""
+    costs = small_costs()
+    calibrator = planner.Calibrator(costs)
+    calibrator.recompute_s, calibrator.base_s = 1.3, 1.0
+    calibrator.points = [(1.0 * GIB, 21.0 * GIB), (0.5 * GIB, 20.5 * GIB)]
+    prior = calibrator.calibration()
+    assert prior.host_s_per_hook == planner.HOST_S_PER_HOOK_PRIOR
+    assert prior.copy_pressure == planner.COPY_PRESSURE_PRIOR
+    offload = planner.Candidate(("core_attn",), 1.0, None)
+    removed = costs.removal(offload)
+    overhead = cost_model.offload_overhead_s(removed, prior)
+    without = cost_model.step_time_s(
+        removed, dataclasses.replace(prior, host_s_per_hook=0.0, copy_pressure=0.0)
+    )
+    calibrator.offload_runs.append((removed, without + prior.microbatches * 2.5 * overhead))
+    fitted = calibrator.calibration()
+    assert fitted.host_s_per_hook == pytest.approx(2.5 * planner.HOST_S_PER_HOOK_PRIOR)
+    assert fitted.copy_pressure == pytest.approx(2.5 * planner.COPY_PRESSURE_PRIOR)
 
 
 def test_the_chunked_loss_candidates_bytes_are_validates_estimate_of_the_patched_recipe():

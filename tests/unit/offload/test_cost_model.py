@@ -137,12 +137,22 @@ def test_the_plain_step_and_the_flop_rate_from_full_recompute_with_and_without_t
     assert cm.flops_per_s(2.0, 2.1, 1e12, 1e12, 3) == pytest.approx(3 * 4e12 / 2.0)  # noise
 
 
-def test_host_time_per_hook_is_what_the_measured_run_adds_beyond_the_model():
+def test_the_offload_scale_is_what_a_measured_run_adds_beyond_the_model_over_its_overhead():
+    """Hooks' host time and copy pressure are scaled together: the run's extra time over the
+    calibration's offload overhead (both terms), never below zero, none without hooks."""
     removed = cm.removal(KINDS, Plan(frozenset({"attn_norm"})))
-    without = cm.step_time_s(removed, dataclasses.replace(CAL, host_s_per_hook=0.0))
-    assert cm.host_s_per_hook(without + 2 * 4 * 0.002, removed, CAL) == pytest.approx(0.002)
-    assert cm.host_s_per_hook(without - 0.1, removed, CAL) == 0.0
-    assert cm.host_s_per_hook(1.0, cm.removal(KINDS, Plan()), CAL) is None
+    cal = dataclasses.replace(CAL, copy_pressure=0.1)
+    without = cm.step_time_s(
+        removed, dataclasses.replace(cal, host_s_per_hook=0.0, copy_pressure=0)
+    )
+    overhead = removed.hooks * 1e-3 + 0.1 * cm.copy_seconds(removed, cal)
+    assert overhead > removed.hooks * 1e-3  # the copies count
+    assert cm.offload_scale(without + 2 * 3 * overhead, removed, cal) == pytest.approx(3.0)
+    assert cm.step_time_s(removed, cal) == pytest.approx(without + 2 * overhead)
+    assert cm.offload_scale(without - 0.1, removed, cal) == 0.0
+    assert cm.offload_scale(1.0, cm.removal(KINDS, Plan()), cal) is None
+    nothing = dataclasses.replace(cal, host_s_per_hook=0.0, copy_pressure=0.0)
+    assert cm.offload_scale(1.0, removed, nothing) is None
 
 
 def test_before_an_offload_plan_is_measured_two_layers_of_its_copies_stand_in_for_the_offset():
