@@ -83,6 +83,20 @@ class Candidate:
     fraction_by_module: tuple[tuple[str, float], ...] = ()
     # the output layer in the loss's chunks too (policy.megatron_cfg.chunked_output_layer)
     output_chunked: bool = False
+    # the share of the optimizer state on the host (optimizer_cpu_offload with this
+    # optimizer_offload_fraction: :mod:`nemo_rl_offload.plan_optimizer`), None: on the GPU
+    host_optimizer: float | None = None
+    # what the host optimizer added to the step (measured, and predicted), seconds
+    optimizer_extra_s: float | None = None
+    predicted_optimizer_extra_s: float | None = None
+
+    @property
+    def measured_cost_s(self) -> float | None:
+        """The measured forward-backward plus what a host optimizer added to the step: what
+        plans are ranked by (the rest of the step is the same whatever the plan)."""
+        if self.measured_fwd_bwd_s is None:
+            return None
+        return self.measured_fwd_bwd_s + (self.optimizer_extra_s or 0.0)
 
     @property
     def failed(self) -> str | None:
@@ -101,7 +115,8 @@ class Candidate:
             name = "full recompute"
             if self.recompute_num_layers is not None:
                 name += f" of {self.recompute_num_layers} layers"
-            return name + (" + " + "+".join(self.modules) if self.modules else "") + loss
+            modules = " + " + "+".join(self.modules) if self.modules else ""
+            return name + modules + loss + self._host_optimizer_name()
         parts = []
         if self.recompute_modules:
             parts.append("recompute " + "+".join(self.recompute_modules))
@@ -109,7 +124,12 @@ class Candidate:
             suffix = "" if self.fraction == 1.0 else f" x{self.fraction:g}"
             own = "".join(f" ({module} x{share:g})" for module, share in self.fraction_by_module)
             parts.append("+".join(self.modules) + suffix + own)
-        return (", ".join(parts) or "no offload") + loss
+        return (", ".join(parts) or "no offload") + loss + self._host_optimizer_name()
+
+    def _host_optimizer_name(self) -> str:
+        if self.host_optimizer is None:
+            return ""
+        return f", optimizer state x{self.host_optimizer:g} on the host"
 
     def settings(self) -> ActivationSettings:
         """The candidate as the activation arithmetic reads it: what :meth:`patch` sets (full
@@ -165,6 +185,12 @@ class Candidate:
             settings["activation_checkpointing"] = False
         if self.output_chunked:
             settings["chunked_output_layer"] = True
+        if self.host_optimizer is not None:
+            settings["optimizer"] = {
+                "optimizer_cpu_offload": True,
+                "optimizer_offload_fraction": self.host_optimizer,
+                "use_precision_aware_optimizer": True,
+            }
         patch = megatron_patch(settings)
         if self.logprob_chunk is not None:
             patch["policy"]["logprob_chunk_size"] = self.logprob_chunk

@@ -57,6 +57,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
+from nemo_rl_offload import plan_optimizer
 from nemo_rl_offload.config.loader import deep_merge
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.offload import cost_model
@@ -204,7 +205,7 @@ def _fitting(measured: list[Candidate], budget_gib: float) -> list[Candidate]:
 
 def best(measured: list[Candidate], budget_gib: float) -> Candidate | None:
     fitting = _fitting(measured, budget_gib)
-    return min(fitting, key=lambda c: c.measured_fwd_bwd_s or 0.0) if fitting else None
+    return min(fitting, key=lambda c: c.measured_cost_s or 0.0) if fitting else None
 
 
 def contenders(measured: list[Candidate], budget_gib: float) -> list[Candidate]:
@@ -213,8 +214,8 @@ def contenders(measured: list[Candidate], budget_gib: float) -> list[Candidate]:
     fitting = _fitting(measured, budget_gib)
     if len(fitting) < 2:
         return []
-    limit = min(c.measured_fwd_bwd_s or 0.0 for c in fitting) * (1 + RECHECK_MARGIN)
-    close = [c for c in fitting if (c.measured_fwd_bwd_s or 0.0) <= limit]
+    limit = min(c.measured_cost_s or 0.0 for c in fitting) * (1 + RECHECK_MARGIN)
+    close = [c for c in fitting if (c.measured_cost_s or 0.0) <= limit]
     return close if len(close) > 1 else []
 
 
@@ -281,6 +282,17 @@ def measure_candidate(
     except WorkerError as exc:
         candidate.failure = from_exception(exc).as_dict()
         return None
+
+
+def _optimizer_s(records: list[dict[str, Any]]) -> float:
+    """The step's time beyond its forward-backward (the optimizer step, mostly): the median
+    over the replayed steps."""
+    steps = [
+        {**r, "optimizer_s": r["train_time_s"] - r["fwd_bwd_time_s"]}
+        for r in records
+        if "train_time_s" in r and "fwd_bwd_time_s" in r
+    ]
+    return _replayed_median(steps, "optimizer_s") if steps else 0.0
 
 
 def _measured(records: list[dict[str, Any]]) -> tuple[float, float]:
@@ -525,6 +537,7 @@ def _plan(
     from nemo_rl_offload.config.model_presets import section_architecture
     from nemo_rl_offload.offload import rules
     from nemo_rl_offload.offload.apply import effective_settings
+    from nemo_rl_offload.offload.memory_estimate import host_optimizer_state
     from nemo_rl_offload.preflight import check_recipe
 
     budgets_gib, budget_fractions = list(budgets_gib or []), list(budget_fractions or [])
@@ -548,9 +561,10 @@ def _plan(
     # Whether the model has experts, as the offload rules and the workers decide it: from the
     # effective settings (the model's num_moe_experts, or model_overrides').
     architecture = section_architecture(recipe["policy"], base_dir=Path.cwd())
-    is_moe = effective_settings(
+    effective = effective_settings(
         recipe["policy"], architecture, te_installed=report.caps.has_transformer_engine
-    ).is_moe
+    )
+    is_moe = effective.is_moe
     # Expert offload needs the grouped expert layout; every measurement (and so every plan)
     # runs on it, so that the profile and the candidates are the same model. Graphed
     # offloading needs the max-inflight cap, and more steps to reach the replays.
@@ -602,10 +616,14 @@ def _plan(
         records = measure_candidate(
             candidate, lambda: _measure(config, lines(candidate.patch()), steps, err)
         )
+        # A host optimizer lowers the resident state the activation model is fitted to: its
+        # plans fit the host optimizer's own model (plan_optimizer) instead.
+        own_model = candidate.host_optimizer is None
         if records is not None:
             candidate.measured_peak_gib, candidate.measured_fwd_bwd_s = _measured(records)
-            calibrator.observe(candidate, records)
-        else:
+            if own_model:
+                calibrator.observe(candidate, records)
+        elif own_model:
             calibrator.observe_failure(candidate)
         # As each trial ends: a plan stopped by a time limit has still said what it measured.
         print(f"plan: {candidate.name}: {_outcome(candidate)}", file=err)
@@ -656,6 +674,16 @@ def _plan(
         failure=plain.failed,
     )
     rechecked: set[str] = set()
+    # The last resort for a budget no activation plan meets (plan_optimizer): its model's
+    # priors from the memory estimate's optimizer state and the host's Adam per parameter.
+    host_model = None
+    if plan_optimizer.offered(recipe["policy"], dtensor):
+        state_bytes, parameters = host_optimizer_state(
+            effective, architecture, recipe["policy"], workers=workers
+        )
+        host_model = plan_optimizer.HostOptimizerModel.prior(state_bytes, parameters)
+    host_observations: list[plan_optimizer.Observation] = []
+    profile_optimizer_s = _optimizer_s(profiled)
     budgets = [*budgets_gib, *(f * profile.peak_gib for f in budget_fractions)]
     plans = []
     for budget in budgets:
@@ -673,7 +701,7 @@ def _plan(
                 for c in (plain, recompute, *tried)
                 if c.measured_peak_gib is not None and c.measured_peak_gib <= budget
             ]
-            fastest = min((c.measured_fwd_bwd_s or 0.0 for c in done), default=float("inf"))
+            fastest = min((c.measured_cost_s or 0.0 for c in done), default=float("inf"))
             incumbent = any(c is not plain and c is not recompute for c in done)
             chosen = next(
                 (
@@ -709,6 +737,49 @@ def _plan(
                 remeasured(candidate, records)
             print(f"plan: {candidate.name} again: {_outcome(again)}", file=err)
             rechecked.add(candidate.name)
+        if best(options, budget) is None and host_model is not None:
+            for _ in range(max_trials):
+                host_model = host_model.fitted(host_observations)
+                predict = predictor(costs.layers, calibrator.calibration())
+                fastest = min(
+                    (c.measured_cost_s or 0.0 for c in _fitting(options, budget)),
+                    default=float("inf"),
+                )
+                pick = next(
+                    (
+                        (c, peak, cost)
+                        for c, peak, cost in plan_optimizer.offers(
+                            frontier(candidates, predict, valid),
+                            predict,
+                            budget,
+                            host_model,
+                            PEAK_MARGIN,
+                        )
+                        if c.name not in measured and cost < fastest and valid(c)
+                    ),
+                    None,
+                )
+                if pick is None:
+                    break
+                host, peak, cost = pick
+                without_peak, without_s = predict(host)
+                host.predicted_peak_gib, host.predicted_fwd_bwd_s = peak, without_s
+                host.predicted_optimizer_extra_s = cost - without_s
+                print(f"plan: measuring {host.name} ...", file=err)
+                records = run(host)
+                measured[host.name] = host
+                tried.append(host)
+                options.append(host)
+                if records is not None and host.measured_peak_gib is not None:
+                    host.optimizer_extra_s = max(0.0, _optimizer_s(records) - profile_optimizer_s)
+                    host_observations.append(
+                        plan_optimizer.Observation(
+                            host.host_optimizer or 0.0,
+                            without_peak,
+                            host.measured_peak_gib,
+                            host.optimizer_extra_s,
+                        )
+                    )
         chosen = best(options, budget)
         predict = predictor(costs.layers, calibrator.calibration())
         ranked = frontier(candidates, predict, valid)
@@ -738,7 +809,7 @@ def faster_over_budget(
 ) -> list[tuple[str, float, float]]:
     """(name, predicted peak GiB, predicted s) of the frontier's plans predicted faster than
     the chosen one (its measured time) and over ``budget``: why no cheaper plan was chosen."""
-    limit = chosen.measured_fwd_bwd_s if chosen and chosen.measured_fwd_bwd_s else float("inf")
+    limit = chosen.measured_cost_s if chosen and chosen.measured_cost_s else float("inf")
     out = [
         (c.name, *predict(c)) for c in ranked if predict(c)[1] < limit and predict(c)[0] > budget
     ]
@@ -822,7 +893,7 @@ def optimizer_note(profile: Profile, budget: float) -> str:
 
 
 def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:
-    if profile.resident_gib >= budget:
+    if profile.resident_gib >= budget and all(c.host_optimizer is None for c in tried):
         return (
             f"no activation setting can meet {budget:.2f} GiB: weights, gradients and optimizer "
             f"state alone hold {profile.resident_gib:.2f} GiB; use the distributed optimizer, "
@@ -890,6 +961,15 @@ def _outcome(c: Candidate) -> str:
     return f"measured {c.measured_peak_gib or 0:6.2f} GiB  {c.measured_fwd_bwd_s or 0:.3f} s"
 
 
+def _host_optimizer_outcome(c: Candidate) -> str:
+    """A host-optimizer plan's step time beyond its forward-backward: what its change counts."""
+    if c.host_optimizer is None or c.optimizer_extra_s is None:
+        return ""
+    predicted = c.predicted_optimizer_extra_s
+    guess = f" (predicted +{predicted:.3f} s)" if predicted is not None else ""
+    return f"; the optimizer step on the host +{c.optimizer_extra_s:.3f} s{guess}"
+
+
 def _predicted(c: Candidate) -> str:
     peak = "     -" if c.predicted_peak_gib is None else f"{c.predicted_peak_gib:6.2f}"
     seconds = "" if c.predicted_fwd_bwd_s is None else f" {c.predicted_fwd_bwd_s:.3f} s"
@@ -917,10 +997,11 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
             if c.failed:
                 print(f"  {c.name:<48} {_predicted(c)}  {_outcome(c)}", file=out)
                 continue
-            change = (c.measured_fwd_bwd_s or 0.0) / profile.fwd_bwd_s - 1
+            change = (c.measured_cost_s or 0.0) / profile.fwd_bwd_s - 1
             print(
                 f"  {c.name:<48} {_predicted(c)}  {_outcome(c)} ({100 * change:+.1f}%)"
-                + (f", best of {c.measurements}" if c.measurements > 1 else ""),
+                + (f", best of {c.measurements}" if c.measurements > 1 else "")
+                + _host_optimizer_outcome(c),
                 file=out,
             )
         chosen: Candidate | None = entry["chosen"]
@@ -935,7 +1016,7 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
             print(why_none(profile, budget, entry["tried"]), file=out)
             all_met = False
             continue
-        if profile.step_peak_gib > budget:
+        if profile.step_peak_gib > budget and chosen.host_optimizer is None:
             print(optimizer_note(profile, budget), file=out)
         print(f"plan: {chosen.name}; paste these overrides:", file=out)
         for line in plan_overrides(result, chosen):

@@ -253,6 +253,31 @@ def _optimizer(
     )
 
 
+def host_optimizer_state(
+    effective: EffectiveSettings,
+    architecture: Architecture,
+    section: dict[str, Any],
+    *,
+    workers: int = 1,
+) -> tuple[float, float]:
+    """(bytes, parameters) for the planner's host-optimizer candidates on one rank: the Adam
+    state that ``optimizer_cpu_offload`` with ``optimizer_offload_fraction`` 1 (the
+    precision-aware optimizer that path runs) keeps on the host instead, and the parameters
+    whose Adam step then runs there."""
+    megatron_cfg = section.get("megatron_cfg") or {}
+    opt = {
+        **(megatron_cfg.get("optimizer") or {}),
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 1.0,
+        "use_precision_aware_optimizer": True,
+    }
+    params = parameter_counts(effective, architecture).total
+    shards = _data_parallel(effective, workers) * parallel_sizes(effective)["context_parallel_size"]
+    param_bytes = dtype_bytes(section.get("precision") or "float32")
+    moved = _optimizer(params, param_bytes, {**megatron_cfg, "optimizer": opt}, shards, False)
+    return moved.on_host, params / (shards if opt.get("use_distributed_optimizer") else 1)
+
+
 def _forward_only(
     effective: EffectiveSettings, ledger: Ledger, section: dict[str, Any], where: str
 ) -> float:

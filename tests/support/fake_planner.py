@@ -101,9 +101,11 @@ def candidate_of(overrides: list[str]) -> planner.Candidate:
         elif override.path == ("policy", "logprob_chunk_size"):
             chunk = override.value
     fgo = settings.get("fine_grained_activation_offloading") is True
+    host = settings.get("optimizer_cpu_offload") is True
     common: dict[str, Any] = {
         "logprob_chunk": chunk,
         "output_chunked": settings.get("chunked_output_layer") is True,
+        "host_optimizer": float(settings["optimizer_offload_fraction"]) if host else None,
     }
     modules = tuple(settings.get("offload_modules") or ()) if fgo else ()
     if settings.get("activation_checkpointing") is True and (
@@ -132,6 +134,9 @@ class Simulated:
     costs: planner.RecipeCosts
     capacity_gib: float
     truth: Calibration = TRUTH
+    # What the whole optimizer state on the host takes off the peak and adds to the step
+    host_state_gib: float = 0.0
+    host_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.calls: list[str] = []
@@ -143,7 +148,8 @@ class Simulated:
         candidate = candidate_of(overrides)
         self.calls.append(candidate.name)
         true = self.truth_of(candidate)
-        peak = true.peak_bytes / GIB
+        share = candidate.host_optimizer or 0.0
+        peak = true.peak_bytes / GIB - share * self.host_state_gib
         if peak > self.capacity_gib:
             raise WorkerError(
                 "policy",
@@ -158,6 +164,7 @@ class Simulated:
                 "peak_fwd_bwd_gpu_memory_gib": peak,
                 "peak_activation_gpu_memory_gib": peak - self.truth.resident_bytes / GIB,
                 "fwd_bwd_time_s": true.step_s,
+                "train_time_s": true.step_s + 0.1 + share * self.host_step_s,
                 **copies,
             }
             for _ in range(steps)

@@ -917,3 +917,105 @@ def test_a_recipe_with_its_own_chunk_size_gets_the_chunked_output_layer_in_those
     assert "logprob_chunk_size" not in patch and patch["megatron_cfg"]["chunked_output_layer"]
     section["megatron_cfg"]["chunked_output_layer"] = True  # already chunked: nothing to add
     assert planner._layer_costs(section, None, 2).layers.table.chunked_model is None
+
+
+def test_a_budget_under_the_resident_state_gets_the_optimizer_state_on_the_host(monkeypatch):
+    """No activation plan can meet a budget under the weights, gradients and optimizer state:
+    the planner offers each frontier plan with the smallest share of the optimizer state on the
+    host that its predicted peak needs, measures the fastest, refits its model from what the
+    run showed (more state moved and a slower host than the priors said), and picks a plan
+    that fits; its overrides turn the host optimizer on as the rules require."""
+    from io import StringIO
+
+    from nemo_rl_offload.offload import memory_estimate
+
+    costs = small_costs()
+    simulated = Simulated(costs, capacity_gib=32.0, host_state_gib=8.0, host_step_s=2.0)
+    monkeypatch.setattr(planner, "_measure", simulated)
+    monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
+    # Priors below the truth: 6 GiB of state, 2e9 parameters at the host Adam's prior rate.
+    monkeypatch.setattr(memory_estimate, "host_optimizer_state", lambda *_, **__: (6.0 * GIB, 2e9))
+    progress = StringIO()
+    result = planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0, 17.0], steps=3, err=progress)
+    roomy, tight = result["plans"]
+    assert roomy["chosen"] is not None and roomy["chosen"].host_optimizer is None
+    chosen = tight["chosen"]
+    assert chosen is not None and chosen.host_optimizer is not None
+    assert 0 < chosen.host_optimizer <= 1.0
+    assert chosen.measured_peak_gib <= 17.0
+    # Ranked by the whole step's cost: the host optimizer's seconds count.
+    assert chosen.optimizer_extra_s == pytest.approx(chosen.host_optimizer * 2.0, rel=1e-6)
+    assert chosen.measured_cost_s == pytest.approx(
+        chosen.measured_fwd_bwd_s + chosen.optimizer_extra_s
+    )
+    lines = planner.plan_overrides(result, chosen)
+    optimizer = "policy.megatron_cfg.optimizer."
+    assert f"++{optimizer}optimizer_cpu_offload=true" in lines  # the recipe has no such key
+    assert f"{optimizer}use_precision_aware_optimizer=true" in lines  # it sets it false
+    assert f"++{optimizer}optimizer_offload_fraction={chosen.host_optimizer:g}" in lines
+    out = StringIO()
+    assert planner.format_plan(result, out) is True
+    text = out.getvalue()
+    assert "optimizer state x" in text and "the optimizer step on the host +" in text
+    # The roomy budget's plan is not a host-optimizer one, and no host plan was measured for it.
+    assert all("on the host" not in c.name for c in roomy["tried"])
+
+
+def test_the_host_optimizer_is_offered_only_to_megatrons_distributed_adam():
+    from nemo_rl_offload import plan_optimizer
+
+    policy = {
+        "megatron_cfg": {"optimizer": {"optimizer": "adam", "use_distributed_optimizer": True}}
+    }
+    assert plan_optimizer.offered(policy, dtensor=False)
+    assert not plan_optimizer.offered(policy, dtensor=True)
+    sgd = {"megatron_cfg": {"optimizer": {"optimizer": "sgd", "use_distributed_optimizer": True}}}
+    assert not plan_optimizer.offered(sgd, dtensor=False)
+    plain = {"megatron_cfg": {"optimizer": {"optimizer": "adam"}}}
+    assert not plan_optimizer.offered(plain, dtensor=False)
+
+
+def test_the_host_share_is_the_smallest_step_that_brings_a_plan_under_the_budget():
+    from nemo_rl_offload import plan_optimizer
+
+    model = plan_optimizer.HostOptimizerModel(state_gib=10.0, step_s=2.0)
+    # 3 GiB over a 20 GiB budget with 5% to spare (19 GiB): 0.3 of the state.
+    assert model.share_for(22.0, 20.0, 0.05) == pytest.approx(0.3)
+    assert model.share_for(22.1, 20.0, 0.05) == pytest.approx(0.35)  # rounded up a step
+    assert model.share_for(15.0, 20.0, 0.05) == pytest.approx(plan_optimizer.SHARE_STEP)
+    assert model.share_for(29.0, 20.0, 0.05) == pytest.approx(1.0)
+    assert model.share_for(29.5, 20.0, 0.05) is None  # more than the whole state
+    fitted = model.fitted(
+        [
+            plan_optimizer.Observation(0.5, 22.0, 16.0, 1.5),
+            plan_optimizer.Observation(1.0, 25.0, 13.0, 3.0),
+        ]
+    )
+    assert fitted.state_gib == pytest.approx(12.0) and fitted.step_s == pytest.approx(3.0)
+    assert model.fitted([]) is model
+
+
+def test_a_host_offer_is_a_fresh_candidate_of_its_plan_with_the_share():
+    from nemo_rl_offload import plan_optimizer
+
+    model = plan_optimizer.HostOptimizerModel(state_gib=10.0, step_s=2.0)
+    fast = planner.Candidate(
+        ("core_attn",), 1.0, 24.0, measured_peak_gib=24.5, measured_fwd_bwd_s=1.0
+    )
+    slow = planner.Candidate((), 1.0, None, full_recompute=True)
+    predicted = {fast.name: (24.0, 1.0), slow.name: (20.5, 1.3)}
+    offers = plan_optimizer.offers([fast, slow], lambda c: predicted[c.name], 20.0, model, 0.05)
+    # fast needs 0.5 (+1.0 s), slow 0.15 (+0.3 s): slow first.
+    assert [(c.host_optimizer, round(cost, 3)) for c, _, cost in offers] == [
+        (0.15, 1.6),
+        (0.5, 2.0),
+    ]
+    host, peak, _ = offers[1]
+    assert peak == pytest.approx(19.0)
+    assert host.measured_peak_gib is None and host.measured_fwd_bwd_s is None
+    assert host.name == "core_attn, optimizer state x0.5 on the host"
+    assert host.patch()["policy"]["megatron_cfg"]["optimizer"] == {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 0.5,
+        "use_precision_aware_optimizer": True,
+    }
