@@ -23,9 +23,9 @@ from typing import Any
 from nemo_rl_offload.plan_menu import Candidate
 
 SHARE_STEP = 0.05
-# The host's Adam per parameter, before a host-optimizer plan of the recipe is measured: the 3B
-# shape's optimizer step took 2.15 s longer with the state of its parameters (about 3.0e9) on
-# an H100 machine's host (benchmarks/results/2026-11-26_h100_optimizer_offload_3b_seq8192.json,
+# The host's Adam per parameter, before a host-optimizer plan of the recipe is measured: what
+# the 3B shape's optimizer step took longer with all of its state on an H100 machine's host,
+# over its parameters (benchmarks/results/2026-11-26_h100_optimizer_offload_3b_seq8192.json,
 # optimizer_time_s at fraction 1 against 0). Another host's cores differ: the first measured
 # plan replaces it.
 HOST_ADAM_S_PER_PARAMETER = 7e-10
@@ -57,41 +57,67 @@ class Observation:
 
 @dataclass(frozen=True)
 class HostOptimizerModel:
-    """What a share of the optimizer state on the host does to a plan: a whole share takes
-    ``state_gib`` off the forward-backward peak and adds ``step_s`` to the step (the host's
-    Adam, the copies each way). Priors: the state from the memory estimate's arithmetic, the
-    time from :data:`HOST_ADAM_S_PER_PARAMETER`; then fitted by measured plans."""
+    """What a share of the optimizer state on the host does to a plan: it takes
+    ``state_gib x share + state_offset_gib`` off the forward-backward peak and adds
+    ``step_s x share + step_offset_s`` to the step (the host's Adam and the copies each way).
+    Priors: the state from the memory estimate's arithmetic, the time from
+    :data:`HOST_ADAM_S_PER_PARAMETER`, no offsets; then fitted by measured plans: through the
+    origin from one, a line from two shares or more. The line is needed: on the 3B shape a
+    small share took far less off the peak than its part of the state, a large one more, and
+    every step cost a fixed part besides its share
+    (benchmarks/results/2026-11-27_h100_plan_3b_seq8192_host_optimizer.txt)."""
 
     state_gib: float
     step_s: float
+    state_offset_gib: float = 0.0
+    step_offset_s: float = 0.0
 
     @classmethod
     def prior(cls, state_bytes: float, parameters: float) -> HostOptimizerModel:
         return cls(state_bytes / 2**30, parameters * HOST_ADAM_S_PER_PARAMETER)
+
+    def saving_gib(self, share: float) -> float:
+        return max(0.0, self.state_gib * share + self.state_offset_gib)
+
+    def extra_s(self, share: float) -> float:
+        return max(0.0, self.step_s * share + self.step_offset_s)
 
     def share_for(self, peak_gib: float, budget_gib: float, margin: float) -> float | None:
         """The smallest share that predicts ``peak_gib`` at or under the budget with
         ``margin`` to spare (at least one step; None: more than the whole state)."""
         if self.state_gib <= 0:
             return None
-        needed = (peak_gib - budget_gib * (1 - margin)) / self.state_gib
-        share = max(1, math.ceil(needed / SHARE_STEP - 1e-9)) * SHARE_STEP
+        needed = peak_gib - budget_gib * (1 - margin)
+        exact = (needed - self.state_offset_gib) / self.state_gib
+        share = max(1, math.ceil(exact / SHARE_STEP - 1e-9)) * SHARE_STEP
         return round(share, 6) if share <= 1.0 + 1e-9 else None
 
     def fitted(self, observations: list[Observation]) -> HostOptimizerModel:
-        """The model with what measured plans showed per share (medians; the state only from
-        plans whose peak fell, the time from every one)."""
+        """The model with what measured plans showed: through the origin from one share
+        (medians per share), a least-squares line from two or more."""
         if not observations:
             return self
-        states = [
-            (o.predicted_without_gib - o.measured_peak_gib) / o.share
-            for o in observations
-            if o.predicted_without_gib > o.measured_peak_gib
-        ]
+        savings = [(o.share, o.predicted_without_gib - o.measured_peak_gib) for o in observations]
+        extras = [(o.share, max(0.0, o.extra_s)) for o in observations]
+        if len({o.share for o in observations}) < 2:
+            state = statistics.median(saved / share for share, saved in savings)
+            step = statistics.median(extra / share for share, extra in extras)
+            return HostOptimizerModel(state if state > 0 else self.state_gib, step)
+        state_line, step_line = _line(savings), _line(extras)
+        if state_line[0] <= 0:  # noise: keep the slope the arithmetic gives
+            state_line = (self.state_gib, 0.0)
         return HostOptimizerModel(
-            statistics.median(states) if states else self.state_gib,
-            statistics.median(max(0.0, o.extra_s) / o.share for o in observations),
+            state_line[0], max(0.0, step_line[0]), state_line[1], step_line[1]
         )
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through ``points`` (two x values or more)."""
+    mx = statistics.fmean(x for x, _ in points)
+    my = statistics.fmean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return slope, my - slope * mx
 
 
 def offers(
@@ -120,5 +146,5 @@ def offers(
             measurements=1,
             failure=None,
         )
-        out.append((candidate, peak - share * model.state_gib, seconds + share * model.step_s))
+        out.append((candidate, peak - model.saving_gib(share), seconds + model.extra_s(share)))
     return sorted(out, key=lambda offer: offer[2])

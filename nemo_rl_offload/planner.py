@@ -95,8 +95,8 @@ PREDICTION_TOLERANCE = 0.02
 # predicted this far under a budget surely fits it (trial_order).
 PEAK_MARGIN = 0.05
 # The host time an offload hook adds to a step before an offload plan of the recipe has been
-# measured: what the 3B shape's 8k plans showed beyond their recompute and copies, about a
-# tenth of a millisecond per hook (benchmarks/results/2026-11-26_h100_long_context_3b_seq8192.json,
+# measured: what the 3B shape's 8k plans showed per hook beyond their recompute and copies
+# (benchmarks/results/2026-11-26_h100_long_context_3b_seq8192.json,
 # the offload plans with the cheap recompute against the cheap recompute alone; the planner's
 # fit in 2026-11-26_h100_plan_3b_seq8192.txt). Zero made every offload plan look as fast as its
 # copies' floor, and the first trials went to the plans that move the most.
@@ -105,7 +105,7 @@ HOST_S_PER_HOOK_PRIOR = 1e-4
 # has been measured (cost_model.Calibration.copy_pressure): the 3B shape's 16k plans that
 # copied most showed about this much of their copy time beyond their recompute and hooks
 # (benchmarks/results/2026-11-27_h100_plan_3b_seq16384_before_incumbent.txt, the plan that
-# offloads five modules; 2025-11-25_h100x2_long_context_3b_seq16384_expandable.json). At 8k
+# offloads five modules; 2026-11-25_h100x2_long_context_3b_seq16384_expandable.json). At 8k
 # and 32k the measured plans showed less: a measured offload plan rescales both priors
 # (cost_model.offload_scale), so a recipe where copies hide learns it from its first one.
 COPY_PRESSURE_PRIOR = 0.15

@@ -985,14 +985,25 @@ def test_the_host_share_is_the_smallest_step_that_brings_a_plan_under_the_budget
     assert model.share_for(15.0, 20.0, 0.05) == pytest.approx(plan_optimizer.SHARE_STEP)
     assert model.share_for(29.0, 20.0, 0.05) == pytest.approx(1.0)
     assert model.share_for(29.5, 20.0, 0.05) is None  # more than the whole state
-    fitted = model.fitted(
-        [
-            plan_optimizer.Observation(0.5, 22.0, 16.0, 1.5),
-            plan_optimizer.Observation(1.0, 25.0, 13.0, 3.0),
-        ]
-    )
-    assert fitted.state_gib == pytest.approx(12.0) and fitted.step_s == pytest.approx(3.0)
+    one = model.fitted([plan_optimizer.Observation(0.5, 22.0, 16.0, 1.5)])
+    assert (one.state_gib, one.step_s, one.state_offset_gib) == pytest.approx((12.0, 3.0, 0.0))
     assert model.fitted([]) is model
+    # Two shares or more: a line. The 3B shape's measured shares (the results file's trials).
+    measured = [
+        plan_optimizer.Observation(0.35, 52.38, 48.03, 2.23),
+        plan_optimizer.Observation(0.9, 51.41, 22.47, 4.48),
+        plan_optimizer.Observation(0.5, 51.83, 40.09, 2.94),
+    ]
+    line = model.fitted(measured)
+    assert line.state_gib == pytest.approx(44.3, abs=0.2)
+    assert line.state_offset_gib == pytest.approx(-10.9, abs=0.2)
+    assert line.step_s == pytest.approx(4.1, abs=0.1) and line.step_offset_s > 0
+    # From the first two alone it asks for about the share that fit (0.5, 40.09 GiB, for a
+    # plan predicted at 51.83 GiB without it; one step more keeps the margin).
+    assert model.fitted(measured[:2]).share_for(51.83, 42.87, 0.05) == pytest.approx(0.55)
+    for o in measured:  # the line reproduces each measurement within a GiB and a quarter second
+        assert abs(o.predicted_without_gib - line.saving_gib(o.share) - o.measured_peak_gib) < 1.0
+        assert abs(line.extra_s(o.share) - o.extra_s) < 0.25
 
 
 def test_a_host_offer_is_a_fresh_candidate_of_its_plan_with_the_share():

@@ -24,6 +24,7 @@ from nemo_rl_offload.offload.memory_estimate import (
     MemoryEstimate,
     estimate_peak,
     gpu_peak,
+    host_optimizer_state,
     parameter_counts,
 )
 
@@ -121,6 +122,22 @@ def test_optimizer_cpu_offload_moves_its_fraction_to_the_host():
     assert moved.optimizer == pytest.approx(kept.optimizer * 0.25)
     assert moved.optimizer_on_host == pytest.approx(kept.optimizer * 0.75)
     assert kept.optimizer_on_host == 0
+
+
+def test_the_planners_host_optimizer_state_is_the_estimates_at_fraction_one():
+    """What the planner's host-optimizer prior moves per GPU: the estimate's optimizer state
+    with optimizer_cpu_offload at fraction 1 (sharded by the distributed optimizer), and the
+    parameters whose Adam step the host then runs."""
+    architecture = architecture_for("llama-1b")
+    for workers in (1, 2):
+        section = _section()
+        effective = apply.effective_settings(section, architecture, te_installed=False)
+        state, parameters = host_optimizer_state(effective, architecture, section, workers=workers)
+        whole = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
+        moved = _estimate(_section(optimizer=whole), workers=workers)
+        assert state == pytest.approx(moved.optimizer_on_host)
+        assert parameters == pytest.approx(moved.parameters.total / workers)
+    assert state == pytest.approx(_estimate(_section(), workers=2).optimizer)
 
 
 def test_offload_modules_remove_their_entries_but_the_last_layers():
