@@ -58,7 +58,13 @@ def checked(
     chosen = entry["chosen"]
     if chosen is None:
         raise UserInputError(
-            f"{BUDGET_KEY}: " + planner.why_none(result["profile"], budget, entry["tried"])
+            f"{BUDGET_KEY}: "
+            + planner.why_none(
+                result["profile"],
+                budget,
+                entry["tried"],
+                entry.get("host_optimizer_offered", False),
+            )
         )
     without_budget = deep_merge(loaded, {})
     (without_budget["policy"].get("megatron_cfg") or {}).pop("offload_plan_budget_gib", None)

@@ -12,18 +12,22 @@ How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offloa
    recompute runs again. Peak: the resident state plus the activations the candidate keeps,
    counted by :mod:`nemo_rl_offload.offload.activation_bytes` (``validate``'s estimate counts
    the same settings the same way); time: the plain step plus recompute at the measured FLOP
-   rate, the copies' floor and each offload hook's host time.
+   rate, the copies' floor, each offload hook's host time and the copies' pressure on the
+   compute they overlap.
 3. Calibration from runs that fit. Full recompute is profiled first (at long context it is
    often the only plan that fits); then the recipe as it is, without offloading or
    recompute, whose failure (out of memory, where the planner is needed most) is a result,
    not the end: its step time is then estimated from full recompute's. The measured peaks fit
    the resident state and the ledger's scale; every later measurement refines the fit, the
-   copy bandwidths and the host time per hook (eagerly, hook CPU work is most of a small
-   model's offload cost: benchmarks/results/README.md, the step profile).
+   copy bandwidths, and the scale of offloading's overhead (hooks' host time and copy
+   pressure, from priors until an offload plan is measured; eagerly, hook CPU work is most of
+   a small model's offload cost: benchmarks/results/README.md, the step profile).
 4. For each budget, the candidates on the predicted peak/time frontier that are predicted to
    fit (up to ``PREDICTION_TOLERANCE`` over it: only a measured peak decides) are measured
    fastest first, re-predicted after each measurement, up to ``max_trials``; a candidate
-   predicted slower than a measured fitting plan is not measured. Among everything measured,
+   predicted slower than a measured fitting plan is not measured; while none but the profiles
+   fits, a plan predicted to fit with ``PEAK_MARGIN`` to spare goes first (:func:`trial_order`).
+   Among everything measured,
    the fastest whose measured peak fits wins. One measurement is not enough to rank close
    plans: the same settings measured in fresh processes spread by more than close plans
    differ (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt against
@@ -33,8 +37,10 @@ How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offloa
    lines to paste with the faster plans predicted over the budget, and a job that plans at
    start applies it to its loaded recipe (:mod:`nemo_rl_offload.plan_at_start`).
    Measurements are shared between budgets.
-5. A budget under the resident state cannot be met by any activation setting: the plan says
-   so, with its size.
+5. A budget no measured activation plan meets gets the last resort, a share of the optimizer
+   state on the host (:mod:`nemo_rl_offload.plan_optimizer`), where the recipe runs Megatron's
+   distributed Adam. A budget nothing meets is reported with why: under the resident state
+   with no host optimizer to lower it, or the lowest peak measured.
 
 A recipe with full-iteration CUDA graphs is measured graphed: each measurement runs the
 shape's warm-up and capture steps first, so that its medians are over replays, and offloading
@@ -330,7 +336,8 @@ class RecipeCosts:
 class Calibrator:
     """Calibration from the measured runs that fit: the memory line through (ledger
     activations, measured peak), the FLOP rate and the plain step from full recompute and the
-    plain run, and the copy bandwidths and host time per hook from offload runs."""
+    plain run, and the copy bandwidths and the scale of offloading's overhead (hooks' host time
+    and copy pressure) from offload runs."""
 
     costs: RecipeCosts
     recompute_s: float | None = None
@@ -792,6 +799,7 @@ def _plan(
                 "tried": options,
                 "chosen": chosen,
                 "over_budget": faster_over_budget(ranked, predict, budget, chosen),
+                "host_optimizer_offered": host_model is not None,
             }
         )
     return {
@@ -892,8 +900,19 @@ def optimizer_note(profile: Profile, budget: float) -> str:
     )
 
 
-def why_none(profile: Profile, budget: float, tried: list[Candidate]) -> str:
-    if profile.resident_gib >= budget and all(c.host_optimizer is None for c in tried):
+def why_none(
+    profile: Profile, budget: float, tried: list[Candidate], host_offered: bool = False
+) -> str:
+    """Why no plan meets ``budget``. ``host_offered``: the planner could offer the optimizer
+    state on the host (plan_optimizer), so a budget it tried none for is beyond even all of it."""
+    host_tried = any(c.host_optimizer is not None for c in tried)
+    if profile.resident_gib >= budget and host_offered and not host_tried:
+        return (
+            f"no plan can meet {budget:.2f} GiB: weights, gradients and optimizer state hold "
+            f"{profile.resident_gib:.2f} GiB, and no plan is predicted under it even with all "
+            "of the optimizer state on the host; shorten the micro-batches or use more GPUs"
+        )
+    if profile.resident_gib >= budget and not host_tried:
         return (
             f"no activation setting can meet {budget:.2f} GiB: weights, gradients and optimizer "
             f"state alone hold {profile.resident_gib:.2f} GiB; use the distributed optimizer, "
@@ -1013,7 +1032,8 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
                 file=out,
             )
         if chosen is None:
-            print(why_none(profile, budget, entry["tried"]), file=out)
+            offered = entry.get("host_optimizer_offered", False)
+            print(why_none(profile, budget, entry["tried"], offered), file=out)
             all_met = False
             continue
         if profile.step_peak_gib > budget and chosen.host_optimizer is None:

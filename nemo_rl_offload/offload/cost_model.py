@@ -65,7 +65,7 @@ def step_floor_s(
 # the measured peaks (transient buffers are in neither count, so the fit carries them). Time:
 # the step without offloading or recompute, plus recompute at the measured FLOP rate (or
 # memory bandwidth for elementwise recompute), plus the copy floor, plus each offload hook's
-# host time.
+# host time and the copies' pressure on the compute they overlap (offload_overhead_s).
 
 # Recompute options whose cost is memory traffic, not matrix products: a norm or an
 # activation function reads its input and writes its output once more.

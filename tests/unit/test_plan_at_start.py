@@ -85,3 +85,15 @@ def test_planning_measures_the_reference_copy_the_job_holds():
     assert holds_reference(with_kl, "grpo") and holds_reference({}, "dpo")
     assert not holds_reference({"loss_fn": {"reference_policy_kl_penalty": 0}}, "grpo")
     assert not holds_reference(with_kl, "sft")
+
+
+def test_a_host_optimizer_plan_is_applied_with_the_settings_the_rules_require():
+    """A plan with the optimizer state on the host sets the hybrid optimizer's keys on the
+    loaded recipe; the patched recipe passes the rules (distributed, precision-aware Adam)."""
+    chosen = planner.Candidate((), 1.0, 15.2, 15.2, 0.62, full_recompute=True, host_optimizer=0.5)
+    report = _checked(16, _fake_plan(chosen, []))
+    optimizer = report.recipe["policy"]["megatron_cfg"]["optimizer"]
+    assert optimizer["optimizer_cpu_offload"] is True
+    assert optimizer["optimizer_offload_fraction"] == 0.5
+    assert optimizer["use_precision_aware_optimizer"] is True
+    assert report.errors == []

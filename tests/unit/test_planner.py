@@ -1030,3 +1030,18 @@ def test_a_host_offer_is_a_fresh_candidate_of_its_plan_with_the_share():
         "optimizer_offload_fraction": 0.5,
         "use_precision_aware_optimizer": True,
     }
+
+
+def test_why_no_plan_names_what_the_planner_could_not_do():
+    """Under the resident state: without a host optimizer to offer, the settings that lower it;
+    with one offered but none predicted under the budget, that even all of it on the host is
+    not enough; with host plans measured, the lowest peak they reached."""
+    profile = planner.Profile(60.0, 1.0, {}, resident_gib=50.0)
+    full = planner.Candidate((), 1.0, None, 53.0, 1.3, full_recompute=True)
+    plain = planner.why_none(profile, 40.0, [full])
+    assert "no activation setting can meet 40.00 GiB" in plain and "optimizer_cpu_offload" in plain
+    beyond = planner.why_none(profile, 40.0, [full], host_offered=True)
+    assert "even with all of the optimizer state on the host" in beyond
+    host = dataclasses.replace(full, host_optimizer=1.0, measured_peak_gib=41.0)
+    tried = planner.why_none(profile, 40.0, [full, host], host_offered=True)
+    assert "the lowest measured peak is 41.00 GiB" in tried and host.name in tried
