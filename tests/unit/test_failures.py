@@ -151,13 +151,19 @@ def test_a_planner_trial_that_fails_is_reported_and_the_plan_goes_on(monkeypatch
         if modules and not offloaded:  # the first offload trial runs out of memory
             offloaded.append(modules)
             raise WorkerError("policy", 0, f"OutOfMemoryError: {SHARED_GPU_OOM} (at a.py:1 in f)")
-        if any("activation_checkpointing=true" in line for line in overrides):
+        if any("recompute_granularity=full" in line for line in overrides):
             raise WorkerError("policy", 0, "ValueError: recompute said no (at b.py:2 in g)")
-        return graphed_records(overrides, steps)
+        records = graphed_records(overrides, steps)
+        if any("recompute_granularity=selective" in line for line in overrides):
+            for record in records:  # it fits, slowly: offload plans are tried after it
+                record["fwd_bwd_time_s"] = 0.5
+        return records
 
     monkeypatch.setattr(planner, "_measure", measure)
     monkeypatch.setattr(planner, "_layer_costs", lambda *_: small_costs())
-    result = planner.plan(GRAPHS_RECIPE, [], budgets_gib=[19.0], steps=3, err=StringIO())
+    result = planner.plan(
+        GRAPHS_RECIPE, [], budgets_gib=[19.0], steps=3, max_trials=6, err=StringIO()
+    )
     (entry,) = result["plans"]
     failed = {c.name: c.failed for c in entry["tried"] if c.failed}
     assert failed["full recompute"] == "ValueError: recompute said no (at b.py:2 in g)"

@@ -16,7 +16,7 @@ LAYERS = [
     {"distributed", "models", "losses", "gpu_monitor", "metrics_logger"},
     {"preflight", "memory_report"},
     {"algorithms", "serving", "telemetry", "export_hf"},
-    {"planner", "plan_menu"},
+    {"planner", "plan_menu", "plan_optimizer"},
     {"plan_at_start", "demo", "cli"},
 ]
 # Known upward imports (none today): (importing file, the layer it reaches up to).
