@@ -60,11 +60,12 @@ class HostOptimizerModel:
     """What a share of the optimizer state on the host does to a plan: it takes
     ``state_gib x share + state_offset_gib`` off the forward-backward peak and adds
     ``step_s x share + step_offset_s`` to the step (the host's Adam and the copies each way).
-    Priors: the state from the memory estimate's arithmetic, the time from
-    :data:`HOST_ADAM_S_PER_PARAMETER`, no offsets; then fitted by measured plans: through the
-    origin from one, a line from two shares or more. The line is needed: on the 3B shape a
-    small share took far less off the peak than its part of the state, a large one more, and
-    every step cost a fixed part besides its share
+    Priors: the state and its offset from the memory estimate's arithmetic, the time from
+    :data:`HOST_ADAM_S_PER_PARAMETER`; then fitted by measured plans: the slopes from one
+    share, lines from two shares or more. The line is needed: on the 3B shape a
+    small share took far less off the peak than its part of the state, a large one more (the
+    hybrid optimizer's float32 gradient copies, which the estimate now counts), and every step
+    cost a fixed part besides its share
     (benchmarks/results/2026-11-27_h100_plan_3b_seq8192_host_optimizer.txt)."""
 
     state_gib: float
@@ -73,8 +74,15 @@ class HostOptimizerModel:
     step_offset_s: float = 0.0
 
     @classmethod
-    def prior(cls, state_bytes: float, parameters: float) -> HostOptimizerModel:
-        return cls(state_bytes / 2**30, parameters * HOST_ADAM_S_PER_PARAMETER)
+    def prior(
+        cls, per_share_bytes: float, at_no_share_bytes: float, parameters: float
+    ) -> HostOptimizerModel:
+        """From the memory estimate's arithmetic (``memory_estimate.host_optimizer_state``)."""
+        return cls(
+            per_share_bytes / 2**30,
+            parameters * HOST_ADAM_S_PER_PARAMETER,
+            state_offset_gib=at_no_share_bytes / 2**30,
+        )
 
     def saving_gib(self, share: float) -> float:
         return max(0.0, self.state_gib * share + self.state_offset_gib)
@@ -93,16 +101,18 @@ class HostOptimizerModel:
         return round(share, 6) if share <= 1.0 + 1e-9 else None
 
     def fitted(self, observations: list[Observation]) -> HostOptimizerModel:
-        """The model with what measured plans showed: through the origin from one share
-        (medians per share), a least-squares line from two or more."""
+        """The model with what measured plans showed: from one share, the slopes through the
+        offsets it has (medians); from two shares or more, least-squares lines."""
         if not observations:
             return self
         savings = [(o.share, o.predicted_without_gib - o.measured_peak_gib) for o in observations]
         extras = [(o.share, max(0.0, o.extra_s)) for o in observations]
         if len({o.share for o in observations}) < 2:
-            state = statistics.median(saved / share for share, saved in savings)
-            step = statistics.median(extra / share for share, extra in extras)
-            return HostOptimizerModel(state if state > 0 else self.state_gib, step)
+            state = statistics.median((s - self.state_offset_gib) / x for x, s in savings)
+            step = statistics.median((e - self.step_offset_s) / x for x, e in extras)
+            return dataclasses.replace(
+                self, state_gib=state if state > 0 else self.state_gib, step_s=max(0.0, step)
+            )
         state_line, step_line = _line(savings), _line(extras)
         if state_line[0] <= 0:  # noise: keep the slope the arithmetic gives
             state_line = (self.state_gib, 0.0)

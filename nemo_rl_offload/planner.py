@@ -685,10 +685,9 @@ def _plan(
     # priors from the memory estimate's optimizer state and the host's Adam per parameter.
     host_model = None
     if plan_optimizer.offered(recipe["policy"], dtensor):
-        state_bytes, parameters = host_optimizer_state(
-            effective, architecture, recipe["policy"], workers=workers
+        host_model = plan_optimizer.HostOptimizerModel.prior(
+            *host_optimizer_state(effective, architecture, recipe["policy"], workers=workers)
         )
-        host_model = plan_optimizer.HostOptimizerModel.prior(state_bytes, parameters)
     host_observations: list[plan_optimizer.Observation] = []
     profile_optimizer_s = _optimizer_s(profiled)
     budgets = [*budgets_gib, *(f * profile.peak_gib for f in budget_fractions)]

@@ -248,8 +248,18 @@ def _optimizer(
     host = min(1.0, max(0.0, host)) if opt.get("optimizer_cpu_offload") else 0.0
     state = params * (master + states) / shards
     on_gpu = (1 - host) / shards
+    # megatron-core's hybrid CPU optimizer (optimizer_cpu_offload) steps the share it keeps on
+    # the GPU in float32 copies of the parameters, each given a float32 copy of its gradient
+    # that stays until the next step (its zero_grad clears the 16-bit parameters' gradients,
+    # not these): held through the training step. The planner's host-optimizer runs showed it
+    # (benchmarks/results/2026-11-27_h100_plan_3b_seq8192_host_optimizer.txt: a small share
+    # lowered the peak far less than its part of the state).
+    hybrid_grads = 4 if sixteen_bit and opt.get("optimizer_cpu_offload") else 0
     return _Optimizer(
-        state * (1 - host), state * host, params * copies * on_gpu, params * temporaries * on_gpu
+        state * (1 - host) + params * hybrid_grads * on_gpu,
+        state * host,
+        params * copies * on_gpu,
+        params * temporaries * on_gpu,
     )
 
 
@@ -259,23 +269,36 @@ def host_optimizer_state(
     section: dict[str, Any],
     *,
     workers: int = 1,
-) -> tuple[float, float]:
-    """(bytes, parameters) for the planner's host-optimizer candidates on one rank: the Adam
-    state that ``optimizer_cpu_offload`` with ``optimizer_offload_fraction`` 1 (the
-    precision-aware optimizer that path runs) keeps on the host instead, and the parameters
-    whose Adam step then runs there."""
+) -> tuple[float, float, float]:
+    """(bytes per share, bytes at no share, parameters) for the planner's host-optimizer
+    candidates on one rank. What ``optimizer_cpu_offload`` at ``optimizer_offload_fraction`` s
+    takes off the training step's resident optimizer state, against the recipe's own optimizer,
+    is ``bytes at no share + s x bytes per share``: megatron-core's hybrid optimizer (through
+    the precision-aware path) keeps more per parameter on the GPU than the plain distributed
+    optimizer, so a small share can cost memory. ``parameters``: those whose Adam step the
+    host runs at share 1."""
     megatron_cfg = section.get("megatron_cfg") or {}
-    opt = {
-        **(megatron_cfg.get("optimizer") or {}),
-        "optimizer_cpu_offload": True,
-        "optimizer_offload_fraction": 1.0,
-        "use_precision_aware_optimizer": True,
-    }
+    own = megatron_cfg.get("optimizer") or {}
     params = parameter_counts(effective, architecture).total
     shards = _data_parallel(effective, workers) * parallel_sizes(effective)["context_parallel_size"]
     param_bytes = dtype_bytes(section.get("precision") or "float32")
-    moved = _optimizer(params, param_bytes, {**megatron_cfg, "optimizer": opt}, shards, False)
-    return moved.on_host, params / (shards if opt.get("use_distributed_optimizer") else 1)
+
+    def on_gpu(opt: dict[str, Any]) -> float:
+        cfg = {**megatron_cfg, "optimizer": opt}
+        return _optimizer(params, param_bytes, cfg, shards, False).on_gpu
+
+    def hybrid(share: float) -> float:
+        return on_gpu(
+            {
+                **own,
+                "optimizer_cpu_offload": True,
+                "optimizer_offload_fraction": share,
+                "use_precision_aware_optimizer": True,
+            }
+        )
+
+    sharded = shards if own.get("use_distributed_optimizer") else 1
+    return hybrid(0.0) - hybrid(1.0), on_gpu(own) - hybrid(0.0), params / sharded
 
 
 def _forward_only(

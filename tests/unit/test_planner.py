@@ -933,8 +933,11 @@ def test_a_budget_under_the_resident_state_gets_the_optimizer_state_on_the_host(
     simulated = Simulated(costs, capacity_gib=32.0, host_state_gib=8.0, host_step_s=2.0)
     monkeypatch.setattr(planner, "_measure", simulated)
     monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
-    # Priors below the truth: 6 GiB of state, 2e9 parameters at the host Adam's prior rate.
-    monkeypatch.setattr(memory_estimate, "host_optimizer_state", lambda *_, **__: (6.0 * GIB, 2e9))
+    # Priors below the truth: 6 GiB of state a share, none at no share, 2e9 parameters at the
+    # host Adam's prior rate.
+    monkeypatch.setattr(
+        memory_estimate, "host_optimizer_state", lambda *_, **__: (6.0 * GIB, 0.0, 2e9)
+    )
     progress = StringIO()
     result = planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0, 17.0], steps=3, err=progress)
     roomy, tight = result["plans"]
@@ -987,6 +990,13 @@ def test_the_host_share_is_the_smallest_step_that_brings_a_plan_under_the_budget
     assert model.share_for(29.5, 20.0, 0.05) is None  # more than the whole state
     one = model.fitted([plan_optimizer.Observation(0.5, 22.0, 16.0, 1.5)])
     assert (one.state_gib, one.step_s, one.state_offset_gib) == pytest.approx((12.0, 3.0, 0.0))
+    # One share keeps the prior's offset: its slope is what the share saved beyond it.
+    offset = dataclasses.replace(model, state_offset_gib=-2.0)
+    assert offset.fitted([plan_optimizer.Observation(0.5, 22.0, 16.0, 1.5)]).state_gib == 16.0
+    # The estimate's arithmetic on the 3B shape (16 bytes a parameter kept on the GPU against
+    # 12, about 3.03e9 parameters) asks the first trial for the share that fit on the H100.
+    arithmetic = plan_optimizer.HostOptimizerModel.prior(16 * 3.03e9, -4 * 3.03e9, 3.03e9)
+    assert arithmetic.share_for(51.83, 42.87, 0.05) == pytest.approx(0.5)
     assert model.fitted([]) is model
     # Two shares or more: a line. The 3B shape's measured shares (the results file's trials).
     measured = [

@@ -116,28 +116,47 @@ def test_distributed_optimizer_shards_the_state_over_data_parallel_ranks():
 
 
 def test_optimizer_cpu_offload_moves_its_fraction_to_the_host():
-    host = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.75}
+    """The share on the host leaves the GPU; the share kept there also holds megatron-core's
+    hybrid optimizer's float32 gradient copies through the training step (4 bytes a
+    parameter), where the plain optimizer's are freed before it."""
+    host = {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 0.75,
+        "use_precision_aware_optimizer": True,  # the path the hybrid optimizer needs
+    }
     moved = _estimate(_section(optimizer=host))
     kept = _estimate(_section())
-    assert moved.optimizer == pytest.approx(kept.optimizer * 0.25)
+    params = kept.parameters.total
+    assert moved.optimizer == pytest.approx(kept.optimizer * 0.25 + 4 * params * 0.25)
     assert moved.optimizer_on_host == pytest.approx(kept.optimizer * 0.75)
+    assert moved.gradient_copies == 0 and kept.gradient_copies == pytest.approx(4 * params)
     assert kept.optimizer_on_host == 0
 
 
-def test_the_planners_host_optimizer_state_is_the_estimates_at_fraction_one():
-    """What the planner's host-optimizer prior moves per GPU: the estimate's optimizer state
-    with optimizer_cpu_offload at fraction 1 (sharded by the distributed optimizer), and the
-    parameters whose Adam step the host then runs."""
+def test_the_planners_host_optimizer_line_is_the_estimates_resident_state_at_each_share():
+    """What the planner's host-optimizer prior takes off the training step's resident state at
+    share s: the estimate's optimizer state of the recipe as it is less that with
+    optimizer_cpu_offload at s, a line (bytes at no share + s x bytes per share). At no share
+    it costs memory (the hybrid optimizer's gradient copies); with the distributed optimizer
+    the state and the parameters stepped are a rank's shard."""
     architecture = architecture_for("llama-1b")
     for workers in (1, 2):
         section = _section()
         effective = apply.effective_settings(section, architecture, te_installed=False)
-        state, parameters = host_optimizer_state(effective, architecture, section, workers=workers)
-        whole = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
-        moved = _estimate(_section(optimizer=whole), workers=workers)
-        assert state == pytest.approx(moved.optimizer_on_host)
-        assert parameters == pytest.approx(moved.parameters.total / workers)
-    assert state == pytest.approx(_estimate(_section(), workers=2).optimizer)
+        per_share, at_none, parameters = host_optimizer_state(
+            effective, architecture, section, workers=workers
+        )
+        plain = _estimate(section, workers=workers)
+        for share in (0.25, 0.5, 1.0):
+            host = {
+                "optimizer_cpu_offload": True,
+                "optimizer_offload_fraction": share,
+                "use_precision_aware_optimizer": True,
+            }
+            moved = _estimate(_section(optimizer=host), workers=workers)
+            assert at_none + share * per_share == pytest.approx(plain.resident - moved.resident)
+        assert at_none < 0
+        assert parameters == pytest.approx(plain.parameters.total / workers)
 
 
 def test_offload_modules_remove_their_entries_but_the_last_layers():
