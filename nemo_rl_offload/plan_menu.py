@@ -99,6 +99,13 @@ class Candidate:
         return self.measured_fwd_bwd_s + (self.optimizer_extra_s or 0.0)
 
     @property
+    def predicted_cost_s(self) -> float | None:
+        """:attr:`measured_cost_s`, predicted."""
+        if self.predicted_fwd_bwd_s is None:
+            return None
+        return self.predicted_fwd_bwd_s + (self.predicted_optimizer_extra_s or 0.0)
+
+    @property
     def failed(self) -> str | None:
         """The failure as one line, or None."""
         from nemo_rl_offload.failures import Failure
@@ -125,6 +132,22 @@ class Candidate:
             own = "".join(f" ({module} x{share:g})" for module, share in self.fraction_by_module)
             parts.append("+".join(self.modules) + suffix + own)
         return (", ".join(parts) or "no offload") + loss + self._host_optimizer_name()
+
+    def with_host_optimizer(self, share: float) -> Candidate:
+        """This plan with ``share`` of the optimizer state on the host: a candidate of its own,
+        not yet predicted or measured."""
+        return dataclasses.replace(
+            self,
+            host_optimizer=share,
+            predicted_peak_gib=None,
+            predicted_fwd_bwd_s=None,
+            predicted_optimizer_extra_s=None,
+            measured_peak_gib=None,
+            measured_fwd_bwd_s=None,
+            optimizer_extra_s=None,
+            measurements=1,
+            failure=None,
+        )
 
     def _host_optimizer_name(self) -> str:
         if self.host_optimizer is None:

@@ -7,8 +7,9 @@ it there (benchmarks/results/2026-11-26_h100_optimizer_offload_3b_seq8192.json),
 any activation plan costs. But it is the one setting that lowers the resident state (weights,
 gradients, optimizer) that every activation plan keeps, so a budget under that state has no
 other plan. The planner offers it only for a budget that no measured activation plan meets,
-each activation plan on the frontier with the smallest share (in steps of
-:data:`SHARE_STEP`) that its predicted peak needs, and measures the fastest predicted.
+and only where the rules accept it for the recipe (Megatron's distributed Adam), each
+activation plan on the frontier with the smallest share (in steps of :data:`SHARE_STEP`) that
+its predicted peak needs, and measures the fastest predicted.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from nemo_rl_offload.plan_menu import Candidate
 
@@ -29,19 +29,6 @@ SHARE_STEP = 0.05
 # optimizer_time_s at fraction 1 against 0). Another host's cores differ: the first measured
 # plan replaces it.
 HOST_ADAM_S_PER_PARAMETER = 7e-10
-
-
-def offered(recipe_policy: dict[str, Any], dtensor: bool) -> bool:
-    """Whether the recipe can take the host optimizer at all: Megatron's distributed Adam (the
-    path megatron-core's hybrid optimizer runs through; the rules check the rest per plan)."""
-    if dtensor:
-        return False
-    optimizer = (recipe_policy.get("megatron_cfg") or {}).get("optimizer")
-    return (
-        isinstance(optimizer, dict)
-        and optimizer.get("optimizer", "adam") == "adam"
-        and optimizer.get("use_distributed_optimizer") is True
-    )
 
 
 @dataclass(frozen=True)
@@ -113,21 +100,13 @@ class HostOptimizerModel:
             return dataclasses.replace(
                 self, state_gib=state if state > 0 else self.state_gib, step_s=max(0.0, step)
             )
-        state_line, step_line = _line(savings), _line(extras)
+        state_line = statistics.linear_regression(*zip(*savings, strict=True))
+        step_line = statistics.linear_regression(*zip(*extras, strict=True))
         if state_line[0] <= 0:  # noise: keep the slope the arithmetic gives
             state_line = (self.state_gib, 0.0)
         return HostOptimizerModel(
             state_line[0], max(0.0, step_line[0]), state_line[1], step_line[1]
         )
-
-
-def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(slope, intercept) of the least-squares line through ``points`` (two x values or more)."""
-    mx = statistics.fmean(x for x, _ in points)
-    my = statistics.fmean(y for _, y in points)
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    return slope, my - slope * mx
 
 
 def offers(
@@ -136,25 +115,19 @@ def offers(
     budget_gib: float,
     model: HostOptimizerModel,
     margin: float,
-) -> list[tuple[Candidate, float, float]]:
-    """(candidate, predicted peak GiB, predicted step-time cost s) for each activation plan
-    of ``ranked`` (the frontier) with the smallest host share that brings it under the
-    budget, fastest predicted first."""
+) -> list[Candidate]:
+    """Each activation plan of ``ranked`` (the frontier) with the smallest host share that
+    brings it under the budget, its predictions set (the peak with the share, the
+    forward-backward, the host optimizer's step time), fastest predicted first."""
     out = []
     for plan in ranked:
         peak, seconds = predict(plan)
         share = model.share_for(peak, budget_gib, margin)
         if share is None:
             continue
-        candidate = dataclasses.replace(
-            plan,
-            host_optimizer=share,
-            predicted_peak_gib=None,
-            predicted_fwd_bwd_s=None,
-            measured_peak_gib=None,
-            measured_fwd_bwd_s=None,
-            measurements=1,
-            failure=None,
-        )
-        out.append((candidate, peak - model.saving_gib(share), seconds + model.extra_s(share)))
-    return sorted(out, key=lambda offer: offer[2])
+        candidate = plan.with_host_optimizer(share)
+        candidate.predicted_peak_gib = peak - model.saving_gib(share)
+        candidate.predicted_fwd_bwd_s = seconds
+        candidate.predicted_optimizer_extra_s = model.extra_s(share)
+        out.append(candidate)
+    return sorted(out, key=lambda c: c.predicted_cost_s or 0.0)

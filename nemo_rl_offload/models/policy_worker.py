@@ -447,10 +447,8 @@ class PolicyWorker:
         import torch
 
         def on_device(value: np.ndarray) -> torch.Tensor:
-            tensor = torch.tensor(value)
-            if not self.on_gpu:
-                return tensor
-            return tensor.pin_memory().to(self.device, non_blocking=True)
+            tensor = torch.tensor(value, pin_memory=self.on_gpu)  # one copy out of numpy
+            return tensor.to(self.device, non_blocking=True) if self.on_gpu else tensor
 
         return [{key: on_device(value) for key, value in mb.items()} for mb in microbatches]
 

@@ -964,18 +964,25 @@ def test_a_budget_under_the_resident_state_gets_the_optimizer_state_on_the_host(
     assert all("on the host" not in c.name for c in roomy["tried"])
 
 
-def test_the_host_optimizer_is_offered_only_to_megatrons_distributed_adam():
-    from nemo_rl_offload import plan_optimizer
+def test_without_the_distributed_optimizer_no_host_plan_is_offered(monkeypatch):
+    """The rules decide where the host optimizer can run (megatron-core's hybrid optimizer
+    needs the distributed optimizer): without it the planner offers none, and a budget under
+    the resident state is reported with what lowers that state."""
+    from io import StringIO
 
-    policy = {
-        "megatron_cfg": {"optimizer": {"optimizer": "adam", "use_distributed_optimizer": True}}
-    }
-    assert plan_optimizer.offered(policy, dtensor=False)
-    assert not plan_optimizer.offered(policy, dtensor=True)
-    sgd = {"megatron_cfg": {"optimizer": {"optimizer": "sgd", "use_distributed_optimizer": True}}}
-    assert not plan_optimizer.offered(sgd, dtensor=False)
-    plain = {"megatron_cfg": {"optimizer": {"optimizer": "adam"}}}
-    assert not plan_optimizer.offered(plain, dtensor=False)
+    costs = small_costs()
+    simulated = Simulated(costs, capacity_gib=32.0, host_state_gib=8.0, host_step_s=2.0)
+    monkeypatch.setattr(planner, "_measure", simulated)
+    monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
+    plain_adam = [*SMALL_STEP, "policy.megatron_cfg.optimizer.use_distributed_optimizer=false"]
+    result = planner.plan(LONG, plain_adam, budgets_gib=[17.0], steps=3, err=StringIO())
+    (entry,) = result["plans"]
+    assert entry["chosen"] is None and not entry["host_optimizer_offered"]
+    assert all(c.host_optimizer is None for c in entry["tried"])
+    assert not any("on the host" in name for name in simulated.calls)
+    out = StringIO()
+    assert planner.format_plan(result, out) is False
+    assert "no activation setting can meet 17.00 GiB" in out.getvalue()
 
 
 def test_the_host_share_is_the_smallest_step_that_brings_a_plan_under_the_budget():
@@ -1027,13 +1034,15 @@ def test_a_host_offer_is_a_fresh_candidate_of_its_plan_with_the_share():
     predicted = {fast.name: (24.0, 1.0), slow.name: (20.5, 1.3)}
     offers = plan_optimizer.offers([fast, slow], lambda c: predicted[c.name], 20.0, model, 0.05)
     # fast needs 0.5 (+1.0 s), slow 0.15 (+0.3 s): slow first.
-    assert [(c.host_optimizer, round(cost, 3)) for c, _, cost in offers] == [
+    assert [(c.host_optimizer, round(c.predicted_cost_s, 3)) for c in offers] == [
         (0.15, 1.6),
         (0.5, 2.0),
     ]
-    host, peak, _ = offers[1]
-    assert peak == pytest.approx(19.0)
+    host = offers[1]
+    assert host.predicted_peak_gib == pytest.approx(19.0)
+    assert (host.predicted_fwd_bwd_s, host.predicted_optimizer_extra_s) == (1.0, 1.0)
     assert host.measured_peak_gib is None and host.measured_fwd_bwd_s is None
+    assert fast.measured_peak_gib == 24.5 and fast.host_optimizer is None  # left as it was
     assert host.name == "core_attn, optimizer state x0.5 on the host"
     assert host.patch()["policy"]["megatron_cfg"]["optimizer"] == {
         "optimizer_cpu_offload": True,
