@@ -312,6 +312,7 @@ def collect_groups(
     generated: list[torch.Tensor] = []
     done = False
     seconds, sequence_tokens, new_tokens = 0.0, 0, 0
+    decode = throughput.DecodeWork()
     policy.phase_peak_gib()  # a new count: the sampling phase's peak is read after it
     while not done:
         began = time.perf_counter()
@@ -337,6 +338,7 @@ def collect_groups(
             )
         seconds += time.perf_counter() - began
         new_tokens += sum(len(r) for r in responses)
+        decode.add(prompts, responses)
         sequence_tokens += sum(len(p.ids) for p in prompts) + sum(len(r) for r in responses)
         groups = make_groups(
             prompts, responses, scores, logprobs, group, cfg, stop_ids, routes, gym=batch
@@ -359,6 +361,7 @@ def collect_groups(
             generation_tokens_per_sec_per_gpu=sequence_tokens / seconds / gpus,
             generation_new_tokens_per_sec_per_gpu=new_tokens / seconds / gpus,
         )
+    metrics.update(decode.metrics())
     peak = policy.phase_peak_gib()
     if peak > 0:  # GPU workers
         metrics["generation_peak_gpu_memory_gib"] = peak
@@ -576,6 +579,8 @@ def start(run: Run) -> loop.Steps:
                 sequences, lambda forward: policy.token_logprobs(forward, reference=True)
             )
             batches.attach("reference_logprobs", reference)
+        # The forward-only passes this step ran (the RL step benchmark's floor counts them).
+        loss_metrics["logprob_passes"] = (old_logprobs is not None) + (kl_penalty > 0)
         logprobs_peak = policy.phase_peak_gib()
         if logprobs_peak > 0:  # GPU workers
             loss_metrics["policy_and_reference_logprobs_peak_gpu_memory_gib"] = logprobs_peak

@@ -6,7 +6,7 @@ GPUs (generation is colocated), so every phase divides by all of them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,3 +90,32 @@ def step_throughput(
         if peak_tflops > 0:
             out["train_fp_utilization"] = out["train_flops_per_gpu"] / peak_tflops
     return out
+
+
+@dataclass
+class DecodeWork:
+    """What a step's sampling had to read, for the generation floor (benchmarks/rl_step.py):
+    each generation batch decodes until its longest response ends, every decode step reads the
+    weights once, and each row's step reads its keys and values up to its current length."""
+
+    rows: int = 0
+    decode_steps: int = 0  # over the batches: each batch's longest response
+    attended_positions: int = 0  # over rows and their decode steps: the positions read
+
+    def add(self, prompts: Sequence[Any], responses: Sequence[Sequence[int]]) -> None:
+        """One generation batch: ``prompts`` (with ``.ids``) and their ``responses``."""
+        if not responses:
+            return
+        self.rows += len(responses)
+        longest = max(len(r) for r in responses)
+        self.decode_steps += longest
+        for prompt, response in zip(prompts, responses, strict=True):
+            start, new = len(prompt.ids), len(response)
+            self.attended_positions += new * start + new * (new - 1) // 2
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "generation_rows": float(self.rows),
+            "generation_decode_steps": float(self.decode_steps),
+            "generation_attended_positions": float(self.attended_positions),
+        }

@@ -447,8 +447,14 @@ class PolicyWorker:
         import torch
 
         def on_device(value: np.ndarray) -> torch.Tensor:
-            tensor = torch.tensor(value, pin_memory=self.on_gpu)  # one copy out of numpy
-            return tensor.to(self.device, non_blocking=True) if self.on_gpu else tensor
+            if not self.on_gpu:
+                return torch.tensor(value)
+            # One copy out of numpy, straight into pinned memory: torch refuses to pin a tensor
+            # built from numpy, and Ray hands the worker read-only arrays.
+            dtype = torch.from_numpy(np.empty(0, dtype=value.dtype)).dtype
+            pinned = torch.empty(value.shape, dtype=dtype, pin_memory=True)
+            pinned.numpy()[...] = value
+            return pinned.to(self.device, non_blocking=True)
 
         return [{key: on_device(value) for key, value in mb.items()} for mb in microbatches]
 

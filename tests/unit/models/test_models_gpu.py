@@ -282,7 +282,11 @@ def test_microbatches_reach_the_gpu_without_waiting_for_queued_work():
     given = [
         {"input_ids": np.arange(8192, dtype=np.int64).reshape(1, -1), "mask": np.ones((1, 8))},
         {"input_ids": np.zeros((1, 4), dtype=np.int64), "mask": np.zeros((1, 4), dtype=bool)},
+        {"input_ids": np.arange(12, dtype=np.int32).reshape(3, 4).T},  # not contiguous
     ]
+    for batch in given:  # Ray hands the worker read-only arrays
+        for value in batch.values():
+            value.flags.writeable = False
     PolicyWorker._tensors(worker, given)  # the pinned pool's first blocks are made here
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
