@@ -2,9 +2,10 @@
 
 :func:`load_recipe` runs four steps and returns plain data (dicts, lists, scalars):
 
-1. read the YAML file (YAML's safe loader; anchors and ``<<:`` merge keys work), with numbers
-   read as NeMo-RL reads them: ``1e-8`` is a float, as in YAML 1.2 and OmegaConf, where plain
-   YAML 1.1 would keep it as text because it has no decimal point;
+1. read the YAML file (YAML's safe loader, bounded: :mod:`nemo_rl_offload.config.safe_yaml`;
+   anchors and ``<<:`` merge keys work, a repeated key is refused), with numbers read as
+   NeMo-RL reads them: ``1e-8`` is a float, as in YAML 1.2 and OmegaConf, where plain YAML 1.1
+   would keep it as text because it has no decimal point;
 2. follow ``defaults:`` - a path or a list of paths, each relative to the directory of the file
    that names it - loading parents recursively, deep-merging them in order (later wins) and the
    file's own content on top (the file wins); mappings merge key by key, anything else replaces;
@@ -35,6 +36,7 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from nemo_rl_offload.config.overrides import UNSET, Override, parse_override
+from nemo_rl_offload.config.safe_yaml import load_yaml, yaml_problem
 from nemo_rl_offload.errors import UserInputError
 
 __all__ = [
@@ -46,21 +48,6 @@ __all__ = [
 ]
 
 DEFAULTS_KEY = "defaults"
-
-
-class _RecipeYamlLoader(yaml.SafeLoader):
-    """YAML's safe loader that also reads exponent-only numbers (``1e-8``, ``5E+3``) as floats.
-
-    Why: NeMo-RL reads recipes with OmegaConf, whose loader takes them as floats; PyYAML follows
-    YAML 1.1, which needs a decimal point, and would hand the schema the text ``'1e-8'``.
-    """
-
-
-_RecipeYamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
 
 
 def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> dict[str, Any]:
@@ -187,11 +174,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
         raise UserInputError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
     try:
-        data = yaml.load(text, Loader=_RecipeYamlLoader)
-    except yaml.MarkedYAMLError as exc:
-        raise UserInputError(_yaml_problem(path, exc)) from None
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
-        raise UserInputError(f"{path}: invalid YAML: {_first_line(str(exc))}") from None
+        raise UserInputError(yaml_problem(path, exc)) from None
 
     if data is None:
         return {}
@@ -204,19 +189,6 @@ def _read_yaml(path: str) -> dict[str, Any]:
     if problems:
         raise UserInputError(problems)
     return data
-
-
-def _yaml_problem(path: str, exc: yaml.MarkedYAMLError) -> str:
-    mark = exc.problem_mark or exc.context_mark
-    problem = exc.problem or exc.context or "invalid YAML"
-    if exc.problem and exc.context:
-        context = exc.context
-        if exc.context_mark is not None and exc.context_mark is not mark:
-            context += f" started at line {exc.context_mark.line + 1}"
-        problem = f"{problem} ({context})"
-    if mark is None:
-        return f"{path}: {problem}"
-    return f"{path}:{mark.line + 1}:{mark.column + 1}: {problem}"
 
 
 def _check_plain(node: Any, here: tuple[Any, ...], prefix: str, problems: list[str]) -> None:

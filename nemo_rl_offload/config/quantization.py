@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from nemo_rl_offload.config.safe_yaml import load_yaml, yaml_problem
+
 # NeMo-RL's defaults for the calibration loop (policy.quant_batch_size,
 # policy.quant_sequence_length).
 DEFAULT_CALIBRATION_BATCH = 32
@@ -91,7 +93,10 @@ def name_file_absolutely(section: dict[str, Any], dirs: Sequence[Path]) -> None:
 def read_recipe_file(path: Path) -> dict[str, Any]:
     """The ``mtq.quantize`` config of a YAML recipe: its ``quantize:`` section, or the
     document itself; ``algorithm`` defaults to ``max`` (ModelOpt's calibration default)."""
-    document = yaml.safe_load(path.read_text())
+    try:
+        document = load_yaml(path.read_text())
+    except yaml.YAMLError as exc:  # one line, where it is
+        raise ValueError(yaml_problem(path.name, exc)) from None
     config = document.get("quantize", document) if isinstance(document, dict) else None
     if not isinstance(config, dict) or "quant_cfg" not in config:
         raise ValueError("it holds no quant_cfg (at the top or under quantize:)")

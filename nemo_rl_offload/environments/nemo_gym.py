@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from nemo_rl_offload.config.nemo_gym import GYM_PYTHON_ENV, gym_python
+from nemo_rl_offload.config.safe_yaml import load_yaml
 from nemo_rl_offload.errors import ServiceError, UserInputError
 
 __all__ = ["GYM_PYTHON_ENV", "GymSettings", "NemoGymServers", "gym_python", "gym_settings"]
@@ -200,7 +201,7 @@ class NemoGymServers:
     def _agent_urls(self) -> dict[str, str]:
         """Each agent's URL by its top-level name (what data rows' ``agent_ref.name`` is)."""
         with urllib.request.urlopen(f"{self.head_url}/global_config_dict_yaml", timeout=60) as r:
-            config = yaml.safe_load(json.loads(r.read().decode()))
+            config = load_yaml(json.loads(r.read().decode()))
         agents = {}
         for name, entry in config.items():
             servers = entry.get("responses_api_agents") if isinstance(entry, Mapping) else None
