@@ -64,26 +64,6 @@ def dpo_loss(
     return loss, metrics
 
 
-def group_advantages(
-    rewards: torch.Tensor, *, normalize: bool = True, leave_one_out: bool = True
-) -> torch.Tensor:
-    """GRPO's advantages for rewards shaped [prompts, generations per prompt].
-
-    The baseline is the group mean (excluding the sample itself with ``leave_one_out``); with
-    ``normalize`` the advantage is divided by the group's standard deviation. A group whose
-    rewards are all equal carries no signal and gets advantage 0."""
-    group_size = rewards.shape[-1]
-    if leave_one_out and group_size > 1:
-        baseline = (rewards.sum(dim=-1, keepdim=True) - rewards) / (group_size - 1)
-    else:
-        baseline = rewards.mean(dim=-1, keepdim=True)
-    advantages = rewards - baseline
-    if normalize:
-        std = rewards.std(dim=-1, keepdim=True, unbiased=group_size > 1)
-        advantages = torch.where(std > 1e-6, advantages / (std + 1e-6), torch.zeros_like(std))
-    return advantages
-
-
 def sequence_index(mask: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
     """[rows, seq]: the index of each position's sequence within the micro-batch, -1 for a
     position of no sequence. Without ``segments`` a row is one sequence; a packed row holds

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ import torch
 
 from nemo_rl_offload import losses
 from nemo_rl_offload.algorithms import (
+    advantages,
     async_rollouts,
     gym_rollouts,
     loop,
@@ -221,6 +222,35 @@ class PromptGroup:
     # The NeMo-Gym agent of each response (empty for this backend's own rollouts).
     agents: list[str | None] = dataclasses.field(default_factory=list)
 
+    def select(self, indices: Sequence[int]) -> PromptGroup:
+        """The group with only the responses at ``indices``: dynamic sampling keeps samples,
+        not whole groups, as NeMo-RL does (per-response lists left empty stay empty)."""
+        picked = list(indices)
+        if picked == list(range(len(self.responses))):
+            return self
+
+        def pick(values: list[Any]) -> list[Any]:
+            return [values[i] for i in picked] if values else values
+
+        return dataclasses.replace(
+            self,
+            responses=pick(self.responses),
+            rewards=self.rewards[picked],
+            scaled=self.scaled[picked],
+            truncated=pick(self.truncated),
+            logprobs=pick(self.logprobs),
+            routes=pick(self.routes),
+            env_spans=pick(self.env_spans),
+            turns=pick(self.turns),
+            masked=pick(self.masked),
+            agents=pick(self.agents),
+        )
+
+
+def prompt_keys(groups: Sequence[PromptGroup]) -> list[tuple[int, ...]]:
+    """Each sample's prompt tokens: what NeMo-RL groups samples by for their baselines."""
+    return [tuple(g.prompt.ids) for g in groups for _ in g.responses]
+
 
 def make_groups(
     prompts: list[TokenSequence],
@@ -293,23 +323,23 @@ def collect_groups(
     """A step's ``num_prompts_per_step`` prompt groups and the metrics of their gathering.
 
     Without dynamic sampling, one generation batch of that many prompts. With it, batches of
-    ``num_prompts_per_step x batch_multiplier`` prompts until that many groups with varied
-    rewards are gathered (:class:`rewards.DynamicSampling`); ``reward`` is then the mean of
-    everything generated and ``filtered_reward`` that of the groups kept. ``gym_batch``:
-    NeMo-Gym's rollouts of the picked rows (each repeated for its group) instead of the
+    ``num_prompts_per_step x batch_multiplier`` prompts until prompts x generations samples
+    with a non-zero reward spread are gathered (:class:`rewards.DynamicSampling`; a group
+    may then hold fewer samples); ``filtered_reward`` is the mean reward of the samples kept
+    and ``reward`` NeMo-RL's unfiltered one (:meth:`rewards.DynamicSampling.reward`).
+    ``gym_batch``: NeMo-Gym's rollouts of the picked rows (each repeated for its group) instead of the
     sampler and the math environment."""
     cfg = run.recipe["grpo"]
     needed, group = int(cfg["num_prompts_per_step"]), int(cfg["num_generations_per_prompt"])
     dynamic = bool(cfg.get("use_dynamic_sampling", False))
     per_batch = int(needed * float(cfg.get("batch_multiplier", 1.0))) if dynamic else needed
     gathering = rewards.DynamicSampling[PromptGroup](
-        needed, int(cfg.get("dynamic_sampling_max_gen_batches", 10))
+        needed * group, int(cfg.get("dynamic_sampling_max_gen_batches", 10))
     )
     generation = run.policy_cfg.get("generation") or {}
     stop_ids = SamplingSettings.from_recipe(
         generation, eos_id=run.tokenizer.eos_id, max_new_tokens=1
     ).stop_token_ids
-    generated: list[torch.Tensor] = []
     done = False
     seconds, sequence_tokens, new_tokens = 0.0, 0, 0
     decode = throughput.DecodeWork()
@@ -343,15 +373,19 @@ def collect_groups(
         groups = make_groups(
             prompts, responses, scores, logprobs, group, cfg, stop_ids, routes, gym=batch
         )
-        generated += [g.rewards for g in groups]
         keep = (
-            rewards.varied(torch.stack([g.scaled for g in groups])).tolist()
+            rewards.dynamic_sampling_keep(
+                [g.scaled for g in groups],
+                [tuple(g.prompt.ids) for g in groups],
+                leave_one_out=bool(cfg.get("use_leave_one_out_baseline", True)),
+            )
             if dynamic
-            else [True] * len(groups)
+            else [[True] * len(g.responses) for g in groups]
         )
-        done = gathering.add(groups, keep)
-    kept, discarded = gathering.take()
-    metrics = {"reward": float(torch.cat(generated).mean())}
+        done = gathering.add(groups, keep, torch.cat([g.rewards for g in groups]))
+    taken, discarded = gathering.take()
+    kept = [g.select(indices) for g, indices in taken]
+    metrics = {"reward": gathering.reward()}
     # NeMo-RL's generation throughput counts the sequences' tokens (prompt and response); the
     # new tokens alone are what the sampler's speed is measured in (docs/generation.md).
     gpus = policy.workers
@@ -369,7 +403,7 @@ def collect_groups(
         metrics.update(
             filtered_reward=float(torch.cat([g.rewards for g in kept]).mean()),
             dynamic_sampling_num_gen_batches=gathering.batches,
-            dynamic_sampling_num_discarded_valid_samples=discarded * group,
+            dynamic_sampling_num_discarded_valid_samples=discarded,
         )
     return kept, metrics
 
@@ -377,19 +411,20 @@ def collect_groups(
 def training_sequences(
     groups: list[PromptGroup], cfg: Mapping[str, Any]
 ) -> tuple[list[TokenSequence], torch.Tensor]:
-    """The step's sequences with their advantages (GRPO's group advantages, then clamped by
-    ``advantage_clip_low`` / ``advantage_clip_high``). With ``overlong_filtering`` a
-    truncated response gets loss multiplier 0 but still counts in its group's baseline and
-    standard deviation (NeMo-RL's order: advantages first, the filter only masks the loss); so
-    does a NeMo-Gym sample its environment masked."""
-    advantages = losses.group_advantages(
-        torch.stack([g.rewards for g in groups]),
-        normalize=bool(cfg.get("normalize_rewards", True)),
-        leave_one_out=bool(cfg.get("use_leave_one_out_baseline", True)),
+    """The step's sequences with their advantages (NeMo-RL's GRPO estimator over the
+    samples of each prompt, :mod:`advantages`, then clamped by ``advantage_clip_low`` /
+    ``advantage_clip_high``). With ``overlong_filtering`` a truncated response gets loss
+    multiplier 0 but still counts in its prompt's baseline and standard deviation (NeMo-RL's
+    order: advantages first, the filter only masks the loss); so does a NeMo-Gym sample its
+    environment masked."""
+    values = advantages.group_advantages(
+        torch.cat([g.rewards for g in groups]),
+        prompt_keys(groups),
+        advantages.AdvantageSettings.from_recipe(cfg),
     )
-    advantages = rewards.clip_advantages(
-        advantages, cfg.get("advantage_clip_low"), cfg.get("advantage_clip_high")
-    ).flatten()
+    values = rewards.clip_advantages(
+        values, cfg.get("advantage_clip_low"), cfg.get("advantage_clip_high")
+    )
     filtering = bool(cfg.get("overlong_filtering", False))
     sequences = []
     for g in groups:
@@ -406,9 +441,9 @@ def training_sequences(
                     g.prompt.ids + response, len(g.prompt.ids), {}, multiplier, route, env
                 )
             )
-    for sequence, advantage in zip(sequences, advantages.tolist(), strict=True):
+    for sequence, advantage in zip(sequences, values.tolist(), strict=True):
         sequence.extras["advantages"] = float(advantage)
-    return sequences, advantages
+    return sequences, values
 
 
 def routed_share(sequences: list[TokenSequence]) -> float | None:

@@ -1,8 +1,9 @@
 """GRPO's transforms between scoring a step's responses and training on them, in NeMo-RL's
 order: scale the rewards (``grpo.reward_scaling``), shape them (``grpo.reward_shaping``),
-keep only prompt groups whose rewards vary (``grpo.use_dynamic_sampling``), take the truncated
-responses out of the loss (``grpo.overlong_filtering``), and clamp the advantages
-(``grpo.advantage_clip_low`` / ``advantage_clip_high``).
+keep only the samples whose reward spread is not 0 (``grpo.use_dynamic_sampling``), take the
+truncated responses out of the loss (``grpo.overlong_filtering``), and clamp the advantages
+(``grpo.advantage_clip_low`` / ``advantage_clip_high``); the advantages themselves are
+:mod:`nemo_rl_offload.algorithms.advantages`'.
 
 Pure functions on plain values, so that each option's effect is testable without workers; the
 recipe checks of these keys are :func:`nemo_rl_offload.config.grpo_options.check`'s.
@@ -10,12 +11,13 @@ recipe checks of these keys are :func:`nemo_rl_offload.config.grpo_options.check
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from nemo_rl_offload.algorithms import advantages
 from nemo_rl_offload.errors import UserInputError
 
 
@@ -79,43 +81,90 @@ def clip_advantages(
     return advantages
 
 
-def varied(group_rewards: torch.Tensor) -> torch.Tensor:
-    """Per prompt group ([prompts, generations] rewards): whether its rewards are not all
-    equal, i.e. whether its advantages carry any signal (dynamic sampling keeps only these)."""
-    return group_rewards.amax(dim=-1) != group_rewards.amin(dim=-1)
+def dynamic_sampling_keep(
+    scaled: Sequence[torch.Tensor], keys: Sequence[Hashable], *, leave_one_out: bool
+) -> list[list[bool]]:
+    """``grpo.use_dynamic_sampling``: which samples of a generation batch's prompt groups
+    (their rewards after scaling, before shaping, as NeMo-RL filters; ``keys`` each group's
+    prompt) are kept. NeMo-RL keeps a sample when its own standard deviation is not 0, which
+    with ``grpo.use_leave_one_out_baseline`` is the spread of the *other* samples of its
+    prompt: in a group with one right answer the right one is dropped and the rest kept."""
+    flat_keys = [key for key, group in zip(keys, scaled, strict=True) for _ in range(len(group))]
+    _, std = advantages.baseline_and_std(
+        torch.cat(list(scaled)), flat_keys, leave_one_out=leave_one_out
+    )
+    kept = (std != 0).tolist()
+    out, start = [], 0
+    for group in scaled:
+        out.append(kept[start : start + len(group)])
+        start += len(group)
+    return out
 
 
 @dataclass
 class DynamicSampling[T]:
-    """``grpo.use_dynamic_sampling`` (DAPO): prompt groups with varied rewards collected over
-    generation batches until a step has ``needed`` of them.
+    """``grpo.use_dynamic_sampling`` (DAPO): samples kept by :func:`dynamic_sampling_keep`
+    collected over generation batches until a step has ``needed`` of them (prompts x
+    generations per prompt), as NeMo-RL counts them: samples, not whole groups.
 
-    NeMo-RL's count: after the n-th generation batch of a step leaves the step short, another
-    batch is generated while n <= ``max_gen_batches``; past that the run stops with an error.
-    Groups beyond ``needed`` are discarded (their count is a metric)."""
+    After the n-th generation batch of a step leaves the step short, another batch is
+    generated while n <= ``max_gen_batches``; past that the run stops with an error. The
+    first ``needed`` kept samples train (the last group may be cut); the rest are discarded
+    (their count is a metric). Without dynamic sampling every sample is kept, and one batch
+    is the step."""
 
     needed: int
     max_gen_batches: int
-    kept: list[T] = field(default_factory=list)
+    # Each group with the indices of its kept samples, in generation order.
+    kept: list[tuple[T, list[int]]] = field(default_factory=list)
     batches: int = 0
-    generated: int = 0
+    # The unfiltered rewards of the generation batches that kept any sample (NeMo-RL's
+    # ``reward`` metric: the first ``needed`` of them).
+    counted: list[torch.Tensor] = field(default_factory=list)
 
-    def add(self, groups: Sequence[T], keep: Sequence[bool]) -> bool:
-        """Add one generation batch's groups; whether the step now has enough."""
+    def add(
+        self, groups: Sequence[T], keep: Sequence[Sequence[bool]], batch_rewards: torch.Tensor
+    ) -> bool:
+        """Add one generation batch's groups (``keep``: per group, per sample); whether the
+        step now has enough."""
         self.batches += 1
-        self.generated += len(groups)
-        self.kept += [g for g, k in zip(groups, keep, strict=True) if k]
-        if len(self.kept) >= self.needed:
+        before = len(self.kept)
+        for group, flags in zip(groups, keep, strict=True):
+            indices = [i for i, flag in enumerate(flags) if flag]
+            if indices:
+                self.kept.append((group, indices))
+        if len(self.kept) > before:
+            self.counted.append(batch_rewards)
+        have = self.samples()
+        if have >= self.needed:
             return True
         if self.batches <= self.max_gen_batches:
             return False
         raise UserInputError(
             f"grpo.dynamic_sampling_max_gen_batches: {self.batches} generation batches gave "
-            f"only {len(self.kept)} of the {self.needed} prompt groups with varied rewards a "
-            "step needs; raise it, raise grpo.batch_multiplier or "
-            "grpo.num_generations_per_prompt, or use prompts of mixed difficulty"
+            f"only {have} of the {self.needed} samples with a non-zero reward spread a step "
+            "needs; raise it, raise grpo.batch_multiplier or "
+            "grpo.num_generations_per_prompt, or use prompts of mixed difficulty (with "
+            "grpo.use_leave_one_out_baseline a sample's spread is the other samples': a "
+            "group of 2 never has one)"
         )
 
-    def take(self) -> tuple[list[T], int]:
-        """The step's groups and how many groups with varied rewards were discarded."""
-        return self.kept[: self.needed], len(self.kept) - self.needed
+    def samples(self) -> int:
+        return sum(len(indices) for _, indices in self.kept)
+
+    def take(self) -> tuple[list[tuple[T, list[int]]], int]:
+        """The step's groups with the indices of the samples that train, and how many kept
+        samples were discarded beyond ``needed``."""
+        out: list[tuple[T, list[int]]] = []
+        room = self.needed
+        for group, indices in self.kept:
+            if room <= 0:
+                break
+            out.append((group, indices[:room]))
+            room -= len(out[-1][1])
+        return out, self.samples() - self.needed
+
+    def reward(self) -> float:
+        """NeMo-RL's ``reward``: the mean of the first ``needed`` unfiltered rewards of the
+        generation batches that kept a sample."""
+        return float(torch.cat(self.counted)[: self.needed].mean())

@@ -195,21 +195,22 @@ def _same_as(dotted: str, default: Any) -> Callable[[Any, Mapping[str, Any]], bo
 
 
 def _grpo_estimator(value: Any, recipe: Mapping[str, Any]) -> bool:
-    """grpo.adv_estimator is inert when it names GRPO's own estimator with the baseline and
-    normalisation grpo.* already sets (NeMo-RL's defaults), or on-policy distillation's
-    (whose rules are config/on_policy_distillation.py's)."""
+    """grpo.adv_estimator is read (algorithms/advantages.py) when it names GRPO's own
+    estimator, with any normalize_rewards and use_leave_one_out_baseline, or on-policy
+    distillation's (whose rules are config/on_policy_distillation.py's); the other
+    estimators are not implemented."""
     if value is None or value == {}:
         return True
-    if isinstance(value, Mapping) and value.get("name") == OPD_ESTIMATOR:
-        return True  # on-policy distillation's estimator: config/on_policy_distillation.py
-    if not isinstance(value, Mapping) or value.get("name", "grpo") != "grpo":
-        return False
-    grpo = recipe.get("grpo") or {}
-    return value.get("normalize_rewards", True) == grpo.get(
-        "normalize_rewards", True
-    ) and value.get("use_leave_one_out_baseline", True) == grpo.get(
-        "use_leave_one_out_baseline", True
-    )
+    return isinstance(value, Mapping) and value.get("name", "grpo") in ("grpo", OPD_ESTIMATOR)
+
+
+def _estimator_normalises_alike(value: Any, recipe: Mapping[str, Any]) -> bool:
+    """grpo.normalize_rewards changes nothing where it equals what the advantages use:
+    grpo.adv_estimator.normalize_rewards, true when absent (NeMo-RL's estimator default;
+    NeMo-RL's recipes interpolate grpo's key into the section)."""
+    estimator = (recipe.get("grpo") or {}).get("adv_estimator")
+    section = estimator if isinstance(estimator, Mapping) else {}
+    return value is None or value == section.get("normalize_rewards", True)
 
 
 def _no_penalties(value: Any, recipe: Mapping[str, Any]) -> bool:
@@ -1008,12 +1009,17 @@ def _other_entries() -> dict[str, Unused]:
             "grpo.penalize_malformed_thinking": Unused(_NOT_READ_BY_NEMO_RL, _always),
             "grpo.invalid_tool_call_strategy": Unused(_NOT_READ_BY_NEMO_RL, _always),
             "grpo.adv_estimator": Unused(
-                f"{_NOT_YET} (advantages are GRPO's, set by grpo.normalize_rewards and "
-                "grpo.use_leave_one_out_baseline)",
+                f"{_NOT_YET} (its estimators are GRPO's, 'grpo', and on-policy "
+                "distillation's, 'opd')",
                 _grpo_estimator,
-                refuse="set grpo.adv_estimator.name to 'grpo' with normalize_rewards and "
-                "use_leave_one_out_baseline equal to grpo's (or remove it), or to 'opd' with "
-                "on_policy_distillation",
+                refuse="set grpo.adv_estimator.name to 'grpo' (or remove the section), or to "
+                "'opd' with on_policy_distillation",
+            ),
+            "grpo.normalize_rewards": Unused(
+                "NeMo-RL's GRPO does not read it either: the advantages are normalised by "
+                "grpo.adv_estimator.normalize_rewards (true when absent); set that key "
+                "(NeMo-RL's recipes set it to ${grpo.normalize_rewards})",
+                _estimator_normalises_alike,
             ),
             "grpo.deduplicate_multimodal_data": Unused(
                 "language-model data has no multimodal parts", _always

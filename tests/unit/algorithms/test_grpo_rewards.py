@@ -6,6 +6,7 @@ step's data path runs without workers."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -75,26 +76,26 @@ def test_advantages_are_clamped_from_below_and_above_each_side_optional():
     assert rewards.clip_advantages(advantages, None, None).tolist() == advantages.tolist()
 
 
-def test_only_groups_whose_rewards_differ_count_as_varied():
-    groups = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.3, 0.3, 0.3]])
-    assert rewards.varied(groups).tolist() == [False, True, False]
-
-
-def test_dynamic_sampling_gathers_until_enough_and_fails_past_the_batch_limit():
-    gathering = rewards.DynamicSampling[str](needed=3, max_gen_batches=2)
-    assert not gathering.add(["a", "b"], [True, False])
-    assert not gathering.add(["c", "d"], [False, False])  # batch 2 of at most 2: go on
+def test_dynamic_sampling_gathers_samples_until_enough_and_fails_past_the_batch_limit():
+    gathering = rewards.DynamicSampling[str](needed=5, max_gen_batches=2)
+    assert not gathering.add(["a", "b"], [[True, True], [False, True]], torch.tensor([1.0] * 4))
+    # batch 2 of at most 2 keeps nothing: go on, and its rewards are not NeMo-RL's `reward`
+    assert not gathering.add(["c"], [[False, False]], torch.tensor([0.0, 0.0]))
+    assert gathering.samples() == 3
     with pytest.raises(UserInputError, match=r"grpo\.dynamic_sampling_max_gen_batches: 3 "):
-        gathering.add(["e"], [True])  # NeMo-RL's count: the third batch still short fails
-    full = rewards.DynamicSampling[str](needed=2, max_gen_batches=1)
-    assert full.add(["a", "b", "c"], [True, True, True])
-    assert full.take() == (["a", "b"], 1)
+        gathering.add(["e"], [[True]], torch.tensor([1.0]))  # the third batch still short
+    full = rewards.DynamicSampling[str](needed=3, max_gen_batches=1)
+    assert full.add(["a", "b"], [[True, False, True], [True, True, False]], torch.arange(6.0))
+    # samples, not groups: b's first sample completes the step, its second is discarded
+    assert full.take() == ([("a", [0, 2]), ("b", [0])], 1)
+    assert full.reward() == pytest.approx(1.0)  # the first 3 unfiltered rewards: 0, 1, 2
 
 
 # --------------------------------------------------------------------- the step's data path
 
 # Prompts "u<i>" are answered alike by all their samples; prompts "v<i>" half right, half
-# wrong, so only the latter give a signal. A response is the answer digit, then eos.
+# wrong, so only the latter give a signal; prompts "w<i>" have one right answer among four.
+# A response is the answer digit, then eos.
 
 
 def fake_run(grpo_cfg: dict, **generation) -> SimpleNamespace:
@@ -124,7 +125,8 @@ class FakePolicy:
         out = []
         for index, ids in enumerate(prompts):
             text = TOKENIZER.decode(ids)
-            digit = "1" if text.startswith("u") or index % 2 else "0"
+            right = {"u": True, "v": index % 2 == 1, "w": index % 4 == 0}[text[0]]
+            digit = "1" if right else "0"
             tail = [] if self.truncate and index % 4 == 3 else [EOS]
             ids = TOKENIZER.encode(digit) + tail
             # log-probabilities that name their response, to follow them through the filters
@@ -165,7 +167,8 @@ def test_dynamic_sampling_drops_groups_without_variance_and_generates_again():
     groups, metrics, sampler = collect(run, ["u0", "u1", "v0", "v1"])
     assert prompt_names(groups) == ["v0", "v1"] and sampler.position == 4
     assert metrics["dynamic_sampling_num_gen_batches"] == 2
-    assert metrics["filtered_reward"] == 0.5 and metrics["reward"] == 0.75
+    # NeMo-RL's `reward` counts only generation batches that kept a sample (here the second)
+    assert metrics["filtered_reward"] == 0.5 and metrics["reward"] == 0.5
     # each kept response keeps its own sampler log-probabilities (both groups: batch 2)
     for g, first in zip(groups, (0, 4), strict=True):
         for offset, (response, logprobs) in enumerate(zip(g.responses, g.logprobs, strict=True)):
@@ -179,6 +182,28 @@ def test_batch_multiplier_widens_each_generation_batch_and_extra_groups_are_disc
     assert policy.calls == [5 * 4]  # int(2 x 2.5) prompts, 4 samples each, in one batch
     assert prompt_names(groups) == ["v0", "v1"] and sampler.position == 5
     assert metrics["dynamic_sampling_num_discarded_valid_samples"] == 4  # v2's group
+
+
+def test_dynamic_sampling_drops_the_lone_right_answer_with_leave_one_out():
+    """NeMo-RL filters samples by their own spread, the other samples' with
+    grpo.use_leave_one_out_baseline: of [1, 0, 0, 0] the right one is dropped, the wrong
+    three kept; a step of 2 x 4 samples then takes 3 + 3 + 2 of them."""
+    run = fake_run({"use_dynamic_sampling": True})
+    groups, metrics, sampler = collect(run, ["w0", "w1", "w2", "w3"])
+    assert prompt_names(groups) == ["w0", "w1", "w2"] and sampler.position == 4
+    assert [len(g.responses) for g in groups] == [3, 3, 2]
+    assert [g.rewards.tolist() for g in groups] == [[0.0] * 3, [0.0] * 3, [0.0] * 2]
+    assert metrics["dynamic_sampling_num_discarded_valid_samples"] == 4
+    assert metrics["filtered_reward"] == 0.0 and metrics["reward"] == 0.25
+    # each kept response keeps its own sampler log-probabilities (w0: batch 1, indices 1..3)
+    assert [lp[0] for lp in groups[0].logprobs] == [-float(ord("0") + i) for i in (1, 2, 3)]
+    # what is left of a prompt trains against itself: all wrong, all advantages 0
+    _, advantages = grpo.training_sequences(groups, {})
+    assert advantages.tolist() == [0.0] * 8
+    whole = fake_run({"use_dynamic_sampling": True, "use_leave_one_out_baseline": False})
+    groups, metrics, _ = collect(whole, ["w0", "w1", "w2", "w3"])
+    assert [len(g.responses) for g in groups] == [4, 4]
+    assert metrics["dynamic_sampling_num_gen_batches"] == 1
 
 
 def test_dynamic_sampling_stops_the_run_past_its_generation_batch_limit():
@@ -233,6 +258,23 @@ def test_overlong_filtering_masks_truncated_responses_but_keeps_their_advantages
     # the truncated sample still counts in its group's baseline and spread
     assert torch.equal(plain_adv, filtered_adv)
     assert [s.extras["advantages"] for s in filtered] == filtered_adv.tolist()
+
+
+def test_the_advantages_read_grpo_adv_estimator_and_leave_grpos_own_keys_alone():
+    group = one_group([False] * 4)  # rewards 0, 1, 1, 0
+    _, default = grpo.training_sequences([group], {})
+    # each sample's others: one like it, two not: mean 1/3 or 2/3, spread 1/sqrt(3)
+    step = 2 / 3 * math.sqrt(3)
+    assert default.tolist() == pytest.approx([-step, step, step, -step], rel=1e-5)
+    _, alone = grpo.training_sequences(
+        [group], {"normalize_rewards": False, "use_leave_one_out_baseline": False}
+    )
+    assert torch.equal(alone, default)  # not read by NeMo-RL's estimator either
+    _, plain = grpo.training_sequences(
+        [group],
+        {"adv_estimator": {"normalize_rewards": False, "use_leave_one_out_baseline": False}},
+    )
+    assert plain.tolist() == [-0.5, 0.5, 0.5, -0.5]
 
 
 def test_advantage_clipping_reaches_the_training_sequences():

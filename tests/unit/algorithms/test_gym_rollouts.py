@@ -38,6 +38,9 @@ def test_requests_get_the_recipes_sampling_settings_and_the_smaller_token_limit(
     assert ROW["responses_create_params"]["top_p"] == 0.5  # the data rows are not changed
 
 
+NO_LOO = {"adv_estimator": {"use_leave_one_out_baseline": False}}
+
+
 def _group() -> PromptGroup:
     """One row, two NeMo-Gym samples after a 3-token prompt: a two-turn rollout with a tool
     result at tokens 5..6, and a one-turn rollout its environment masked."""
@@ -55,7 +58,7 @@ def _group() -> PromptGroup:
 
 
 def test_a_groups_sequences_keep_the_environments_spans_out_of_the_loss():
-    sequences, advantages = training_sequences([_group()], {"use_leave_one_out_baseline": False})
+    sequences, advantages = training_sequences([_group()], NO_LOO)
     rollout, masked = sequences
     assert rollout.env_spans == ((5, 7),)
     # labels 2..3 and 6..7 are the policy's tokens 3..4 and 7..8
@@ -66,7 +69,7 @@ def test_a_groups_sequences_keep_the_environments_spans_out_of_the_loss():
 
 
 def test_penalties_make_every_sequences_advantages_per_token():
-    sequences, _ = training_sequences([_group()], {"use_leave_one_out_baseline": False})
+    sequences, _ = training_sequences([_group()], NO_LOO)
     metrics = gym_rollouts.advantages_with_penalties(
         sequences,
         [t for t in _group().turns],

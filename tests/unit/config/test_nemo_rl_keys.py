@@ -42,6 +42,19 @@ def test_an_option_not_implemented_yet_is_silent_at_its_default_and_refused_othe
     assert "not implemented yet by this backend" in errors[0]
 
 
+def test_grpos_estimator_is_read_with_any_flags_and_grpos_own_normalize_key_is_not():
+    """The advantages read grpo.adv_estimator (algorithms/advantages.py), as NeMo-RL's
+    estimator does; grpo.normalize_rewards reaches them only through that section."""
+    flags = {"name": "grpo", "normalize_rewards": False, "use_leave_one_out_baseline": False}
+    assert ignored_keys.check({"grpo": {"adv_estimator": flags}}) == ([], [])
+    interpolated = {"normalize_rewards": False, "adv_estimator": {"normalize_rewards": False}}
+    assert ignored_keys.check({"grpo": interpolated}) == ([], [])
+    assert ignored_keys.check({"grpo": {"normalize_rewards": True}}) == ([], [])
+    errors, warnings = ignored_keys.check({"grpo": {"normalize_rewards": False}})
+    assert errors == [] and len(warnings) == 1
+    assert "grpo.adv_estimator.normalize_rewards (true when absent)" in warnings[0]
+
+
 def test_skipping_reference_logprobs_is_inert_without_a_kl_penalty():
     skip = {"skip_reference_policy_logprobs_calculation": True}
     assert ignored_keys.check({"grpo": skip, "loss_fn": {"reference_policy_kl_penalty": 0}}) == (
