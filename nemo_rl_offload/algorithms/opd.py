@@ -97,7 +97,7 @@ class Teachers:
         teacher's log-probabilities and ``student``'s (the policy's before the step), then
         bounded by ``clip`` (grpo.advantage_clip_low / high, which NeMo-RL applies after its
         estimator); the step's distillation metrics, under NeMo-RL's names (before the
-        bounds, as NeMo-RL's estimator logs them)."""
+        bounds, as NeMo-RL's estimator logs them; :func:`distillation_metrics`)."""
         aliases = self.routing.aliases(agents)
         teacher: list[np.ndarray | None] = [None] * len(sequences)
         for group_key, group in self.groups.items():
@@ -117,12 +117,21 @@ class Teachers:
             sequence.extras["advantages"] = rewards.clip_advantages(
                 torch.from_numpy(values), *clip
             ).numpy()
-        every = np.concatenate(gaps) if gaps else np.zeros(0, np.float32)
-        return {
-            f"{PREFIX}/teacher_student_logprob_gap_mean": float(every.mean())
-            if every.size
-            else 0.0,
-            f"{PREFIX}/adv_mean": float(every.mean()) if every.size else 0.0,
-            f"{PREFIX}/adv_std": float(every.std(ddof=1)) if every.size > 1 else 0.0,
-            **self.routing.metrics(aliases),
-        }
+        in_loss = [s.loss_multiplier != 0 for s in sequences]
+        return {**distillation_metrics(gaps, in_loss), **self.routing.metrics(aliases)}
+
+
+def distillation_metrics(gaps: Sequence[np.ndarray], in_loss: Sequence[bool]) -> dict[str, float]:
+    """NeMo-RL's OPD metrics over the response tokens of the samples in the loss only (its
+    mask is the token mask times the sample mask: a sample that overlong filtering, its
+    environment or the log-probability error check took out of the loss does not count):
+    the mean teacher-student gap, and the mean and (Bessel) spread of the advantages, which
+    are that gap before any clamping."""
+    picked = [gap for gap, counted in zip(gaps, in_loss, strict=True) if counted]
+    every = np.concatenate(picked) if picked else np.zeros(0, np.float32)
+    mean = float(every.mean()) if every.size else 0.0
+    return {
+        f"{PREFIX}/teacher_student_logprob_gap_mean": mean,
+        f"{PREFIX}/adv_mean": mean,
+        f"{PREFIX}/adv_std": float(every.std(ddof=1)) if every.size > 1 else 0.0,
+    }
