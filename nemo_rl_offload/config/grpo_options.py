@@ -316,6 +316,19 @@ def _check_dynamic_sampling(grpo: Mapping[str, Any]) -> list[str]:
             f"grpo.batch_multiplier: {multiplier} x num_prompts_per_step {prompts} is "
             "less than one prompt per generation batch; raise it"
         )
+    # NeMo-RL keeps a sample whose own reward spread is not 0: with the leave-one-out
+    # baseline that is the spread of its group's others, so a group needs 3 samples (2 without).
+    generations = grpo.get("num_generations_per_prompt")
+    loo = grpo.get("use_leave_one_out_baseline", True) is not False
+    fewest = 3 if loo else 2
+    if dynamic and isinstance(generations, int) and 0 < generations < fewest:
+        why = " and grpo.use_leave_one_out_baseline (each sample's is its others')" if loo else ""
+        fix = " or use_leave_one_out_baseline to false" if loo and generations == 2 else ""
+        problems.append(
+            f"grpo.num_generations_per_prompt: {generations} gives no sample a non-zero reward "
+            f"spread with grpo.use_dynamic_sampling{why}, so dynamic sampling would keep "
+            f"nothing; set it to at least {fewest}{fix}"
+        )
     batches = grpo.get("dynamic_sampling_max_gen_batches")
     if dynamic and isinstance(batches, int) and batches < 1:
         problems.append(

@@ -41,6 +41,18 @@ BAD = [
         ["+grpo.use_dynamic_sampling=true", "+grpo.dynamic_sampling_max_gen_batches=0"],
         "grpo.dynamic_sampling_max_gen_batches",
     ),
+    (
+        ["+grpo.use_dynamic_sampling=true", "grpo.num_generations_per_prompt=2"],
+        "grpo.num_generations_per_prompt",
+    ),
+    (
+        [
+            "+grpo.use_dynamic_sampling=true",
+            "grpo.num_generations_per_prompt=1",
+            "grpo.use_leave_one_out_baseline=false",
+        ],
+        "grpo.num_generations_per_prompt",
+    ),
     (["grpo.val_num_generations_per_prompt=0"], "grpo.val_num_generations_per_prompt"),
     (["+grpo.stop_at_validation_metric=loss"], "grpo.stop_at_validation_metric"),
     (["+grpo.stop_at_validation_metric=no_such_metric"], "grpo.stop_at_validation_metric"),
@@ -83,6 +95,11 @@ GOOD = [
     ],
     ["+grpo.reward_shaping={enabled: true, stop_properly_penalty_coef: 0.0}"],
     ["+grpo.use_dynamic_sampling=true", "+grpo.batch_multiplier=3"],
+    [
+        "+grpo.use_dynamic_sampling=true",
+        "grpo.num_generations_per_prompt=2",
+        "grpo.use_leave_one_out_baseline=false",
+    ],
     ["+grpo.overlong_filtering=true"],
     ["+grpo.val_at_end=true", "+grpo.val_start_at=5"],
     [
