@@ -2,8 +2,13 @@
 
 Workers are placed through one placement group (one bundle per worker) so tensor- and
 pipeline-parallel ranks land on the GPUs of one host. Every call goes to all workers and waits
-for all of them; if any worker raises or dies, the whole call fails at once with that worker's
-rank and error, and the remaining workers are stopped, so a job never hangs on a dead rank.
+for all of them; if any worker raises or dies, the whole call fails with that worker's rank and
+error. A worker that raised is still alive: when every other worker also finishes the call
+within :data:`FAILED_CALL_GRACE_S` (they raised too, or returned), the workers agree on where
+they are and the group stays usable (a request the policy's HTTP server could not sample must
+not end the server). A worker that died, or peers that do not finish (waiting in a collective
+for the rank that raised), stop the whole group, so a job never hangs on a dead rank; a call to
+a stopped group raises :class:`GroupStopped` naming why it stopped.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from nemo_rl_offload.errors import UserInputError
 
 _LOG = logging.getLogger("nemo_rl_offload.workers")
 PLACEMENT_TIMEOUT_S = 60.0
+# How long the other workers may take to finish a call after one raised in it, before the group
+# is taken as stuck (they wait in a collective for that rank) and stopped.
+FAILED_CALL_GRACE_S = 30.0
 
 
 class WorkerError(RuntimeError):
@@ -29,6 +37,16 @@ class WorkerError(RuntimeError):
     def __init__(self, group: str, rank: int, error: str) -> None:
         self.group, self.rank, self.error = group, rank, error
         super().__init__(f"{group} worker {rank} failed: {error}")
+
+
+class GroupStopped(WorkerError):
+    """A call to a group whose workers were stopped: ``why`` is the failure that stopped them
+    (or that the group was shut down)."""
+
+    def __init__(self, group: str, why: str) -> None:
+        self.why = why
+        RuntimeError.__init__(self, f"{group} workers were stopped ({why})")
+        self.group, self.rank, self.error = group, -1, why
 
 
 def _error_text(exc: BaseException) -> str:
@@ -78,6 +96,8 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name = name
+        # Why the workers were stopped (None while they run).
+        self.stopped: str | None = None
         # Calls are submitted to every worker under this lock: two threads calling the group
         # (the policy's HTTP server sampling while the loop trains) must reach all workers in
         # the same order, or their collectives would wait on each other.
@@ -125,6 +145,7 @@ class WorkerGroup:
         (UserInputError when that failure is one: a problem in the user's input)."""
         futures = []
         with self._submitting:
+            self._check_running()
             for rank, worker in enumerate(self.workers):
                 call_args, call_kwargs = (
                     per_worker[rank] if per_worker is not None else (args, kwargs)
@@ -135,8 +156,13 @@ class WorkerGroup:
     def run_on(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on one worker only (with the same failure handling as :meth:`run`)."""
         with self._submitting:
+            self._check_running()
             future = getattr(self.workers[rank], method).remote(*args, **kwargs)
         return self._gather([future], method, None, ranks=[rank])[0]
+
+    def _check_running(self) -> None:
+        if self.stopped is not None:
+            raise GroupStopped(self.name, self.stopped)
 
     def _gather(
         self,
@@ -160,24 +186,53 @@ class WorkerGroup:
                 try:
                     results[rank] = ray.get(future)
                 except Exception as exc:  # the worker's error or its death
-                    problems = _user_input_problems(exc)
-                    if problems:  # the worker found a mistake in what the user gave
-                        self.shutdown()
-                        raise UserInputError(problems) from None
-                    error = WorkerError(self.name, rank, _error_text(exc))
-                    _LOG.error("%s (in %s)", error, method)
-                    self.shutdown()
-                    raise error from None
+                    self._fail(exc, rank, method, [f for f in pending if f is not future])
             if deadline is not None and time.monotonic() > deadline and pending:
                 rank = rank_of[pending[0]]
-                self.shutdown()
-                raise WorkerError(self.name, rank, f"{method} did not finish in {timeout_s:g} s")
+                error = WorkerError(self.name, rank, f"{method} did not finish in {timeout_s:g} s")
+                self._stop(str(error))
+                raise error
         return [results[rank] for rank in ranks]
+
+    def _fail(self, exc: Exception, rank: int, method: str, pending: list[Any]) -> None:
+        """Raise the call's error for ``exc`` of worker ``rank``: after the other workers
+        finish the call (the group stays usable), or with the group stopped when the worker
+        died or the others do not finish in time."""
+        import ray
+        import ray.exceptions
+
+        problems = _user_input_problems(exc)
+        error: Exception = (
+            UserInputError(problems) if problems else WorkerError(self.name, rank, _error_text(exc))
+        )
+        _LOG.error("%s (in %s)", error, method)
+        if not isinstance(exc, ray.exceptions.RayTaskError):  # the worker died (or Ray lost it)
+            self._stop(str(error))
+            raise error from None
+        if pending:
+            _, stuck = ray.wait(pending, num_returns=len(pending), timeout=FAILED_CALL_GRACE_S)
+            if stuck:  # waiting for the rank that raised (a collective): the group is stuck
+                self._stop(f"{error}; the other workers did not finish {method}")
+                raise error from None
+            for future in pending:
+                try:
+                    ray.get(future)
+                except ray.exceptions.RayTaskError:  # raised too: alive, and done with the call
+                    pass
+                except Exception:  # a peer that died meanwhile stops the group
+                    self._stop(str(error))
+                    raise error from None
+        raise error from None
+
+    def _stop(self, why: str) -> None:
+        self.shutdown()
+        self.stopped = why
 
     def shutdown(self) -> None:
         """Stop every worker and release their resources (safe to call twice)."""
         import ray
 
+        self.stopped = self.stopped or "shut down"
         for worker in self.workers:
             with contextlib.suppress(Exception):  # already dead
                 ray.kill(worker, no_restart=True)

@@ -142,6 +142,12 @@ class PolicyGroup:
         return len(self.dp_rank_of)
 
     @property
+    def stopped(self) -> str | None:
+        """Why the workers were stopped (a worker died or hung, or :meth:`shutdown`); None while
+        they can be called (the policy's HTTP server's ``/health``)."""
+        return self.group.stopped
+
+    @property
     def fp8_linears(self) -> int:
         """How many of a worker's linears make FP8 products (``fp8_cfg``; 0 without)."""
         return max((info.get("fp8_linears", 0) for info in self.setup_info), default=0)

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from nemo_rl_offload.distributed import cluster
-from nemo_rl_offload.distributed.worker_group import WorkerError, WorkerGroup
+from nemo_rl_offload.distributed import cluster, worker_group
+from nemo_rl_offload.distributed.worker_group import GroupStopped, WorkerError, WorkerGroup
 from nemo_rl_offload.errors import UserInputError
 
 ray = pytest.importorskip("ray")
@@ -36,6 +36,13 @@ class EchoWorker:
         if self.rank == rank:
             raise ValueError(f"bad batch on rank {self.rank}")
         time.sleep(0.2)
+        return self.rank
+
+    def fail_on_while_others_wait(self, rank: int) -> int:
+        """Rank ``rank`` raises; the others wait for it as in a collective (long)."""
+        if self.rank == rank:
+            raise ValueError(f"bad batch on rank {self.rank}")
+        time.sleep(60)
         return self.rank
 
     def refuse_on(self, rank: int) -> int:
@@ -105,21 +112,47 @@ def test_calls_from_two_threads_reach_every_worker_in_the_same_order(ray_cluster
         group.shutdown()
 
 
-def test_worker_error_names_rank_and_cause(ray_cluster):
+def test_worker_error_names_rank_and_cause_and_the_group_stays_usable(ray_cluster):
+    """A worker that raised is alive, and its peers finished the call: the next call is
+    served (the policy's HTTP server keeps serving after one request failed in a worker)."""
     group = _group()
-    with pytest.raises(WorkerError) as caught:
-        group.run("fail_on", 1)
-    assert caught.value.rank == 1
-    assert "ValueError: bad batch on rank 1" in str(caught.value)
-    assert group.workers == []  # the rest were stopped
+    try:
+        with pytest.raises(WorkerError) as caught:
+            group.run("fail_on", 1)
+        assert caught.value.rank == 1
+        assert "ValueError: bad batch on rank 1" in str(caught.value)
+        assert group.stopped is None
+        assert group.run("whoami") == ["0/2", "1/2"]
+    finally:
+        group.shutdown()
 
 
 def test_a_workers_user_input_error_reaches_the_driver_as_it_is(ray_cluster):
     group = _group()
-    with pytest.raises(UserInputError) as caught:
-        group.run("refuse_on", 0)
-    assert caught.value.problems == ["data.path: rank 0 cannot read it; fix the path"]
-    assert group.workers == []
+    try:
+        with pytest.raises(UserInputError) as caught:
+            group.run("refuse_on", 0)
+        assert caught.value.problems == ["data.path: rank 0 cannot read it; fix the path"]
+        assert group.run_on(1, "whoami") == "1/2"
+    finally:
+        group.shutdown()
+
+
+def test_peers_stuck_after_a_worker_error_stop_the_group(ray_cluster, monkeypatch):
+    """Peers that do not finish the call (waiting in a collective for the rank that raised)
+    are stopped after the grace; the group then refuses calls, naming why."""
+    monkeypatch.setattr(worker_group, "FAILED_CALL_GRACE_S", 1.0)
+    group = _group()
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as caught:
+        group.run("fail_on_while_others_wait", 0)
+    assert caught.value.rank == 0
+    assert time.monotonic() - start < 20
+    assert "did not finish" in group.stopped
+    with pytest.raises(GroupStopped, match="bad batch on rank 0"):
+        group.run("whoami")
+    with pytest.raises(GroupStopped):
+        group.run_on(0, "whoami")
 
 
 def test_dead_worker_fails_the_call_quickly(ray_cluster):
@@ -129,6 +162,9 @@ def test_dead_worker_fails_the_call_quickly(ray_cluster):
         group.run("die_on", 0)
     assert caught.value.rank == 0 and "died" in str(caught.value)
     assert time.monotonic() - start < 25  # not waiting for the sleeping rank
+    assert group.workers == [] and "died" in group.stopped
+    with pytest.raises(GroupStopped, match="died"):
+        group.run("whoami")
 
 
 def test_too_many_workers_is_a_clear_error(ray_cluster, monkeypatch):
