@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
+from nemo_rl_offload import known_warnings
 from nemo_rl_offload.errors import UserInputError
 
 EXIT_USER_ERROR = 2
@@ -408,6 +409,7 @@ def main(
 ) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
+    known_warnings.install()  # before anything imports megatron-core
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args, out, err)

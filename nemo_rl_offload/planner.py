@@ -56,6 +56,7 @@ candidate's settings), on one Ray cluster that every measurement of a plan share
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import statistics
@@ -80,6 +81,7 @@ from nemo_rl_offload.plan_menu import (
     offloadable_modules,
     predictor,
 )
+from nemo_rl_offload.progress import Progress
 
 __all__ = [
     "DENSE_MODULES",
@@ -517,7 +519,9 @@ def plan(
     found. Every measurement runs on one Ray cluster, started by the first."""
     from nemo_rl_offload.distributed import cluster
 
-    with cluster.kept_open():
+    # Each trial is a job of minutes: a line as it starts and every interval while it runs.
+    progress = Progress(stream=err, heartbeat=True)
+    with cluster.kept_open(), contextlib.closing(progress):
         return _plan(
             config,
             overrides,
@@ -526,6 +530,7 @@ def plan(
             steps=steps,
             max_trials=max_trials,
             err=err,
+            progress=progress,
         )
 
 
@@ -538,6 +543,7 @@ def _plan(
     steps: int,
     max_trials: int,
     err: TextIO,
+    progress: Progress,
 ) -> dict[str, Any]:
     from pathlib import Path
 
@@ -613,7 +619,7 @@ def _plan(
         verdicts[candidate.name] = not findings.errors
         return verdicts[candidate.name]
 
-    print("plan: the activation ledger (on the CPU) ...", file=err)
+    progress.start("plan: the activation ledger (on the CPU)")
     # A DTensor policy gets no chunked-loss or chunked-output candidates (plan_menu.menu): no
     # further ledgers.
     costs = _layer_costs(recipe["policy"], Path.cwd(), step_microbatches(recipe), not dtensor)
@@ -624,6 +630,7 @@ def _plan(
         records = measure_candidate(
             candidate, lambda: _measure(config, lines(candidate.patch()), steps, err)
         )
+        progress.finish()
         # A host optimizer lowers the resident state the activation model is fitted to: its
         # plans fit the host optimizer's own model (plan_optimizer) instead.
         own_model = candidate.host_optimizer is None
@@ -638,12 +645,12 @@ def _plan(
         return records
 
     # Full recompute first: at long context it is often the only setting that fits.
-    print("plan: profiling full recompute ...", file=err)
+    progress.start("plan: profiling full recompute")
     recompute = Candidate((), 1.0, None, full_recompute=True)
     recompute_records = run(recompute)
     if recompute_records is not None:
         calibrator.recompute_s = recompute.measured_fwd_bwd_s
-    print("plan: profiling without offloading or recompute ...", file=err)
+    progress.start("plan: profiling without offloading or recompute")
     plain = Candidate((), 1.0, None)
     plain_records = run(plain)
     if plain_records is not None:
@@ -698,7 +705,7 @@ def _plan(
     for budget in budgets:
         # What earlier budgets measured is known: it is an option here too.
         tried = [c for c in measured.values() if c is not plain and c is not recompute]
-        for _ in range(max_trials):
+        for trial in range(1, max_trials + 1):
             predict = predictor(costs.layers, calibrator.calibration())
             fitting = [
                 c
@@ -723,7 +730,9 @@ def _plan(
             if chosen is None:
                 break
             chosen.predicted_peak_gib, chosen.predicted_fwd_bwd_s = predict(chosen)
-            print(f"plan: measuring {chosen.name} ...", file=err)
+            progress.start(
+                f"plan: trial {trial}/{max_trials} for {budget:.1f} GiB: measuring {chosen.name}"
+            )
             run(chosen)
             measured[chosen.name] = chosen
             tried.append(chosen)
@@ -733,11 +742,12 @@ def _plan(
             # plan is needed, and then nothing is faster.
             if candidate is plain or candidate.name in rechecked:
                 continue
-            print(f"plan: measuring {candidate.name} again (a close contender) ...", file=err)
+            progress.start(f"plan: measuring {candidate.name} again (a close contender)")
             again = replace(candidate, failure=None, measurements=1)
             records = measure_candidate(
                 again, lambda c=candidate: _measure(config, lines(c.patch()), steps, err)
             )
+            progress.finish()
             if records is None:  # it fit once and failed now: it cannot be relied on
                 candidate.failure = again.failure
                 candidate.measured_peak_gib = candidate.measured_fwd_bwd_s = None
@@ -747,7 +757,7 @@ def _plan(
             print(f"plan: {candidate.name} again: {_outcome(again)}", file=err)
             rechecked.add(candidate.name)
         if best(options, budget) is None and host_prior is not None:
-            for _ in range(max_trials):
+            for trial in range(1, max_trials + 1):
                 host_model = host_prior.fitted(host_observations)
                 predict = predictor(costs.layers, calibrator.calibration())
                 fitting = _fitting(options, budget)
@@ -767,7 +777,10 @@ def _plan(
                 )
                 if host is None:
                     break
-                print(f"plan: measuring {host.name} ...", file=err)
+                progress.start(
+                    f"plan: host-optimizer trial {trial}/{max_trials} for {budget:.1f} GiB: "
+                    f"measuring {host.name}"
+                )
                 records = run(host)
                 measured[host.name] = host
                 tried.append(host)

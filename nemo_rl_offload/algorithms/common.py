@@ -50,6 +50,7 @@ from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.metrics_logger import MetricsLogger
 from nemo_rl_offload.models.policy_group import PolicyGroup
 from nemo_rl_offload.preflight import Report
+from nemo_rl_offload.progress import Progress
 
 _LOG = logging.getLogger("nemo_rl_offload.run")
 STATE_FILE = "state.json"
@@ -217,6 +218,9 @@ class Run:
     groups: list[PolicyGroup] = field(default_factory=list)
     # The policy's HTTP servers (expose_http_server), stopped by close before the workers.
     servers: list[Any] = field(default_factory=list)
+    # Where the run is, on stderr (nemo_rl_offload.progress): loop.drive names the step, the
+    # algorithms start its phases, a thread repeats a phase's line while the workers run it.
+    progress: Progress = field(default_factory=lambda: Progress(heartbeat=True))
 
     @property
     def policy_cfg(self) -> dict[str, Any]:
@@ -342,7 +346,8 @@ class Run:
         tmp = root / f"{TMP_PREFIX}step_{step:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        policy.save(str(tmp / "policy"))
+        with self.progress.phase("checkpoint save"):
+            policy.save(str(tmp / "policy"))
         recorded = checkpointing.record(self.metric, self._step_metrics)
         (tmp / STATE_FILE).write_text(
             json.dumps({"step": step, **state, "metrics": recorded}, indent=1)
@@ -447,7 +452,8 @@ class Run:
             val_at_end=bool(section.get("val_at_end", False)),
             last=last,
         ):
-            self._step_metrics["val"] = validate()
+            with self.progress.phase("validation"):
+                self._step_metrics["val"] = validate()
             self.logger.log(step, self._step_metrics["val"], phase="val")
             stop = stop_when(self._step_metrics["val"]) if stop_when is not None else None
         save_period = int(self.recipe["checkpointing"].get("save_period", 0) or 0)
@@ -601,6 +607,7 @@ class Run:
     def close(self) -> None:
         """Stop the policy's HTTP servers, shut down the workers, the GPU monitor, the logger
         and Ray (if this run started it)."""
+        self.progress.close()
         for server in self.servers:
             server.stop()
         for group in self.groups:

@@ -124,6 +124,7 @@ def start(run: Run) -> loop.Steps:
     def train_step(step: int) -> loop.TrainResult:
         start = time.perf_counter()
         policy.phase_peak_gib()  # a new count: the sampling phase's peak is read after it
+        run.progress.start("generation", num_prompts * group, unit="rows")
         if gym_batch is not None:  # NeMo-Gym's rollouts: the environment's tokens never train
             batch = gym_batch(sampler.take(num_prompts))
             prompts, responses, rewards = batch.prompts, batch.responses, batch.rewards
@@ -151,6 +152,7 @@ def start(run: Run) -> loop.Steps:
         batches = run.training_batches(sequences, policy.dp_size)
         for mb in batches.flat:
             del mb["labels"]  # the loss reads the student's logits, not label logprobs
+        run.progress.start("teacher log-probabilities", len(sequences), unit="sequences")
         scores = run.forward_only(
             sequences,
             lambda forward: teacher.topk_logprobs(forward, None if top_k is None else int(top_k)),
@@ -161,6 +163,7 @@ def start(run: Run) -> loop.Steps:
         if top_k is not None:
             batches.attach("teacher_indices", [indices for _, indices in scores])
         training_began = time.perf_counter()
+        run.progress.start("training", len(sequences), unit="sequences")
         metrics = policy.train(batches.shards, spec)
         elapsed = time.perf_counter() - start
         # NeMo-RL's distillation timer names; its throughputs as GRPO's.

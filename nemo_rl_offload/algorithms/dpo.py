@@ -127,7 +127,9 @@ def start(run: Run) -> loop.Steps:
     def train_step(step: int) -> loop.TrainResult:
         start = time.perf_counter()
         pairs = [train[i] for i in sampler.take(gbs)]
+        run.progress.start("reference log-probabilities", 2 * len(pairs), unit="sequences")
         mbs = with_reference(run, policy, pairs, micro, spec["preference_average_log_probs"])
+        run.progress.start("training", len(pairs), unit="pairs")
         metrics = policy.train(sharding.split(mbs, policy.dp_size), spec)
         elapsed = time.perf_counter() - start
         metrics.pop("num_pairs", None)

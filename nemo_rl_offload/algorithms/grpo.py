@@ -343,6 +343,7 @@ def collect_groups(
     done = False
     seconds, sequence_tokens, new_tokens = 0.0, 0, 0
     decode = throughput.DecodeWork()
+    run.progress.start("generation", needed * group, unit="rows")
     policy.phase_peak_gib()  # a new count: the sampling phase's peak is read after it
     while not done:
         began = time.perf_counter()
@@ -588,6 +589,7 @@ def start(run: Run) -> loop.Steps:
         loss_metrics: dict[str, float] = dict(penalties)
         old_logprobs = None
         logprobs_began = time.perf_counter()
+        run.progress.start("log-probabilities", len(sequences), unit="sequences")
         if options.needs_old_logprobs or error_threshold is not None or teachers is not None:
             old_logprobs = run.forward_only(sequences, policy.token_logprobs)
             loss_metrics, dropped = loss_inputs.seq_logprob_error(
@@ -620,6 +622,7 @@ def start(run: Run) -> loop.Steps:
         if logprobs_peak > 0:  # GPU workers
             loss_metrics["policy_and_reference_logprobs_peak_gpu_memory_gib"] = logprobs_peak
         training_began = time.perf_counter()
+        run.progress.start("training", len(sequences), unit="sequences")
         metrics = policy.train(batches.shards, loss_spec)
         seconds = {
             "generation": gathered["timing/train/generation"],

@@ -85,7 +85,9 @@ def drive(run: Run, start: Callable[[Run], Steps]) -> int:
     try:
         steps = start(run)
         if steps.val_at_start and run.start_step == 0:
-            metrics = steps.validate(0)
+            run.progress.label = f"{run.algorithm} step 0"
+            with run.progress.phase("validation"):
+                metrics = steps.validate(0)
             run.logger.log(0, metrics, phase="val")
             stop = steps.stop_when(metrics) if steps.stop_when is not None else None
             if stop is not None:
@@ -94,7 +96,9 @@ def drive(run: Run, start: Callable[[Run], Steps]) -> int:
         for step in run.steps():
             if steps.data_done:
                 break
+            run.progress.label = f"{run.algorithm} step {step}"  # its phases' lines say so
             result = steps.train_step(step)
+            run.progress.finish()
             run.log_train_step(
                 step,
                 result.metrics,

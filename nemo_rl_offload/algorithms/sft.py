@@ -57,6 +57,7 @@ def start(run: Run) -> loop.Steps:
         batch = [train[i] for i in sampler.take(gbs)]
         shards = run.training_batches(batch, policy.dp_size).shards
         start = time.perf_counter()
+        run.progress.start("training", len(batch), unit="sequences")
         metrics = policy.train(shards, {"name": "nll"})
         return loop.TrainResult(
             metrics,

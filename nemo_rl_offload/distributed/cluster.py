@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from nemo_rl_offload import known_warnings
 from nemo_rl_offload.errors import UserInputError
 
 _LOG = logging.getLogger("nemo_rl_offload.cluster")
@@ -99,7 +100,11 @@ def start_or_join(
     import ray
 
     address, where = requested_address(cluster_cfg)
-    runtime_env = {"env_vars": dict(env_vars)} if env_vars else None
+    # Every worker process hides megatron-core's known-harmless warnings before it imports
+    # anything (known_warnings).
+    runtime_env: dict[str, Any] = {"worker_process_setup_hook": known_warnings.SETUP_HOOK}
+    if env_vars:
+        runtime_env["env_vars"] = dict(env_vars)
     if ray.is_initialized():
         resources = ray.cluster_resources()
         return ClusterInfo(

@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload import known_warnings
 from nemo_rl_offload.config.router_replay import ROUTES_KEY
+from nemo_rl_offload.progress import Progress
 
 _LOG = logging.getLogger("nemo_rl_offload.worker")
 OPTIMIZER_KEYS_FROM_RECIPE = (
@@ -163,6 +165,9 @@ class PolicyWorker:
         with_reference: bool = False,
         logits_temperature: float = 1.0,
     ) -> None:
+        # Before this process imports megatron-core (setup does), in case Ray's worker setup
+        # hook did not run (a Ray started by someone else, or the worker used in-process).
+        known_warnings.install()
         self.section, self.where = section, where
         # GRPO's sampling temperature: its log-probabilities (training, old, reference) are
         # those of logits / temperature, as the sampler's (chunked_logprobs.install).
@@ -486,8 +491,15 @@ class PolicyWorker:
         mtp.start_step(self.model, self.device)
         router_replay.start_step(self.model, self.device)
 
+        # Rank 0 says how far its micro-batches are when the step is slow (the driver said
+        # the phase started).
+        progress = Progress(f"{self.where} rank 0, step {self.step + 1}", enabled=self.rank == 0)
+        progress.start("training", len(microbatches), unit="micro-batches", announce=False)
+
         def forward_backward(tensors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return run_microbatches(self.model, tensors, loss_fn, forward_only=False)
+            return run_microbatches(
+                self.model, tensors, loss_fn, forward_only=False, progress=progress
+            )
 
         tensors = self._tensors(microbatches)
         graph_metrics: dict[str, float] = {}
@@ -498,6 +510,7 @@ class PolicyWorker:
             outputs, mode = self.graphs.run(key, tensors, forward_backward)
             graph_metrics = self.graphs.metrics(mode)
         fwd_bwd.stop()
+        progress.finish(len(microbatches))
         # Activations (what offloading moves) peak in the forward-backward; the optimizer step
         # has its own peak (its states), reported separately by memory_stats.
         fwd_bwd_peak = torch.cuda.max_memory_allocated() / 2**30 if self.on_gpu else None

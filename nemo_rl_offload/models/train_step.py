@@ -65,6 +65,7 @@ import torch
 from torch import Tensor
 
 from nemo_rl_offload.models import chunked_logprobs, context_parallel, mtp, router_replay
+from nemo_rl_offload.progress import Progress
 
 LossFn = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor | int, dict[str, Tensor]]]
 
@@ -337,6 +338,7 @@ def run_microbatches(
     *,
     forward_only: bool,
     local_outputs: bool = False,
+    progress: Progress | None = None,
 ) -> list[dict[str, Tensor]]:
     """Forward (and, unless ``forward_only``, backward) over ``microbatches`` as one step.
 
@@ -352,7 +354,9 @@ def run_microbatches(
     ``metrics`` from ``loss_fn`` plus ``loss`` (the micro-batch's summed loss) and
     ``num_tokens``, all detached. ``local_outputs`` (forward-only, per-position metrics):
     under context parallelism ``loss_fn`` sees this rank's positions and its metrics are
-    gathered, rather than seeing the gathered output (module docstring).
+    gathered, rather than seeing the gathered output (module docstring). ``progress``: told
+    how many micro-batches are done as the schedule takes each next one (its caller started
+    the phase and finishes it).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -399,6 +403,7 @@ def run_microbatches(
     grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
 
     replays = any(router_replay.ROUTES_KEY in mb for mb in microbatches)
+    data = iter(microbatches) if progress is None else _counted(microbatches, progress)
     with (
         schedule_context,
         grad_context,
@@ -409,7 +414,7 @@ def run_microbatches(
             forward_step_func=functools.partial(
                 _forward_step, loss_fn, multiple, local_outputs, cp_length, not forward_only
             ),
-            data_iterator=iter(microbatches),
+            data_iterator=data,
             model=[model],
             num_microbatches=len(microbatches),
             # What the stages exchange: the padded length (see _forward_step).
@@ -417,6 +422,14 @@ def run_microbatches(
             micro_batch_size=shape[0],
             forward_only=forward_only,
         )
+
+
+def _counted(microbatches: list[dict[str, Tensor]], progress: Progress) -> Iterator[dict]:
+    """The micro-batches in order, ``progress`` told of those before each one the schedule
+    takes (with pipeline stages, forwards started; one micro-batch at a time otherwise)."""
+    for done, microbatch in enumerate(microbatches):
+        progress.update(done)
+        yield microbatch
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "nemo_rl_offload"
 # Lower layers first; a module may import its own layer or lower ones.
 LAYERS = [
-    {"errors", "failures"},
+    {"errors", "failures", "progress", "known_warnings"},
     {"config"},
     {"data", "environments", "offload"},
     {"distributed", "models", "losses", "gpu_monitor", "metrics_logger"},
