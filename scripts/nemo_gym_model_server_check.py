@@ -12,12 +12,15 @@ length. NeMo-Gym's dependencies are heavy, so it runs in a venv of its own:
         policy.init_checkpoint=null policy.max_total_sequence_length=256 &
     /tmp/gymvenv/bin/python scripts/nemo_gym_model_server_check.py http://HOST:PORT/v1
 
-It prints one JSON line with the findings; exit 0 when all hold.
+A server that asks for a key (NEMO_RL_OFFLOAD_API_KEY set where it started) gets the same
+variable's value from this script's environment. It prints one JSON line with the findings;
+exit 0 when all hold.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from importlib.metadata import version
 from unittest.mock import MagicMock
@@ -35,7 +38,7 @@ def main(base_url: str) -> int:
         host="127.0.0.1",
         port=0,
         base_url=base_url,
-        api_key="unused",
+        api_key=os.environ.get("NEMO_RL_OFFLOAD_API_KEY") or "unused",
         model="policy",
         entrypoint="",
         name="policy_model",

@@ -133,6 +133,7 @@ def start(run: Any, policy: Any, *, seed: int) -> NemoGymServers:
     gym = NemoGymServers(
         settings,
         policy_base_url=server.base_url,
+        policy_api_key=server.api_key,
         model_name=str(run.policy_cfg["model_name"]),
         workdir=workdir,
         ray_address=ray.get_runtime_context().gcs_address,

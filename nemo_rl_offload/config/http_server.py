@@ -4,10 +4,14 @@ NeMo-RL's Megatron backend serves the policy being trained over megatron-core's
 OpenAI-compatible HTTP endpoints when ``expose_http_server`` is true (what NeMo-Gym's model
 servers and other agents sample from), with megatron-core's response ``parsers`` (reasoning
 and tool calls) applied to what it generates; ``policy.generation.port_range_low`` /
-``port_range_high`` bound the port. A recipe whose backend is vLLM or Dynamo says the same in
-``vllm_cfg.expose_http_server``, with vLLM's parser names and chat template in
-``http_server_serving_chat_kwargs``. Here the same endpoints front this backend's sampler
-(:mod:`nemo_rl_offload.serving`), during GRPO and distillation runs and under
+``port_range_high`` bound the port. Beside ``expose_http_server``, this backend reads ``host``
+(megatron-core's ``ServeConfig.host``; here 127.0.0.1 unless set, since the server is a
+policy's sampler that anyone who reaches it can occupy) and ``api_key_env_var`` (the environment
+variable holding the key clients must send, as NeMo-RL's ``http_refit_api_key_env_var`` names
+its refit key's; default :data:`API_KEY_ENV`, no key when that is unset). A recipe whose
+backend is vLLM or Dynamo says the same in ``vllm_cfg``, with vLLM's parser names and chat
+template in ``http_server_serving_chat_kwargs``. Here the same endpoints front this backend's
+sampler (:mod:`nemo_rl_offload.serving`), during GRPO and distillation runs and under
 ``nemo-rl-offload serve``.
 
 This module owns the decision of what is served and what is refused; the serving package
@@ -21,11 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "API_KEY_ENV",
+    "DEFAULT_HOST",
     "MEGATRON_PARSERS",
     "OWN_PARSERS",
     "SERVING_ALGORITHMS",
     "VLLM_EQUIVALENTS",
     "ServingSettings",
+    "api_key",
+    "open_to_the_network",
     "parser_names",
     "problems",
     "serving_settings",
@@ -33,6 +41,13 @@ __all__ = [
 
 # The algorithms whose policy samples (SFT and DPO never generate).
 SERVING_ALGORITHMS = ("grpo", "distillation")
+# Where the server listens unless ``host`` says otherwise: this machine only (NeMo-Gym's servers
+# of a run are on it too). "0.0.0.0" listens on every interface, for clients on other nodes.
+DEFAULT_HOST = "127.0.0.1"
+# The environment variable whose value, when set, is the key every request must bring
+# (``Authorization: Bearer KEY``) unless ``api_key_env_var`` names another.
+API_KEY_ENV = "NEMO_RL_OFFLOAD_API_KEY"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 # megatron-core 0.19's response parsers (its tokenizers.text.parsers.PARSER_MAPPING) and this
@@ -68,6 +83,11 @@ class ServingSettings:
     # http_server_serving_chat_kwargs); a request's chat_template_kwargs win over the defaults.
     chat_template: str | None = None
     template_defaults: Mapping[str, Any] = field(default_factory=dict)
+    host: str = DEFAULT_HOST
+    # The environment variable holding the API key; ``api_key_named`` when the recipe named it
+    # (then it must be set when the server starts).
+    api_key_env_var: str = API_KEY_ENV
+    api_key_named: bool = False
     # Where the settings came from, for messages.
     source: str = "policy.generation.mcore_generation_config"
 
@@ -100,33 +120,90 @@ def _uses_vllm_cfg(section: Mapping[str, Any]) -> bool:
     return _generation(section).get("backend") in _VLLM_BACKENDS
 
 
+def _listener(section: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The chosen backend's section of the serving keys (vllm_cfg or mcore_generation_config)."""
+    generation = _generation(section)
+    key = "vllm_cfg" if _uses_vllm_cfg(section) else "mcore_generation_config"
+    return _sub(generation, key)
+
+
 def serving_settings(section: Mapping[str, Any]) -> ServingSettings:
     """The settings of a policy section that :func:`problems` passed."""
     generation = _generation(section)
     low, high = generation.get("port_range_low"), generation.get("port_range_high")
     port_range = (int(low), int(high)) if low is not None and high is not None else None
+    listener = _listener(section)
+    common: dict[str, Any] = {
+        "port_range": port_range,
+        "host": listener.get("host") or DEFAULT_HOST,
+        "api_key_env_var": listener.get("api_key_env_var") or API_KEY_ENV,
+        "api_key_named": listener.get("api_key_env_var") is not None,
+    }
     if _uses_vllm_cfg(section):
-        vllm = _sub(generation, "vllm_cfg")
-        chat = _sub(vllm, _CHAT_KWARGS)
+        chat = _sub(listener, _CHAT_KWARGS)
         parsers = tuple(
             VLLM_EQUIVALENTS[kind][chat[kind]]
             for kind in ("reasoning_parser", "tool_parser")
             if chat.get(kind) is not None
         )
         return ServingSettings(
-            expose=vllm.get("expose_http_server") is True,
+            expose=listener.get("expose_http_server") is True,
             parsers=parsers,
-            port_range=port_range,
             chat_template=chat.get("chat_template"),
             template_defaults=dict(chat.get("default_chat_template_kwargs") or {}),
             source="policy.generation.vllm_cfg",
+            **common,
         )
-    mcore = _sub(generation, "mcore_generation_config")
     return ServingSettings(
-        expose=mcore.get("expose_http_server") is True,
-        parsers=tuple(mcore.get("parsers") or ()),
-        port_range=port_range,
+        expose=listener.get("expose_http_server") is True,
+        parsers=tuple(listener.get("parsers") or ()),
+        **common,
     )
+
+
+def api_key(settings: ServingSettings, environ: Mapping[str, str]) -> str | None:
+    """The key clients must send (None: none asked), from ``settings.api_key_env_var`` in
+    ``environ``. Raises ValueError, naming the key, when the recipe named a variable that is
+    unset or empty (a server meant to ask for a key must not start open)."""
+    value = environ.get(settings.api_key_env_var) or None
+    if value is None and settings.api_key_named:
+        raise ValueError(
+            f"{settings.source}.api_key_env_var: the environment variable "
+            f"{settings.api_key_env_var} is not set; set it to the key clients send "
+            "(Authorization: Bearer KEY), or remove api_key_env_var"
+        )
+    return value
+
+
+def open_to_the_network(settings: ServingSettings, key: str | None) -> str | None:
+    """A warning line when the server listens beyond this machine without a key."""
+    if key is not None or settings.host in _LOOPBACK:
+        return None
+    return (
+        f"warning: {settings.source}.host: {settings.host} listens beyond this machine and no "
+        f"key is asked (set {settings.api_key_env_var}): anyone who reaches the port can sample "
+        "from the policy"
+    )
+
+
+def _listener_problems(section: Mapping[str, Any], where: str) -> list[str]:
+    listener = _listener(section)
+    source = "vllm_cfg" if _uses_vllm_cfg(section) else "mcore_generation_config"
+    key = f"{where}.generation.{source}"
+    errors = []
+    host = listener.get("host")
+    if host is not None and (not isinstance(host, str) or not host or " " in host):
+        errors.append(
+            f"{key}.host: {host!r} is not an address to listen on; give one such as 127.0.0.1 "
+            "(this machine only, the default) or 0.0.0.0 (every interface)"
+        )
+    env = listener.get("api_key_env_var")
+    if env is not None and not (isinstance(env, str) and env.isidentifier()):
+        errors.append(
+            f"{key}.api_key_env_var: {env!r} is not an environment variable's name; give one "
+            f"such as {API_KEY_ENV}"
+        )
+    return errors
 
 
 def _vllm_problems(section: Mapping[str, Any], where: str) -> list[str]:
@@ -199,6 +276,7 @@ def problems(
                 errors.append(f"{key}.parsers: {parsers!r} names a parser twice; name it once")
     if _uses_vllm_cfg(section):
         errors += _vllm_problems(section, where)
+    errors += _listener_problems(section, where)
     low = generation.get("port_range_low")
     high = generation.get("port_range_high")
     g = f"{where}.generation"

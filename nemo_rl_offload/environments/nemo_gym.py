@@ -122,9 +122,12 @@ class NemoGymServers:
         ray_address: str | None = None,
         python: str | None = None,
         max_concurrent: int = 256,
+        policy_api_key: str | None = None,
     ) -> None:
         self.settings = settings
         self._policy_base_url = policy_base_url
+        # The key the policy's server asks for (None: it asks none; NeMo-Gym needs a value).
+        self._policy_api_key = policy_api_key
         self._model_name = model_name
         self._workdir = Path(workdir)
         self._ray_address = ray_address
@@ -140,7 +143,7 @@ class NemoGymServers:
         config = dict(self.settings.global_config)
         config.update(
             policy_model_name=self._model_name,
-            policy_api_key="unused",  # the policy's server takes no key
+            policy_api_key=self._policy_api_key or "unused",
             policy_base_url=self._policy_base_url,
             head_server={"host": "127.0.0.1", "port": head_port},
         )
@@ -154,6 +157,8 @@ class NemoGymServers:
         _require_nemo_gym(self._python)
         head_port = _free_port()
         ours = self._workdir / "nemo_gym_run.yaml"
+        ours.touch(mode=0o600)  # it may hold the policy server's key
+        ours.chmod(0o600)  # (touch keeps an existing file's mode)
         ours.write_text(yaml.safe_dump(self._global_config(head_port), sort_keys=False))
         command = [
             self._python,

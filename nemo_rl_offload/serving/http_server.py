@@ -1,14 +1,16 @@
 """megatron-core's OpenAI-compatible endpoints, served in this process in front of the sampler.
 
-The endpoints (``/v1/chat/completions``, ``/v1/completions``, ``/health``) are megatron-core's
-own Quart blueprints, the ones NeMo-RL's Megatron backend serves: chat templating, the
+The endpoints (``/v1/chat/completions``, ``/v1/completions``) are megatron-core's own Quart
+blueprints, the ones NeMo-RL's Megatron backend serves: chat templating, the
 ``prevent_retokenization`` splice of a multi-turn conversation's earlier tokens, the
 ``parsers`` (reasoning and tool calls, ``mcore_generation_config.parsers``), the response's
 ``prompt_token_ids`` / ``generation_token_ids`` / ``generation_log_probs`` that NeMo-Gym's
 model server trains from. What they call is their app config's ``client``
 (:class:`~.sampler_client.SamplerClient` here) and ``tokenizer`` (:class:`ServingTokenizer`).
-This module adds ``/v1/models`` (OpenAI clients list models first) and runs the app on
-hypercorn in a background thread with its own event loop, bound before :meth:`start` returns.
+This module adds ``/v1/models`` (OpenAI clients list models first), puts
+:mod:`.request_guard` in front (the API key, the requests' bounds, JSON errors, and a ``/health``
+that says when the policy's workers are down), and runs the app on hypercorn in a background
+thread with its own event loop, bound before :meth:`start` returns.
 
 megatron-core's endpoints are private API of its inference package: :func:`_endpoint_blueprints`
 checks that the three this server needs are there and fails naming the version otherwise.
@@ -21,17 +23,19 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nemo_rl_offload.config.router_replay import ROUTES_KEY
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.serving import parsers as response_parsers
+from nemo_rl_offload.serving import request_guard
+from nemo_rl_offload.serving.request_bounds import Limits
 from nemo_rl_offload.serving.sampler_client import SamplerClient
 
 __all__ = ["PolicyServer", "ServingTokenizer", "bound_socket"]
 
-_NEEDED_BLUEPRINTS = ("chat_completions_api", "completions_api", "health_api")
+_NEEDED_BLUEPRINTS = ("chat_completions_api", "completions_api")
 _START_TIMEOUT_S = 60.0
 
 
@@ -70,6 +74,10 @@ class ServingTokenizer:
     @property
     def eos_id(self) -> int:
         return self._tokenizer.eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tokenizer.vocab_size)
 
     def apply_chat_template(
         self,
@@ -168,7 +176,9 @@ def bound_socket(host: str, low: int | None = None, high: int | None = None) -> 
 class PolicyServer:
     """The endpoints on ``host`` (a free port, within ``port_range`` when given) until
     :meth:`stop`. ``model_name`` is what ``/v1/models`` lists; ``parsers`` are megatron-core's
-    parser names (``mcore_generation_config.parsers``)."""
+    parser names (``mcore_generation_config.parsers``); ``api_key``, when given, is asked of
+    every request but ``/health``; ``health()`` is None while the policy can sample, else why
+    not (``/health`` answers 503 then)."""
 
     def __init__(
         self,
@@ -182,6 +192,8 @@ class PolicyServer:
         host: str = "127.0.0.1",
         port_range: tuple[int, int] | None = None,
         advertised_host: str | None = None,
+        api_key: str | None = None,
+        health: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.client = client
         self._tokenizer = ServingTokenizer(
@@ -192,6 +204,8 @@ class PolicyServer:
         self._host = host
         self._advertised = advertised_host or ("127.0.0.1" if host == "0.0.0.0" else host)
         self._port_range = port_range
+        self.api_key = api_key or None
+        self.health = health
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
@@ -236,6 +250,12 @@ class PolicyServer:
             return jsonify(listing)
 
         app.register_blueprint(models)
+        request_guard.install(
+            app,
+            limits=Limits(max_len=self.client.max_len, vocab_size=self._tokenizer.vocab_size),
+            api_key=self.api_key,
+            health=self.health,
+        )
 
         @app.after_request
         async def routes_for_nemo_gym(response: Any) -> Any:

@@ -5,11 +5,13 @@ distillation run and ``nemo-rl-offload serve`` start the server."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nemo_rl_offload.config import http_server, router_replay
+from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.generation import Generated, SamplingSettings
 from nemo_rl_offload.serving.http_server import PolicyServer
 from nemo_rl_offload.serving.sampler_client import SamplerClient
@@ -21,8 +23,11 @@ __all__ = ["MAX_REQUESTS_PER_CALL", "serve_policy"]
 MAX_REQUESTS_PER_CALL = 1024
 
 
-def _advertised_host() -> str:
-    """The address other machines reach this one at (Ray's node address when Ray runs)."""
+def _advertised_host(host: str) -> str:
+    """The address clients are told: ``host`` itself, or for every interface ("0.0.0.0") the
+    address other machines reach this one at (Ray's node address when Ray runs)."""
+    if host not in ("0.0.0.0", "::"):
+        return host
     try:
         import ray
 
@@ -49,6 +54,13 @@ def serve_policy(
     settings = http_server.serving_settings(policy_cfg)
     if not (settings.expose or force):
         return None
+    try:
+        api_key = http_server.api_key(settings, os.environ)
+    except ValueError as exc:
+        raise UserInputError(str(exc)) from None
+    warning = http_server.open_to_the_network(settings, api_key)
+    if warning:
+        print(warning, file=sys.stderr)
     generation = policy_cfg.get("generation") or {}
     pad_id = tokenizer.pad_id
     # policy.router_replay: each completion carries its routes (to NeMo-Gym, for the trainer).
@@ -85,14 +97,18 @@ def serve_policy(
         parsers=settings.parsers,
         chat_template=settings.chat_template,
         template_defaults=settings.template_defaults,
-        host="0.0.0.0",
+        host=settings.host,
         port_range=settings.port_range,
-        advertised_host=_advertised_host(),
+        advertised_host=_advertised_host(settings.host),
+        api_key=api_key,
+        # /health answers 503 once the workers are stopped (a worker died or hung)
+        health=lambda: getattr(policy, "stopped", None),
     ).start()
     parsers = f" with parsers {', '.join(settings.parsers)}" if settings.parsers else ""
+    key = f", key from {settings.api_key_env_var}" if api_key else ""
     print(
         f"policy: OpenAI-compatible endpoints at {server.base_url} (chat/completions, "
-        f"completions, models){parsers}",
+        f"completions, models){parsers}{key}",
         file=sys.stderr,
         flush=True,
     )

@@ -19,13 +19,18 @@ sampler waits for the rest of its burst (:data:`GATHER_QUIET_S`). A request the 
 serve as asked gets a failed record whose message the endpoints return with HTTP 400, naming
 the parameter and what to send instead; an over-long prompt's message carries megatron-core's
 ``MaxSequenceLengthOverflowError`` wording, which NeMo-Gym's model server reads as a finish by
-length.
+length. (The request's fields were checked before: :mod:`.request_bounds`.)
+
+A sampler call that raises fails its requests with a transient record (HTTP 500; the error is
+logged here, not sent). When the call held several requests, each is tried again alone first,
+so that one request the policy cannot sample fails alone and its neighbours are served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -33,6 +38,8 @@ from typing import Any
 from nemo_rl_offload.models.generation import Generated, SamplingSettings
 
 __all__ = ["GenerateFn", "SamplerClient"]
+
+_LOG = logging.getLogger("nemo_rl_offload.serving")
 
 # The sampler: prompts, their shared settings and a seed -> one Generated per prompt, in order.
 GenerateFn = Callable[[list[list[int]], SamplingSettings, int], list[Generated]]
@@ -131,6 +138,12 @@ class SamplerClient:
         (a 400 for the client)."""
         if not prompt:
             return "the prompt is empty: it needs at least one token"
+        if self._vocab_limit is not None and not all(0 <= t < self._vocab_limit for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < self._vocab_limit)
+            return (
+                f"prompt: token id {bad} is outside the vocabulary [0, {self._vocab_limit}) "
+                "(in the prompt or an earlier turn's token ids)"
+            )
         top_n = int(getattr(params, "top_n_logprobs", 0) or 0)
         if top_n > 0:
             return (
@@ -196,23 +209,34 @@ class SamplerClient:
             while len(batch) < self._max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
             for group in _by_settings(batch):
-                longest = max(p.settings.max_new_tokens for p in group)
-                settings = replace(group[0].settings, max_new_tokens=longest)
-                seed = self._seed + _SEED_STRIDE * self._calls
-                self._calls += 1
-                prompts = [p.prompt for p in group]
-                try:
-                    generated = await loop.run_in_executor(
-                        self._executor, self._generate, prompts, settings, seed
-                    )
-                except Exception as exc:  # the policy failed: every request of the call fails
-                    message = f"the policy's sampler failed: {type(exc).__name__}: {exc}"
-                    for p in group:
-                        _resolve(p.future, _failed(message, transient=True))
-                    continue
-                epoch = self._policy_epoch()
-                for p, g in zip(group, generated, strict=True):
-                    _resolve(p.future, self._record(p, g, epoch))
+                if not await self._sample(loop, group) and len(group) > 1:
+                    for pending in group:  # which request failed it: each alone
+                        await self._sample(loop, [pending])
+
+    async def _sample(self, loop: asyncio.AbstractEventLoop, group: list[_Pending]) -> bool:
+        """One sampler call for ``group`` (requests of the same settings), resolving each
+        request's future; False when the call raised (a lone request's future is then failed,
+        several requests' are left for the caller to try one by one)."""
+        longest = max(p.settings.max_new_tokens for p in group)
+        settings = replace(group[0].settings, max_new_tokens=longest)
+        seed = self._seed + _SEED_STRIDE * self._calls
+        self._calls += 1
+        prompts = [p.prompt for p in group]
+        try:
+            generated = await loop.run_in_executor(
+                self._executor, self._generate, prompts, settings, seed
+            )
+        except Exception:  # the policy failed this call: logged here, not told to the client
+            _LOG.exception(
+                "the policy's sampler failed a call of %d request(s) (%s)", len(group), settings
+            )
+            if len(group) == 1:
+                _resolve(group[0].future, _failed("the policy's sampler failed", transient=True))
+            return False
+        epoch = self._policy_epoch()
+        for p, g in zip(group, generated, strict=True):
+            _resolve(p.future, self._record(p, g, epoch))
+        return True
 
     async def _gather_burst(self) -> None:
         """Wait while requests keep arriving (at most the cap, or until a call's worth)."""

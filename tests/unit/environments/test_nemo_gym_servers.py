@@ -89,3 +89,21 @@ def test_a_failing_agent_is_one_line_naming_it_and_the_log(tmp_path: Path):
             gym.run([{**row, "agent_ref": {"name": "other"}}])
     finally:
         server.shutdown()
+
+
+def test_the_policy_server_s_key_goes_to_nemo_gym_s_model_servers(tmp_path: Path):
+    """NeMo-Gym's model servers send policy_api_key to the policy's server as its bearer key."""
+
+    def config(**kwargs: object) -> dict:
+        gym = nemo_gym.NemoGymServers(
+            nemo_gym.gym_settings({"nemo_gym": {"config_paths": ["a.yaml"]}}),
+            policy_base_url="http://127.0.0.1:1/v1",
+            model_name="m",
+            workdir=tmp_path,
+            python=sys.executable,
+            **kwargs,
+        )
+        return gym._global_config(head_port=2)
+
+    assert config(policy_api_key="s3cret")["policy_api_key"] == "s3cret"
+    assert config()["policy_api_key"] == "unused"  # NeMo-Gym needs a value; none is asked

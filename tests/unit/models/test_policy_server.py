@@ -244,3 +244,21 @@ def test_models_and_health_are_listed(served):
     root = server.base_url.removesuffix("/v1")
     with urllib.request.urlopen(f"{root}/health", timeout=30) as response:
         assert json.loads(response.read())["ready"] is True
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [({"temperature": float("nan")}, "temperature"), ({"top_k": 100000}, "top_k")],
+)
+def test_the_issue_s_probes_are_refused_and_the_real_sampler_serves_on(served, change, param):
+    """The requests that once failed in the sampler and broke the server for good (NaN, a
+    top_k past the vocabulary) are 400s naming the field; the next request samples."""
+    server, calls, _, _ = served
+    chat = {"messages": [{"role": "user", "content": "2+2="}], "max_tokens": 3}
+    status, text = _post(f"{server.base_url}/chat/completions", {**chat, **change})
+    assert status == 400
+    assert json.loads(text)["error"]["param"] == param
+    assert calls == []
+    status, body = _post(f"{server.base_url}/chat/completions", {**chat, "temperature": 0})
+    assert status == 200, body
+    assert 1 <= len(body["choices"][0]["message"]["generation_token_ids"]) <= 3

@@ -126,3 +126,41 @@ def test_a_completion_carries_its_routes_for_router_replay():
     client.stop()
     assert record["generated_tokens"] == [3, 4, 5]  # cut at its own max_tokens
     assert record["routing_indices"] == routes[:5].tolist()
+
+
+def test_a_failing_call_is_retried_request_by_request_so_only_its_culprit_fails(caplog):
+    """A sampler call that raises (a worker's error) is logged; its requests are sampled again
+    one by one, so the request the policy cannot take fails alone, with a generic message."""
+    import asyncio
+
+    from nemo_rl_offload.models.generation import Generated
+
+    calls: list[int] = []
+
+    def generate(prompts, settings, seed):
+        calls.append(len(prompts))
+        if any(13 in p for p in prompts):
+            raise RuntimeError("index out of range in the embedding (at model.py:3 in forward)")
+        return [Generated([EOS], [-0.5]) for _ in prompts]
+
+    client = SamplerClient(generate, decode=str, max_len=32, eos_id=EOS, gather_quiet_s=0.05)
+
+    async def burst() -> list[dict]:
+        params = SamplingParams(num_tokens_to_generate=2)
+        return await asyncio.gather(
+            *(client.add_request(p, params) for p in ([1, 2], [13, 2], [3]))
+        )
+
+    with caplog.at_level("ERROR", logger="nemo_rl_offload.serving"):
+        records = asyncio.run(burst())
+    client.stop()
+    assert calls == [3, 1, 1, 1]
+    assert [r["status"] for r in records] == ["COMPLETED", "FAILED", "COMPLETED"]
+    failed = records[1]["events"][0]
+    assert failed == {"type": "ERROR_TRANSIENT", "payload": "the policy's sampler failed"}
+    assert "index out of range" in caplog.text  # the details go to the log
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused():
+    message = _client().settings_for([1, 100], SamplingParams())
+    assert message.startswith("prompt: token id 100 is outside the vocabulary [0, 100)")
