@@ -19,8 +19,10 @@ distributed checkpoint format, written by Megatron), into ``<step dir>/policy/``
 parallel sizes and whether the distributed optimizer was on): loading reads it first, so a
 layout change that cannot be loaded is refused in one line before any rank reads tensors.
 
+Nothing of a checkpoint is unpickled without an allowlist (:mod:`checkpoint_safety`).
+
 Checkpoints of the first format (one ``torch.save`` file per model-parallel shard,
-``model_tp<t>_pp<p>.pt``) are still read: their weights (``policy.init_checkpoint``,
+``model_tp<t>_pp<p>.pt``) are still read, weights-only: their weights (``policy.init_checkpoint``,
 ``export-hf``), and on resume also the optimizer and scheduler state they hold, onto the
 tensor/pipeline layout they were written with (they held no generator states).
 """
@@ -39,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.models import checkpoint_safety
 
 FORMAT = "megatron_dist_checkpoint"
 FORMAT_VERSION = 1
@@ -444,6 +447,9 @@ def load(
     from torch.distributed.checkpoint.api import CheckpointException
 
     saved = read_saved(directory)
+    # Before megatron or torch unpickles anything of it: its metadata through an allowlist,
+    # its files complete.
+    checkpoint_safety.check_distributed(directory)
     current = Layout.current(distributed_optimizer=distributed_optimizer)
     full = not weights_only and optimizer is not None
     if full:
@@ -459,9 +465,12 @@ def load(
         if restore_rng:
             request["rng_state"] = _rng_object(None)
     try:
-        with _checkpoint_io(on_gpu):
+        with _checkpoint_io(on_gpu), checkpoint_safety.restricted_bytes():
             state = dist_checkpointing.load(request, str(directory))
     except (CheckpointingException, CheckpointException, OSError, RuntimeError) as exc:
+        refused = checkpoint_safety.refusal(exc)
+        if refused is not None:
+            raise UserInputError(f"{directory}: refused: {refused}") from None
         raise UserInputError(
             f"{directory}: cannot be read into this model on {current.describe()} (saved "
             f"with {saved.layout.describe()}): {_reason(exc)}; check that the recipe's model "
@@ -503,10 +512,21 @@ def legacy_shard_path(directory: str | Path) -> Path:
 
 def read_legacy_shard(path: str | Path) -> dict[str, Any]:
     """One shard file of the first format: ``model`` (its state dict) and, when it was
-    saved with them, ``optimizer``, ``scheduler`` and ``step``."""
-    import torch
+    saved with them, ``optimizer``, ``scheduler`` and ``step``; read weights-only, so a file
+    that holds anything but tensors and plain data is refused in one line."""
+    return checkpoint_safety.load_legacy(path)
 
+
+def problem(directory: str | Path) -> str | None:
+    """Why the policy checkpoint in ``directory`` cannot be loaded as it is (missing, damaged
+    or truncated files, a refused pickle), without reading its tensors; None when complete."""
+    directory = Path(directory)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a truncated or foreign file
-        raise UserInputError(f"{path}: not readable ({exc})") from exc
+        if is_legacy(directory):
+            checkpoint_safety.check_legacy(sorted(directory.glob("model_tp*_pp*.pt")))
+        else:
+            read_saved(directory)
+            checkpoint_safety.check_distributed(directory)
+    except UserInputError as exc:
+        return exc.problems[0]
+    return None

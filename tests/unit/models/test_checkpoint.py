@@ -260,7 +260,7 @@ def test_a_checkpoint_of_another_model_or_with_damaged_files_is_one_line(
     shutil.copytree(tmp_path / "dense", tmp_path / "damaged")
     for part in (tmp_path / "damaged").glob("*.distcp"):
         part.write_bytes(part.read_bytes()[:1000])
-    with pytest.raises(UserInputError, match="that its files are complete"):
+    with pytest.raises(UserInputError, match=r"__0_0.distcp: 1000 bytes, .* truncated"):
         dense.load_checkpoint(str(tmp_path / "damaged"))
     for worker in (dense, moe):
         worker.close()
@@ -283,3 +283,58 @@ def test_bfloat16_training_resumes_bitwise(megatron_cpu, tmp_path, distributed):
     assert _state_equal(resumed._unwrapped().state_dict(), trained._unwrapped().state_dict())
     for made in (trained, resumed):
         made.close()
+
+
+# ------------------------------------------------------- crafted files run no code
+class _Payload:
+    """Unpickling this creates ``marker``: what a crafted checkpoint file would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_crafted_checkpoint_files_are_refused_in_one_line_and_run_nothing(
+    megatron_cpu, tmp_path, monkeypatch
+):
+    """The first format's shard (policy.init_checkpoint, export-hf), the current format's
+    .metadata and an object stored inside its data file: each one line naming the file or
+    entry; the payload never runs. The same worker still loads a real checkpoint."""
+    import pickle
+
+    marker = tmp_path / "ran"
+    worker = _worker()
+    worker.train(worker_ranks.step_batches(1), worker_ranks.LOSS)  # Adam's state exists
+    worker.save_checkpoint(str(tmp_path / "real"))
+
+    legacy = tmp_path / "legacy" / "policy"
+    legacy.mkdir(parents=True)
+    state = {"model": worker._unwrapped().state_dict(), "step": _Payload(marker)}
+    torch.save(state, legacy / "model_tp0_pp0.pt")
+    with pytest.raises(UserInputError) as caught:
+        worker.load_checkpoint(str(legacy), weights_only=True)
+    (line,) = caught.value.problems
+    assert line.startswith(f"{legacy / 'model_tp0_pp0.pt'}: refused: it holds _io.open")
+
+    crafted = tmp_path / "metadata"
+    shutil.copytree(tmp_path / "real", crafted)
+    (crafted / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(UserInputError) as caught:
+        worker.load_checkpoint(str(crafted))
+    (line,) = caught.value.problems
+    assert line.startswith(f"{crafted / '.metadata'}: refused: it names _io.open")
+
+    monkeypatch.setattr(checkpoint, "_rng_state", lambda on_gpu: {"x": _Payload(marker)})
+    worker.save_checkpoint(str(tmp_path / "object"))
+    monkeypatch.undo()
+    with pytest.raises(UserInputError) as caught:
+        worker.load_checkpoint(str(tmp_path / "object"))
+    (line,) = caught.value.problems
+    assert line.startswith(f"{tmp_path / 'object'}: refused: its entry rng_state"), line
+    assert "holds _io.open" in line
+    assert not marker.exists()
+
+    assert worker.load_checkpoint(str(tmp_path / "real")) == 1
+    worker.close()
