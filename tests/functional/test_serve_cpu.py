@@ -1,5 +1,6 @@
 """``nemo-rl-offload serve`` as a user runs it: the tiny GRPO recipe's two CPU workers behind
-the OpenAI-compatible endpoints, asked by a client, stopped with Ctrl-C."""
+the OpenAI-compatible endpoints, asked by a client (with the key of the server's environment;
+a bad request refused without harm to the next), stopped with Ctrl-C."""
 
 from __future__ import annotations
 
@@ -10,20 +11,31 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "configs" / "tiny" / "grpo.yaml"
+KEY = "functional-test-key"
 
 
-def _post(url: str, body: dict[str, Any]) -> Any:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
+def _post(url: str, body: dict[str, Any], key: str | None = KEY) -> Any:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
+
+
+def _refused(url: str, body: dict[str, Any], key: str | None = KEY) -> tuple[int, dict]:
+    try:
+        _post(url, body, key)
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    raise AssertionError(f"{body} was served")
 
 
 def test_serve_answers_clients_until_interrupted(tmp_path: Path) -> None:
@@ -44,7 +56,7 @@ def test_serve_answers_clients_until_interrupted(tmp_path: Path) -> None:
             stdout=sink,
             stderr=subprocess.STDOUT,
             cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            env={**os.environ, "PYTHONPATH": str(REPO), "NEMO_RL_OFFLOAD_API_KEY": KEY},
         )
     try:
         deadline = time.monotonic() + 240
@@ -55,6 +67,18 @@ def test_serve_answers_clients_until_interrupted(tmp_path: Path) -> None:
             url = found.group(1) if found else None
         assert url is not None, log.read_text()[-3000:]
         assert 25000 <= int(url.rsplit(":", 1)[1].split("/")[0]) < 26000
+        assert url.startswith("http://127.0.0.1:")  # this machine only, unless host says
+        chat_body = {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 2}
+        assert _refused(f"{url}/chat/completions", chat_body, key=None)[0] == 401
+        # what once failed in the workers and ended the server: refused, naming the field
+        status, error = _refused(f"{url}/chat/completions", {**chat_body, "temperature": -1})
+        assert (status, error["error"]["param"]) == (400, "temperature")
+        status, error = _refused(f"{url}/chat/completions", {**chat_body, "top_k": 100000})
+        assert (status, error["error"]["param"]) == (400, "top_k")
+        nan = {**chat_body, "temperature": float("nan")}
+        assert _refused(f"{url}/chat/completions", nan)[1]["error"]["param"] == "temperature"
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as health:
+            assert json.loads(health.read())["ready"] is True
         # one request: fewer prompts than the two data-parallel workers
         chat = _post(
             f"{url}/chat/completions",
