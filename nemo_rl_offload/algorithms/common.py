@@ -10,9 +10,11 @@ A run directory layout (``checkpointing.checkpoint_dir``)::
 
 A checkpoint directory is written as ``.tmp_step_N`` and renamed to ``step_N`` only when the
 workers' parts and state.json are all written, so a stop mid-save leaves the previous
-checkpoint as the latest complete one; resume looks only at ``step_N`` directories with a
-state.json, and removes ``.tmp_*`` leftovers. Old checkpoints are renamed away before they are
-deleted, for the same reason.
+checkpoint as the latest complete one; resume looks only at ``step_N`` directories, takes the
+newest whose state.json and workers' files are complete (a damaged newer one is passed over
+with a warning), ignores other entries with a warning, and removes ``.tmp_*`` leftovers. Old
+checkpoints are renamed away before they are deleted, for the same reason. The directory's
+writability is checked before the first step.
 
 Resume is exact: everything a step's outcome depends on is restored (the workers' full state,
 the data order position; GRPO's and distillation's sampling seeds are derived from the step
@@ -25,8 +27,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,27 +80,139 @@ def remove_incomplete(root: str | Path) -> list[Path]:
     return leftovers
 
 
-def checkpoint_dirs(root: str | Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of a ``step_N`` directory's name; None for any other entry."""
+    match = STEP_DIR.fullmatch(path.name)
+    return int(match[1]) if match and path.is_dir() else None
+
+
+def _step_dirs(root: str | Path) -> list[Path]:
+    """Every ``step_N`` directory under ``root`` (complete or not), oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+    found = [p for p in root.iterdir() if _step_of(p) is not None]
+    return sorted(found, key=lambda p: _step_of(p) or 0)
+
+
+def checkpoint_dirs(root: str | Path) -> list[Path]:
+    """Checkpoints under ``root`` with their ``state.json`` (written last), oldest first;
+    entries that are not ``step_N`` directories are left alone (:func:`stray_entries`)."""
+    return [p for p in _step_dirs(root) if (p / STATE_FILE).is_file()]
+
+
+def stray_entries(root: str | Path) -> list[str]:
+    """Names under ``root`` that are neither checkpoints nor this package's leftovers (a
+    ``step_6.bak`` copy, notes): ignored, and named in a warning at the start."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        p.name for p in root.iterdir() if _step_of(p) is None and not p.name.startswith(TMP_PREFIX)
+    )
+
+
+def read_state(step_dir: Path) -> dict[str, Any]:
+    """A checkpoint's driver state (``state.json``); one line when it is missing or damaged."""
+    path = step_dir / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserInputError(f"{path}: missing (a partial checkpoint)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserInputError(f"{path}: damaged ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or isinstance(state.get("step"), bool):
+        raise UserInputError(f"{path}: damaged (not a checkpoint's driver state)")
+    if not isinstance(state.get("step"), int):
+        raise UserInputError(f"{path}: damaged (no step number)")
+    return state
+
+
+def checkpoint_problem(step_dir: Path) -> str | None:
+    """Why ``step_dir`` cannot be resumed or loaded as it is (its state.json, its workers'
+    files: :func:`models.checkpoint.problem`, no tensor read), or None."""
+    from nemo_rl_offload.models.checkpoint import problem
+
+    try:
+        read_state(step_dir)
+    except UserInputError as exc:
+        return exc.problems[0]
+    return problem(step_dir / "policy")
+
+
+def latest_good(root: str | Path, where: str) -> Path | None:
+    """The newest complete checkpoint under ``root`` (None when there is none at all). A
+    damaged or partial newer one is passed over with one warning line each; when none is
+    complete, one line refusing (a run must not silently start afresh over them)."""
+    candidates = _step_dirs(root)
+    for step_dir in reversed(candidates):
+        trouble = checkpoint_problem(step_dir)
+        if trouble is None:
+            return step_dir
+        print(
+            f"warning: {where}: skipping the damaged checkpoint {step_dir.name}: {trouble}",
+            file=sys.stderr,
+        )
+    if candidates:
+        raise UserInputError(
+            f"{where}: no complete checkpoint under {root} (each is damaged or partial, see "
+            "the warnings above); move them away to start afresh, or restore one"
+        )
+    return None
 
 
 def resolve_checkpoint(path: str, where: str) -> Path:
-    """A checkpoint step directory, or the latest one under a checkpoint_dir."""
+    """A checkpoint step directory, or the latest complete one under a checkpoint_dir."""
     candidate = Path(path)
     if (candidate / STATE_FILE).is_file():
         return candidate
-    found = checkpoint_dirs(candidate)
-    if not found:
+    found = latest_good(candidate, where)
+    if found is None:
         raise UserInputError(
             f"{where}: no checkpoint at '{path}' (expected a step_N directory with {STATE_FILE},"
             " or a checkpoint_dir that holds some); run the earlier stage first"
         )
-    return found[-1]
+    return found
+
+
+def check_writable(root: str | Path) -> None:
+    """Before the first step: the checkpoint directory can be created and written, so that
+    a read-only one is found now, not at the first save after the steps before it ran."""
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=f"{TMP_PREFIX}write_check_"):
+            pass
+    except OSError as exc:
+        raise UserInputError(
+            f"checkpointing.checkpoint_dir: cannot write checkpoints to {root} "
+            f"({exc.strerror or exc}); make it writable or set checkpointing.checkpoint_dir "
+            "to a directory you can write"
+        ) from None
+
+
+def find_resume(root: str | Path) -> tuple[Path | None, dict[str, Any]]:
+    """At the start of a run with checkpointing: check ``root`` writable, remove leftovers,
+    warn about entries that are not checkpoints, and find the checkpoint to resume (the
+    latest complete one) with its driver state; (None, {}) for a fresh start."""
+    check_writable(root)
+    for leftover in remove_incomplete(root):
+        print(f"removed an incomplete checkpoint: {leftover}", file=sys.stderr)
+    stray = stray_entries(root)
+    if stray:
+        print(
+            f"warning: checkpointing.checkpoint_dir: ignoring {len(stray)} "
+            f"entr{'y' if len(stray) == 1 else 'ies'} that {'is' if len(stray) == 1 else 'are'}"
+            f" not a checkpoint (step_N): {', '.join(stray)}",
+            file=sys.stderr,
+        )
+    resume_from = latest_good(root, "checkpointing.checkpoint_dir")
+    if resume_from is None:
+        return None, {}
+    return resume_from, read_state(resume_from)
 
 
 def data_where(data_cfg: dict, split: str) -> str:
@@ -363,11 +479,8 @@ class Run:
         """keep_top_k: delete the checkpoints it does not keep (config.checkpointing says
         which: the best k by metric_name, or the newest k, and always the newest)."""
         ckpt = self.recipe["checkpointing"]
-        directories = {int(path.name.split("_")[1]): path for path in checkpoint_dirs(root)}
-        history = [
-            (step, json.loads((path / STATE_FILE).read_text()).get("metrics") or {})
-            for step, path in directories.items()
-        ]
+        directories = {_step_of(path) or 0: path for path in checkpoint_dirs(root)}
+        history = [(step, _recorded(path)) for step, path in directories.items()]
         for step in checkpointing.steps_to_delete(
             history,
             keep_top_k=ckpt.get("keep_top_k"),
@@ -619,6 +732,14 @@ class Run:
             cluster.shutdown(self.cluster_info)
 
 
+def _recorded(step_dir: Path) -> dict[str, float]:
+    """The metrics a checkpoint recorded (none for a damaged state.json: it ranks last)."""
+    try:
+        return read_state(step_dir).get("metrics") or {}
+    except UserInputError:
+        return {}
+
+
 def _not_quantized(policy_dir: Path, key: str) -> None:
     """A quantization-aware run's checkpoint (ModelOpt's entries, models.quantization) gives
     weights to a run by resuming only; one line naming the other ways."""
@@ -670,14 +791,8 @@ def prepare(
     tokenizer = policy_tokenizer(recipe["policy"])
     ckpt = recipe["checkpointing"]
     resume_from, start_step, driver_state = None, 0, {}
-    existing = []
     if ckpt.get("enabled", True):
-        for leftover in remove_incomplete(ckpt["checkpoint_dir"]):
-            print(f"removed an incomplete checkpoint: {leftover}", file=sys.stderr)
-        existing = checkpoint_dirs(ckpt["checkpoint_dir"])
-    if existing:
-        resume_from = existing[-1]
-        driver_state = json.loads((resume_from / STATE_FILE).read_text())
+        resume_from, driver_state = find_resume(ckpt["checkpoint_dir"])
         start_step = int(driver_state.get("step", 0))
     logger_cfg = recipe["logger"]
     logger = MetricsLogger(

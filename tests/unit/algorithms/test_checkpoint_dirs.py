@@ -13,11 +13,13 @@ import json
 from pathlib import Path
 
 import pytest
+from support.tiny_checkpoints import write_policy
 
 from nemo_rl_offload.algorithms.common import (
     STATE_FILE,
     Run,
     checkpoint_dirs,
+    checkpoint_problem,
     remove_incomplete,
     resolve_checkpoint,
 )
@@ -26,12 +28,10 @@ from nemo_rl_offload.metrics_logger import MetricsLogger, read_metrics
 
 
 class WritingPolicy:
-    """Writes a policy directory as the workers do (a data file, then its description)."""
+    """Writes a policy directory as the workers do (data files, then its description)."""
 
     def save(self, directory: str) -> None:
-        Path(directory).mkdir(parents=True)
-        (Path(directory) / "__0_0.distcp").write_bytes(b"weights")
-        (Path(directory) / "layout.json").write_text("{}")
+        write_policy(directory)
 
 
 class CrashingPolicy(WritingPolicy):
@@ -73,12 +73,20 @@ def test_the_next_save_replaces_leftovers_and_keeps_the_newest(tmp_path):
         run.save(CrashingPolicy(), 6, {"position": 192})
     run.save(WritingPolicy(), 6, {"position": 192})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000006"]
-    assert (tmp_path / "step_000006" / "policy" / "__0_0.distcp").read_bytes() == b"weights"
+    assert (tmp_path / "step_000006" / "policy" / "__0_0.distcp").read_bytes() != b"half"
+    assert checkpoint_problem(tmp_path / "step_000006") is None  # the complete one
 
 
 def test_a_checkpoint_dir_without_complete_checkpoints_is_one_line(tmp_path):
     (tmp_path / ".tmp_step_000003" / "policy").mkdir(parents=True)
     (tmp_path / "step_000002").mkdir()  # no state.json: not complete
+    with pytest.raises(UserInputError) as caught:
+        resolve_checkpoint(str(tmp_path), "policy.init_checkpoint")
+    assert caught.value.problems == [
+        f"policy.init_checkpoint: no complete checkpoint under {tmp_path} (each is damaged or "
+        "partial, see the warnings above); move them away to start afresh, or restore one"
+    ]
+    (tmp_path / "step_000002").rmdir()
     with pytest.raises(UserInputError) as caught:
         resolve_checkpoint(str(tmp_path), "policy.init_checkpoint")
     assert caught.value.problems[0].startswith(
