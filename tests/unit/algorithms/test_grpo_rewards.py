@@ -18,6 +18,7 @@ from nemo_rl_offload.algorithms.common import EpochSampler
 from nemo_rl_offload.data.tokenizer import ByteTokenizer
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.generation import Generated
+from nemo_rl_offload.progress import Progress
 
 TOKENIZER = ByteTokenizer()
 EOS = TOKENIZER.eos_id
@@ -105,7 +106,11 @@ def fake_run(grpo_cfg: dict, **generation) -> SimpleNamespace:
         "logger": {},
     }
     return SimpleNamespace(
-        recipe=recipe, policy_cfg=recipe["policy"], tokenizer=TOKENIZER, max_len=64
+        recipe=recipe,
+        policy_cfg=recipe["policy"],
+        tokenizer=TOKENIZER,
+        max_len=64,
+        progress=Progress(enabled=False),
     )
 
 
