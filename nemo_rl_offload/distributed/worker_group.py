@@ -98,6 +98,7 @@ class WorkerGroup:
         self.name = name
         # Why the workers were stopped (None while they run).
         self.stopped: str | None = None
+        self._checked_at = -float("inf")
         # Calls are submitted to every worker under this lock: two threads calling the group
         # (the policy's HTTP server sampling while the loop trains) must reach all workers in
         # the same order, or their collectives would wait on each other.
@@ -159,6 +160,29 @@ class WorkerGroup:
             self._check_running()
             future = getattr(self.workers[rank], method).remote(*args, **kwargs)
         return self._gather([future], method, None, ranks=[rank])[0]
+
+    def check_alive(self, *, every_s: float = 1.0) -> str | None:
+        """Why the group is stopped, or None while its workers live: each worker's state is
+        looked up in Ray's control store (at most every ``every_s``), not asked of the worker,
+        so a long call in progress is no sign of death; a worker that died while idle stops
+        the group here rather than at the next call (``nemo-rl-offload serve``'s watch)."""
+        now = time.monotonic()
+        if self.stopped is not None or now - self._checked_at < every_s:
+            return self.stopped
+        self._checked_at = now
+        from ray._private import state  # Ray's actor table (ray.state.actors before Ray 2)
+
+        for rank, worker in enumerate(list(self.workers)):
+            try:
+                info = state.actors(actor_id=worker._actor_id.hex())
+            except Exception:  # the control store did not answer: no news of a death
+                return None
+            if info.get("State") == "DEAD":
+                cause = " ".join(str(info.get("DeathCause") or "").split())[:300]
+                self._stop(f"{self.name} worker {rank} died ({cause or 'no cause given'})")
+                _LOG.error("%s", self.stopped)
+                break
+        return self.stopped
 
     def _check_running(self) -> None:
         if self.stopped is not None:

@@ -147,6 +147,11 @@ class PolicyGroup:
         they can be called (the policy's HTTP server's ``/health``)."""
         return self.group.stopped
 
+    def check_alive(self) -> str | None:
+        """:attr:`stopped`, after looking up whether a worker died meanwhile
+        (``WorkerGroup.check_alive``)."""
+        return self.group.check_alive()
+
     @property
     def fp8_linears(self) -> int:
         """How many of a worker's linears make FP8 products (``fp8_cfg``; 0 without)."""

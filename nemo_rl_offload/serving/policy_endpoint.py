@@ -38,6 +38,13 @@ def _advertised_host(host: str) -> str:
     return "127.0.0.1"
 
 
+def _stopped(policy: Any) -> str | None:
+    """Why ``policy``'s workers are stopped (a dead one looked up at most every second), or
+    None while they can sample."""
+    check = getattr(policy, "check_alive", None)
+    return check() if check is not None else getattr(policy, "stopped", None)
+
+
 def serve_policy(
     policy_cfg: Mapping[str, Any],
     policy: Any,
@@ -102,7 +109,7 @@ def serve_policy(
         advertised_host=_advertised_host(settings.host),
         api_key=api_key,
         # /health answers 503 once the workers are stopped (a worker died or hung)
-        health=lambda: getattr(policy, "stopped", None),
+        health=lambda: _stopped(policy),
     ).start()
     parsers = f" with parsers {', '.join(settings.parsers)}" if settings.parsers else ""
     key = f", key from {settings.api_key_env_var}" if api_key else ""

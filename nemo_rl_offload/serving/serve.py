@@ -43,8 +43,8 @@ def serve(
     stop: threading.Event | None = None,
 ) -> int:
     """Serve until SIGINT or SIGTERM (or ``stop`` is set): 0 when stopped so; 1 as soon as
-    the policy's workers are stopped (a worker died or hung), since a server without workers
-    can only refuse (its supervisor restarts it)."""
+    the policy's workers are stopped (a worker died, idle or in a call, or hung), since a
+    server without workers can only refuse (its supervisor restarts it)."""
     recipe = load_recipe(config_path, overrides)
     report = check_recipe(recipe, base_dir=Path.cwd(), recipe_path=Path(config_path), starting=True)
     if report.errors:
@@ -105,7 +105,7 @@ def serve(
         )
         print("serving until interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         while not signalled and not stop.wait(_POLL_S):
-            if group.stopped is not None:
+            if group.check_alive() is not None:
                 print(
                     f"error: the policy's workers stopped ({group.stopped}); the server stops",
                     file=sys.stderr,

@@ -167,6 +167,19 @@ def test_dead_worker_fails_the_call_quickly(ray_cluster):
         group.run("whoami")
 
 
+def test_a_worker_that_dies_while_idle_stops_the_group_when_checked(ray_cluster):
+    group = _group()
+    assert group.check_alive() is None
+    ray.kill(group.workers[1], no_restart=True)
+    deadline = time.monotonic() + 30
+    while group.check_alive(every_s=0) is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert group.stopped is not None and "worker 1 died" in group.stopped
+    assert group.workers == []
+    with pytest.raises(GroupStopped):
+        group.run("whoami")
+
+
 def test_too_many_workers_is_a_clear_error(ray_cluster, monkeypatch):
     from nemo_rl_offload.distributed import worker_group
 
