@@ -4,7 +4,8 @@
 # - Quart, hypercorn and their dependencies (the policy's HTTP server);
 # - nvidia-modelopt (policy.quant_cfg; pure Python) and pulp (ModelOpt imports it; repacked
 #   without its bundled solver binaries, which ModelOpt's quantization never calls);
-# - Ray repacked without rllib, serve, tune, data and the dashboard's web build (not used here).
+# - Ray repacked without rllib, serve, tune, data, llm, train and the dashboard's web build (not
+#   used here), its binaries stripped of symbols (the tree and .whl/ must stay under 64 MiB).
 # The GPU image already has scipy, triton and ninja. Usage: bash scripts/device-wheels-extra.sh
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,14 +20,16 @@ cp "$tmp"/nvidia_modelopt-*.whl "$wheels/"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$wheels" \
   quart hypercorn flask werkzeug blinker itsdangerous aiofiles h11 h2 hpack hyperframe \
   priority wsproto
-repack() {  # repack WHEEL (a path) without the paths given after it
+repack() {  # repack WHEEL (a path) without the paths given after it, its binaries stripped
   local wheel="$1"; shift
   local dir="$tmp/x"; rm -rf "$dir"; mkdir "$dir"
-  (cd "$dir" && unzip -q "$wheel" && rm -rf "$@" && rm -f "$wheel.new" && zip -qr -9 "$wheel.new" .)
+  (cd "$dir" && unzip -q "$wheel" && rm -rf "$@" \
+     && { find . -type f \( -name '*.so' -o -perm -u+x \) -exec strip --strip-unneeded {} + 2>/dev/null || true; } \
+     && rm -f "$wheel.new" && zip -qr -9 "$wheel.new" .)
   mv "$wheel.new" "$wheels/$(basename "$wheel")"
 }
 repack "$(ls "$tmp"/pulp-*.whl)" pulp/solverdir pulp/tests
 ray="$(ls "$wheels"/ray-*.whl)"
 cp "$ray" "$tmp/" && repack "$tmp/$(basename "$ray")" ray/rllib ray/serve ray/tune ray/data \
-  ray/dashboard/client/build
+  ray/dashboard/client/build ray/llm ray/train
 du -sh "$wheels"

@@ -393,8 +393,15 @@ def _sample_rows(
 
 
 def _eager(cache: KVCache, window: int, step: Any) -> torch.Tensor:
+    """One decode step outside a graph: its window is one position longer than the last.
+    cuDNN's attention, which torch prefers for masked attention on Hopper, builds a plan per
+    new shape, so an eager step would pay a plan build per layer; the memory-efficient kernel
+    takes any length as it comes (math where it cannot run, e.g. on CPU)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     cache.window = window
-    return step()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return step()
 
 
 def _all_done(done: torch.Tensor) -> bool:

@@ -81,3 +81,20 @@ def test_moe_layers_count_the_routed_experts_not_all_of_them():
 def test_the_peak_is_known_for_h100_and_h200_only():
     assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == peak_bf16_flops("NVIDIA H200") == 989e12
     assert peak_bf16_flops("NVIDIA A10G") == 0.0
+
+
+def test_decode_work_counts_the_longest_row_and_every_position_read() -> None:
+    from types import SimpleNamespace
+
+    from nemo_rl_offload.algorithms.throughput import DecodeWork
+
+    work = DecodeWork()
+    prompts = [SimpleNamespace(ids=[1] * 10), SimpleNamespace(ids=[1] * 4)]
+    work.add(prompts, [[5, 6, 7], [5]])  # the batch decodes 3 steps
+    work.add(prompts[:1], [[5, 6]])  # a second batch (dynamic sampling): 2 more
+    work.add([], [])
+    metrics = work.metrics()
+    assert metrics["generation_rows"] == 3
+    assert metrics["generation_decode_steps"] == 5
+    # row 1 reads 10, 11, 12 positions; row 2 reads 4; row 3 reads 10, 11
+    assert metrics["generation_attended_positions"] == 33 + 4 + 21
