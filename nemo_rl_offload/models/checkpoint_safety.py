@@ -191,7 +191,7 @@ def restricted_bytes() -> Iterator[None]:
     def load_bytes(self: Any, read_item: Any, value: io.BytesIO) -> None:
         try:
             with torch.serialization.safe_globals(allowed):
-                loaded = torch.load(value, map_location="cpu", weights_only=True)
+                loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             named = re.search(r"GLOBAL ([\w.]+)", str(exc))
             raise RefusedPickle(

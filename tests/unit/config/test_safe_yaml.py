@@ -130,3 +130,23 @@ def test_a_modelopt_recipe_file_is_read_the_same_way(tmp_path):
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_shipped_recipe_still_loads(path):
     assert load_recipe(path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [billion_laughs(9), "a: &x [1, *x]\n", "x: " + "[" * 3000 + "]" * 3000 + "\n", "a: 1\na: 2\n"],
+    ids=["alias_bomb", "self_reference", "deep", "repeated_key"],
+)
+def test_validate_prints_one_line_and_exits_2(tmp_path, text):
+    from io import StringIO
+
+    from nemo_rl_offload.cli import main
+
+    path = write(tmp_path, text)
+    out, err = StringIO(), StringIO()
+    start = time.monotonic()
+    assert main(["validate", "--config", str(path)], out=out, err=err) == 2
+    assert time.monotonic() - start < 5
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{path}:"), lines
+    assert "Traceback" not in err.getvalue() + out.getvalue()

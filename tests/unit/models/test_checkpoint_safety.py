@@ -150,3 +150,27 @@ def test_missing_or_truncated_files_are_one_line_without_reading_tensors(tmp_pat
     assert "damaged, not a checkpoint's metadata" in checkpoint.problem(directory)
     (directory / ".metadata").unlink()
     assert "missing; the checkpoint is incomplete" in checkpoint.problem(directory)
+
+
+def test_export_hf_of_a_crafted_checkpoint_prints_one_line_and_runs_nothing(tmp_path):
+    """``export-hf --checkpoint`` (the probe's route): exit 2, one line, no payload run."""
+    from io import StringIO
+
+    from nemo_rl_offload.cli import main
+
+    marker = tmp_path / "ran"
+    recipe = Path(__file__).resolve().parents[3] / "examples" / "configs" / "tiny" / "sft.yaml"
+    step_dir = tmp_path / "ckpt" / "step_000001"
+    (step_dir / "policy").mkdir(parents=True)
+    (step_dir / "state.json").write_text('{"step": 1}')
+    shard = step_dir / "policy" / "model_tp0_pp0.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "step": Payload(marker)}, shard)
+    out, err = StringIO(), StringIO()
+    args = ["export-hf", "--config", str(recipe), "--checkpoint", str(step_dir)]
+    assert main([*args, "--out", str(tmp_path / "hf")], out=out, err=err) == 2
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert lines == [
+        f"{shard}: refused: it holds _io.open, which a checkpoint of the first format never "
+        "holds (unpickling it could run code)"
+    ]
+    assert not marker.exists()
