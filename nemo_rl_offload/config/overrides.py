@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from nemo_rl_offload.config.safe_yaml import MAX_DEPTH
 from nemo_rl_offload.errors import UserInputError
 
 __all__ = ["UNSET", "Override", "OverrideOp", "parse_override", "parse_value"]
@@ -195,6 +196,7 @@ class _ValueParser:
     def __init__(self, text: str) -> None:
         self.text = text
         self.pos = 0
+        self.depth = 0  # lists and dicts open
 
     def at_end(self) -> bool:
         return self.pos >= len(self.text)
@@ -209,10 +211,18 @@ class _ValueParser:
     def element(self, top: bool = False, dict_key: bool = False) -> Any:
         self.skip_ws()
         ch = self.peek()
-        if ch == "[" and not dict_key:
-            return self.list_()
-        if ch == "{" and not dict_key:
-            return self.dict_()
+        if ch in ("[", "{") and not dict_key:
+            # Bounded like a recipe file's nesting: deeper would exhaust Python's recursion.
+            if self.depth >= MAX_DEPTH:
+                raise _ParseError(
+                    f"nested deeper than {MAX_DEPTH} levels of lists and mappings at position "
+                    f"{self.pos + 1} of the value; a recipe needs far fewer: flatten it"
+                )
+            self.depth += 1
+            try:
+                return self.list_() if ch == "[" else self.dict_()
+            finally:
+                self.depth -= 1
         if ch and ch in _QUOTES:
             value = self.quoted()
             if top:

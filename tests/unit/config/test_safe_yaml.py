@@ -150,3 +150,15 @@ def test_validate_prints_one_line_and_exits_2(tmp_path, text):
     lines = [line for line in err.getvalue().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"{path}:"), lines
     assert "Traceback" not in err.getvalue() + out.getvalue()
+
+
+def test_an_override_nested_too_deep_is_one_line():
+    recipe = REPO / "examples" / "configs" / "tiny" / "sft.yaml"
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(UserInputError) as caught:
+        load_recipe(recipe, [f"sft.max_num_steps={deep}"])
+    (line,) = caught.value.problems
+    assert f"nested deeper than {safe_yaml.MAX_DEPTH} levels" in line
+    assert f"at position {safe_yaml.MAX_DEPTH + 1} of the value" in line
+    shallow = "[" * 10 + "]" * 10
+    assert load_recipe(recipe, [f"sft.max_num_steps={shallow}"])["sft"]["max_num_steps"]
