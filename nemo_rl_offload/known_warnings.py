@@ -143,13 +143,3 @@ def install() -> None:
             )
     for name in sorted({k.logger for k in KNOWN if k.logger is not None}):
         logging.getLogger(name).addFilter(_RECORDS)
-
-
-def is_known(message: str, *, category: type[Warning] | None = None) -> bool:
-    """Whether a Python warning's ``message`` is one of ``KNOWN`` (any category when None)."""
-    return any(
-        k.category is not None
-        and (category is None or issubclass(category, k.category))
-        and k.matches(message)
-        for k in KNOWN
-    )

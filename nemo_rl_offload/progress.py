@@ -82,7 +82,13 @@ class Progress:
     **fields)`` reports how far it is (printed when the interval has passed since the last
     line), ``finish()`` ends it. ``interval_s``: None reads ``NEMO_RL_OFFLOAD_PROGRESS_INTERVAL_S``;
     ``enabled=False`` prints nothing (a rank that does not report). Safe to call from several
-    threads."""
+    threads. From a worker's own loop (the driver announced the phase)::
+
+        progress = Progress(f"policy rank 0, step {step}", enabled=rank == 0)
+        progress.start("generation", rows, unit="rows", announce=False)
+        ...  # each iteration: progress.update(done, new_tokens_per_s=rate)
+        progress.finish(rows)
+    """
 
     def __init__(
         self,

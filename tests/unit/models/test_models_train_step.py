@@ -116,3 +116,22 @@ def test_rejects_a_model_without_per_token_loss(build_tiny):
     model.config.calculate_per_token_loss = False
     with pytest.raises(ValueError, match="calculate_per_token_loss=True"):
         run_microbatches(model, _batches(model.vocab_size, 1), token_loss, forward_only=True)
+
+
+def test_progress_is_told_the_micro_batches_done_as_the_schedule_takes_them(build_tiny):
+    """What a worker's training phase reports (nemo_rl_offload.progress): before each
+    micro-batch, how many are done; the caller finishes the phase."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.done: list[int] = []
+
+        def update(self, done: int | None = None, **fields: object) -> None:
+            self.done.append(done)
+
+    model, _ = build_tiny("tiny-dense")
+    progress = Recorder()
+    run_microbatches(
+        model, _batches(model.vocab_size, 3), token_loss, forward_only=False, progress=progress
+    )
+    assert progress.done == [0, 1, 2]
