@@ -54,7 +54,7 @@ def load_recipe(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     """Load the recipe at ``path``, apply ``overrides`` and return fully resolved plain data."""
     if isinstance(overrides, str):
         raise TypeError("overrides must be a sequence of strings, not one string")
-    data = _load_with_defaults(os.fspath(path), ())
+    data = _load_with_defaults(os.fspath(path), (), [0])
     data = apply_overrides(data, overrides)
     return resolve_interpolations(data)
 
@@ -87,9 +87,23 @@ def recipe_files(path: str | os.PathLike[str]) -> list[Path]:
 # Reading files and following defaults
 
 
-def _load_with_defaults(display: str, ancestors: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+# Files read for one recipe through ``defaults:`` (a file inherited twice counts twice): a
+# chain of files each naming the next several times would otherwise be read exponentially often.
+MAX_DEFAULTS_READS = 1000
+
+
+def _load_with_defaults(
+    display: str, ancestors: tuple[tuple[str, str], ...], reads: list[int]
+) -> dict[str, Any]:
     """Load one file and everything it inherits. ``ancestors`` holds (real path, shown path) of
-    the files that led here, root first, to detect cycles."""
+    the files that led here, root first, to detect cycles; ``reads`` counts the files read."""
+    reads[0] += 1
+    if reads[0] > MAX_DEFAULTS_READS:
+        root = ancestors[0][1] if ancestors else display
+        raise UserInputError(
+            f"{root}: defaults: more than {MAX_DEFAULTS_READS} files read through defaults "
+            f"(reached at {display}); a file is inherited many times over: name each parent once"
+        )
     data = _read_yaml(display)
     entries = _defaults_entries(display, data.pop(DEFAULTS_KEY, None))
     chain = (*ancestors, (os.path.realpath(display), display))
@@ -111,7 +125,7 @@ def _load_with_defaults(display: str, ancestors: tuple[tuple[str, str], ...]) ->
             raise UserInputError(
                 f"{display}: defaults entry '{entry}' is not a file (looked at {parent})"
             )
-        merged = _merge_level(merged, _load_with_defaults(parent, chain))
+        merged = _merge_level(merged, _load_with_defaults(parent, chain, reads))
     return _merge_level(merged, data)
 
 

@@ -162,3 +162,17 @@ def test_an_override_nested_too_deep_is_one_line():
     assert f"at position {safe_yaml.MAX_DEPTH + 1} of the value" in line
     shallow = "[" * 10 + "]" * 10
     assert load_recipe(recipe, [f"sft.max_num_steps={shallow}"])["sft"]["max_num_steps"]
+
+
+def test_a_defaults_bomb_is_one_line(tmp_path):
+    """Each file naming the next ten times: 10**6 reads unbounded."""
+    for level in range(6):
+        parent = f"f{level + 1}.yaml" if level < 5 else None
+        text = f"defaults: [{', '.join([parent] * 10)}]\n" if parent else "sft: {a: 1}\n"
+        (tmp_path / f"f{level}.yaml").write_text(text)
+    start = time.monotonic()
+    with pytest.raises(UserInputError) as caught:
+        load_recipe(tmp_path / "f0.yaml")
+    assert time.monotonic() - start < 5
+    (line,) = caught.value.problems
+    assert line.startswith(f"{tmp_path / 'f0.yaml'}: defaults: more than 1000 files read")
