@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,7 @@ from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.cached_forward import CachedForward
 from nemo_rl_offload.models.decode_graphs import DecodeGraphs, windows
 from nemo_rl_offload.models.kv_cache import KVCache
+from nemo_rl_offload.progress import Progress
 
 _MCORE = "policy.generation.mcore_generation_config"
 
@@ -261,16 +264,50 @@ def sample(
     limit = min(vocab_size, settings.vocab_limit or vocab_size)
     was_training = model.training
     model.eval()
+    progress = _progress(len(prompts))
+    began = time.monotonic()
     try:
         out: list[Generated] = []
         for part, real in chunks:
+            report = _reporter(progress, began, len(out), sum(len(g.ids) for g in out))
             done = _sample_rows(
-                forward, part, settings, pad_id, limit, generator, device, engine, record_routes
+                forward,
+                part,
+                settings,
+                pad_id,
+                limit,
+                generator,
+                device,
+                engine,
+                record_routes,
+                progress=report,
             )
             out.extend(done[:real])
         return out
     finally:
+        progress.finish(len(prompts))
         model.train(was_training)
+
+
+def _reporter(
+    progress: Progress, began: float, rows_before: int, tokens_before: int
+) -> Callable[[int, int], None]:
+    """What a chunk tells ``progress``: the call's rows finished and new tokens per second."""
+
+    def report(finished: int, new: int) -> None:
+        rate = (tokens_before + new) / max(time.monotonic() - began, 1e-9)
+        progress.update(rows_before + finished, new_tokens_per_s=rate)
+
+    return report
+
+
+def _progress(rows: int) -> Progress:
+    """Rows finished during a long call, from the first rank only (the driver announced the
+    phase and repeats its heartbeat; this says how far the sampler is)."""
+    first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    progress = Progress("sampler", enabled=first)
+    progress.start("generation", rows, unit="rows", announce=False)
+    return progress
 
 
 def _chunks(
@@ -303,8 +340,10 @@ def _sample_rows(
     device: torch.device,
     engine: EngineSettings,
     record_routes: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[Generated]:
-    """One chunk of :func:`sample`: its prompts through one KV cache."""
+    """One chunk of :func:`sample`: its prompts through one KV cache; ``progress`` hears the
+    rows finished and the tokens sampled at each stop check."""
     multiple = forward.multiple
     count = len(prompts)
     rows = math.ceil(count / multiple) * multiple  # padded: the decode layout splits rows
@@ -375,8 +414,12 @@ def _sample_rows(
                 logprobs[real, lengths] = chosen
                 lengths = torch.where(done, lengths, lengths + 1)
                 done |= torch.isin(token, stops)
-                if (step + 1) % check_every == 0 and _all_done(done):
-                    break
+                if (step + 1) % check_every == 0:
+                    if _all_done(done):
+                        break
+                    if progress is not None:
+                        finished, new = torch.stack([done.sum(), (lengths - start).sum()])
+                        progress(int(finished), int(new))
     finally:
         if graphs:
             graphs.release()

@@ -70,3 +70,19 @@ def test_a_sampling_temperature_changes_the_training_log_probabilities(build_tin
     tempered = _training_logprobs(model, prompt, response)
     torch.testing.assert_close(tempered, expected, atol=1e-4, rtol=0)
     assert (tempered - raw).abs().max() > 1e-2
+
+
+def test_a_long_call_says_how_many_rows_are_done(build_tiny, monkeypatch, capsys):
+    """The sampler's progress lines (rows finished, new tokens per second) reach stderr when a
+    call runs past the interval; with the default interval a short call prints nothing."""
+    model, _ = build_tiny("tiny-dense")
+    settings = SamplingSettings(max_new_tokens=6, stop_token_ids=(), vocab_limit=300)
+    kwargs = {"pad_id": 0, "vocab_size": model.vocab_size, "seed": 3, "device": torch.device("cpu")}
+    sample(model, PROMPTS, settings, **kwargs)
+    assert "[sampler]" not in capsys.readouterr().err
+    monkeypatch.setenv("NEMO_RL_OFFLOAD_PROGRESS_INTERVAL_S", "1e-9")
+    sample(model, PROMPTS, settings, **kwargs)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "[sampler]" in line]
+    assert lines and all("generation:" in line for line in lines)
+    assert any("rows done" in line and "new tokens/s" in line for line in lines), lines
+    assert "finished, 3/3 rows done" in lines[-1]
