@@ -433,3 +433,21 @@ def test_a_hundred_bad_payloads_are_each_a_json_4xx_and_the_server_still_serves(
         _assert_json_error(status, kind, body, status)
     assert sampler.calls == []
     _serves(server)
+
+
+class _PickyTokenizer(ByteTokenizer):
+    """A chat template that cannot render one message (as a model's Jinja template raises)."""
+
+    def apply_chat_template(self, messages, **kwargs):
+        if any(m.get("content") == "unrenderable" for m in messages):
+            raise TypeError("can only concatenate str (at template.jinja:3)")
+        return super().apply_chat_template(messages, **kwargs)
+
+
+def test_messages_the_template_cannot_render_are_a_400_naming_messages():
+    sampler = Sampler()
+    with PolicyServer(_client(sampler), _PickyTokenizer(), model_name="stub") as server:
+        bad = {**CHAT, "messages": [{"role": "user", "content": "unrenderable"}]}
+        error = _assert_json_error(*_post(server, "/chat/completions", bad), 400)
+        assert error["param"] == "messages"
+        _serves(server)
