@@ -467,7 +467,13 @@ def load(
     try:
         with _checkpoint_io(on_gpu), checkpoint_safety.restricted_bytes():
             state = dist_checkpointing.load(request, str(directory))
-    except (CheckpointingException, CheckpointException, OSError, RuntimeError) as exc:
+    except (
+        CheckpointingException,
+        CheckpointException,
+        OSError,
+        RuntimeError,
+        checkpoint_safety.RefusedPickle,
+    ) as exc:
         refused = checkpoint_safety.refusal(exc)
         if refused is not None:
             raise UserInputError(f"{directory}: refused: {refused}") from None

@@ -8,7 +8,8 @@ whatever a file names. So nothing of one is unpickled without an allowlist:
   whose allowlist (tensors, storages, plain containers and numbers) is all they hold;
 - the current format's ``.metadata`` (PyTorch's distributed checkpoint, unpickled by torch's
   reader): read first through :class:`MetadataUnpickler`, which admits only the classes that
-  metadata is made of (:data:`METADATA_GLOBALS`), before the directory goes to megatron/torch;
+  metadata is made of (:data:`METADATA_GLOBALS`), before the directory goes to megatron/torch,
+  and torch's reader itself unpickles it through the same allowlist while a load runs;
 - the objects stored as bytes inside the ``.distcp`` files (megatron's non-tensor state: the
   step, the scheduler, each rank's generator states), which torch's planner unpickles with
   ``weights_only=False``: :func:`restricted_bytes` makes it ``weights_only=True`` with only
@@ -208,14 +209,47 @@ def restricted_bytes() -> Iterator[None]:
 
     DefaultLoadPlanner.load_bytes = load_bytes  # type: ignore[method-assign]
     try:
-        yield
+        with _restricted_metadata_reads():
+            yield
     finally:
         DefaultLoadPlanner.load_bytes = original  # type: ignore[method-assign]
 
 
+class _MetadataPickle:
+    """What torch's filesystem reader sees as ``pickle`` while a load runs: ``load`` through
+    :class:`MetadataUnpickler`, everything else pickle's own."""
+
+    @staticmethod
+    def load(file: Any) -> Any:
+        try:
+            return MetadataUnpickler(file).load()
+        except RefusedPickle as exc:
+            raise RefusedPickle(
+                f"its {METADATA_FILE} names {exc}, which a checkpoint's metadata never holds "
+                f"({_CODE})"
+            ) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(pickle, name)
+
+
+@contextlib.contextmanager
+def _restricted_metadata_reads() -> Iterator[None]:
+    """Torch's reader unpickles ``.metadata`` through the allowlist too (the directory was
+    checked by :func:`check_distributed` before; this covers a file changed since)."""
+    from torch.distributed.checkpoint import filesystem
+
+    original = filesystem.pickle
+    filesystem.pickle = _MetadataPickle()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        filesystem.pickle = original
+
+
 def refusal(exc: BaseException) -> RefusedPickle | None:
     """The :class:`RefusedPickle` behind a failed distributed load (torch wraps each rank's
-    error in a CheckpointException), or None."""
+    error in a CheckpointException, or quotes it in another error), or None."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]
     while pending:
@@ -225,6 +259,10 @@ def refusal(exc: BaseException) -> RefusedPickle | None:
         seen.add(id(current))
         if isinstance(current, RefusedPickle):
             return current
+        # torch reports a failed metadata read as text inside another error.
+        quoted = re.search(r"(its \S+ names [^;]*?\(" + re.escape(_CODE) + r"\))", str(current))
+        if quoted:
+            return RefusedPickle(quoted.group(1))
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
             for failure in failures.values():

@@ -174,3 +174,19 @@ def test_export_hf_of_a_crafted_checkpoint_prints_one_line_and_runs_nothing(tmp_
         "holds (unpickling it could run code)"
     ]
     assert not marker.exists()
+
+
+def test_torchs_own_metadata_read_is_restricted_during_a_load(tmp_path):
+    """A .metadata changed after the check (or read by a path that skipped it) is refused by
+    torch's reader too while a load runs; torch's reader is its own again afterwards."""
+    from torch.distributed.checkpoint import filesystem
+
+    marker = tmp_path / "ran"
+    directory = _saved(tmp_path / "ckpt", weight=torch.arange(6.0))
+    (directory / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(BaseException) as caught:
+        _load(directory, {"weight": torch.zeros(6)})
+    refused = checkpoint_safety.refusal(caught.value)
+    assert refused is not None and str(refused).startswith("its .metadata names _io.open")
+    assert not marker.exists()
+    assert filesystem.pickle is pickle
