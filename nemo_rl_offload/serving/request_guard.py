@@ -116,8 +116,8 @@ def install(
         if not request.is_json:
             return _json_error(
                 415,
-                f"Content-Type {request.mimetype or '(none)'!r} is not served; send the body "
-                "as application/json",
+                f"Content-Type {(request.mimetype or '(none)')[:60]!r} is not served; send "
+                "the body as application/json",
             )
         # cached: the endpoint reads the same bytes again
         data = await request.get_data(cache=True, as_text=False)
