@@ -13,7 +13,9 @@ import statistics
 from pathlib import Path
 
 import pytest
-from support.training_cli import TINY, cli, metrics, outputs, window_mean
+from support.training_cli import TINY, cli, metrics, outputs, progress_phases, window_mean
+
+from nemo_rl_offload.known_warnings import KNOWN
 
 # Learning margins: each a fraction of what the tiny recipes reached from several seeds
 # (benchmarks/results/2026-11-23_cpu_learning_margins.md), so that a machine whose rounding sends
@@ -98,6 +100,19 @@ def test_distillation_kl_falls(sft_run, tmp_path):
 
 
 PIPELINE_2 = ["pipeline_model_parallel_size=2", "pipeline_dtype=float32"]
+# The phases each algorithm's steps announce on stderr (nemo_rl_offload.progress).
+PHASES = {
+    "sft": {"training", "validation", "checkpoint save"},
+    "dpo": {"reference log-probabilities", "training", "validation", "checkpoint save"},
+    "grpo": {"generation", "log-probabilities", "training", "validation", "checkpoint save"},
+    "distillation": {
+        "generation",
+        "teacher log-probabilities",
+        "training",
+        "validation",
+        "checkpoint save",
+    },
+}
 EXPOSE = "policy.generation.mcore_generation_config.expose_http_server"
 
 
@@ -133,6 +148,10 @@ def test_every_algorithm_trains_at_pipeline_parallel_2(sft_run, tmp_path, algori
     assert result.returncode == 0, result.stderr[-4000:]
     served = "policy: OpenAI-compatible endpoints at http://" in result.stderr
     assert served == any(EXPOSE in setting for setting in extra)
+    # Where the job is, a line per phase; none of megatron-core's known-harmless warnings
+    # (nemo_rl_offload.known_warnings), from the driver or a worker.
+    assert progress_phases(result.stderr, algorithm) == PHASES[algorithm], result.stderr[-4000:]
+    assert [k.text for k in KNOWN if k.text in result.stderr] == []
     train = metrics(tmp_path, "train")
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -38,3 +39,10 @@ def metrics(root: Path, phase: str) -> list[dict]:
 def window_mean(records: list[dict], key: str, first: bool, size: int = 10) -> float:
     values = [r[key] for r in records if r.get(key) is not None]
     return statistics.mean(values[:size] if first else values[-size:])
+
+
+def progress_phases(stderr: str, algorithm: str) -> set[str]:
+    """The phases a run's progress lines named on stderr (nemo_rl_offload.progress: a phase's
+    first line is ``[grpo step 3] generation: 64 rows ...``)."""
+    pattern = rf"^\[{algorithm} step \d+\] ([a-z -]+?)(?::| \.\.\.)"
+    return set(re.findall(pattern, stderr, re.MULTILINE))
