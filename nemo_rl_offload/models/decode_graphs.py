@@ -40,10 +40,13 @@ def windows(shortest: int, longest: int, count: int | None) -> Callable[[int], i
 
 
 class DecodeGraphs:
-    def __init__(self, step: Callable[[], torch.Tensor], cache: KVCache) -> None:
+    def __init__(
+        self, step: Callable[[], torch.Tensor], cache: KVCache, pool: object | None = None
+    ) -> None:
+        """``pool``: the memory pool of an earlier batch size's graphs, to share."""
         self.step, self.cache = step, cache
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
 
     def run(self, window: int) -> torch.Tensor:
         """The step's logits, attending over ``window`` cache positions."""

@@ -17,6 +17,14 @@ cache is allocated for the call and freed after it) and only where a step has no
 synchronisation: one pipeline stage, no sequence parallelism, no experts. Elsewhere the steps
 run eagerly with the window growing by one position per step.
 
+A batch decodes until its longest row ends, and a decode step's cost grows with its rows (each
+reads its keys and values): at each stop check, once at most half the batch is unfinished, the
+unfinished rows move to the front of the cache (``KVCache.keep_rows``) and decode on as a batch
+of the next power of two, with graphs of their own size. A row's tokens and log-probabilities
+do not change by the move; the random draws do (fewer rows draw), the same for the same seed.
+Not with recorded routes (kept per row of the call) or expert-parallel ranks (they step
+together).
+
 A call whose KV cache would not fit (``buffer_size_gb``, or :data:`KV_CACHE_FREE_FRACTION` of
 the GPU memory free at the call) samples its prompts in chunks of rows that fit, one after
 another with the same generator (NeMo-RL's engine queues requests beyond its buffer likewise).
@@ -41,6 +49,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.cached_forward import CachedForward
@@ -367,13 +376,15 @@ def _sample_rows(
 
         recorder = Recorder(forward.gpt, count, max_len, device)
     recording = recorder.forward if recorder else contextlib.nullcontext
+    # Finished rows leave the batch (module docstring); recorded routes are kept per row of
+    # the call and expert-parallel ranks step together, so there every row stays.
+    compact = recorder is None and not _stop_together()
     cache = _allocate(forward, rows, max_len, device)
     table = forward.rotary_table(max_len)
-    tokens = torch.full((1, rows), pad_id, dtype=torch.long, device=device)
-    zeros = torch.zeros(count, dtype=torch.long, device=device)
+    slots = _Slots.of(real, rows, pad_id)
 
     def decode_step() -> torch.Tensor:
-        return forward.logits(tokens, table[cache.positions], real, zeros)
+        return forward.logits(slots.tokens, table[cache.positions], slots.index, slots.zeros)
 
     graphs = (
         DecodeGraphs(decode_step, cache)
@@ -391,9 +402,11 @@ def _sample_rows(
                 recorder.prefill(rows, lengths)
             cache.decoding = True
             for step in range(settings.max_new_tokens):
+                active = slots.active
                 if step > 0:
-                    cache.positions[:count] = lengths - 1
-                    tokens[0, :count] = ids[real, lengths - 1]
+                    last = lengths[active] - 1
+                    cache.positions[: active.numel()] = last
+                    slots.tokens[0, : active.numel()] = ids[active, last]
                     window = spans(longest + step)
                     with recording():
                         full = graphs.run(window) if graphs else _eager(cache, window, decode_step)
@@ -405,21 +418,32 @@ def _sample_rows(
                 else:
                     probs = torch.softmax(_filter_logits(logits, settings), dim=-1)
                     token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-                token = torch.where(done, torch.full_like(token, pad_id), token)
+                finished = done[active]
+                token = torch.where(finished, torch.full_like(token, pad_id), token)
                 scaled = full if settings.greedy else full / max(settings.temperature, 1e-6)
                 chosen = scaled.gather(-1, token.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(
                     scaled, dim=-1
                 )
-                ids[real, lengths] = token
-                logprobs[real, lengths] = chosen
-                lengths = torch.where(done, lengths, lengths + 1)
-                done |= torch.isin(token, stops)
+                at = lengths[active]
+                ids[active, at] = token
+                logprobs[active, at] = chosen
+                lengths[active] = torch.where(finished, at, at + 1)
+                done[active] = finished | torch.isin(token, stops)
                 if (step + 1) % check_every == 0:
                     if _all_done(done):
                         break
                     if progress is not None:
-                        finished, new = torch.stack([done.sum(), (lengths - start).sum()])
-                        progress(int(finished), int(new))
+                        finished_rows, new = torch.stack([done.sum(), (lengths - start).sum()])
+                        progress(int(finished_rows), int(new))
+                    if compact:
+                        kept = (~done[active]).nonzero().squeeze(1)
+                        size = _slots_for(kept.numel(), multiple)
+                        if size <= slots.size // 2:
+                            cache.keep_rows(kept, size)
+                            slots = _Slots.of(active[kept], size, pad_id)
+                            if graphs:
+                                graphs.release()
+                                graphs = DecodeGraphs(decode_step, cache, pool=graphs.pool)
     finally:
         if graphs:
             graphs.release()
@@ -433,6 +457,38 @@ def _sample_rows(
         )
         for row in range(count)
     ]
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """The rows a decode step feeds: ``active`` (the call's row in each slot in use, in the
+    order the slots hold them) and the step's inputs for ``size`` slots, the ones past
+    ``active`` padding; the inputs stay in place while the batch keeps its size (graphs
+    replay them)."""
+
+    active: Tensor
+    size: int
+    tokens: Tensor
+    index: Tensor
+    zeros: Tensor
+
+    @classmethod
+    def of(cls, active: Tensor, size: int, pad_id: int) -> _Slots:
+        device, count = active.device, active.numel()
+        return cls(
+            active,
+            size,
+            torch.full((1, size), pad_id, dtype=torch.long, device=device),
+            torch.arange(count, device=device),
+            torch.zeros(count, dtype=torch.long, device=device),
+        )
+
+
+def _slots_for(rows: int, multiple: int) -> int:
+    """The batch size ``rows`` unfinished rows decode in: a power of two (few sizes, so few
+    graphs), a multiple of ``multiple`` (sequence parallelism splits the rows)."""
+    size = 1 << max(rows - 1, 0).bit_length()
+    return math.ceil(size / multiple) * multiple
 
 
 def _eager(cache: KVCache, window: int, step: Any) -> torch.Tensor:

@@ -78,6 +78,19 @@ class KVCache:
     def max_len(self) -> int:
         return next(iter(self.keys.values())).size(2)
 
+    def keep_rows(self, kept: Tensor, rows: int) -> None:
+        """Only the rows ``kept`` (ascending) decode on, as rows 0..len(kept)-1 of a cache of
+        ``rows`` rows (the rest padding): their keys and values move to the front of the same
+        memory, and every layer's cache becomes a view of its first ``rows`` rows, so a decode
+        step of the smaller batch reads only them (models.generation's compaction)."""
+        count = kept.numel()
+        for cache in (self.keys, self.values):
+            for layer, tensor in cache.items():
+                tensor[:count] = tensor[kept]
+                cache[layer] = tensor[:rows]
+        self.positions = torch.zeros(rows, dtype=self.positions.dtype, device=kept.device)
+        self._rows = torch.arange(rows, device=kept.device)
+
     @contextlib.contextmanager
     def attached(self, model: torch.nn.Module) -> Iterator[None]:
         """Every core attention of ``model`` reads and writes this cache until the block ends."""

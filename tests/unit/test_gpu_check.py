@@ -79,7 +79,7 @@ def test_without_a_gpu_it_says_so_in_one_line(capsys: pytest.CaptureFixture[str]
 def test_every_part_is_a_recipe_command_or_the_gpu_tests() -> None:
     parts = GPU_CHECK["parts"](Path("/tmp/w"))
     names = [p.name for p in parts]
-    assert names == ["gpu_unit_tests", "grpo", "resume", "sft", "dpo", "distillation", "planner"]
+    assert names == ["gpu_tests", "grpo", "resume", "sft", "dpo", "distillation", "planner"]
     for part in parts[1:]:
         config = Path(part.argv[part.argv.index("--config") + 1])
         assert config.exists(), config

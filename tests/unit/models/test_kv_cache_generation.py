@@ -173,3 +173,43 @@ def test_ranks_agree_on_what_the_buffer_holds_not_on_each_others_prompt_counts(t
     ranks = run_ranks(chunk_rows, 2, tmp_path, buffer_rows=3.5)
     assert [r["unbounded"] for r in ranks] == [3, 4]
     assert [r["bounded"] for r in ranks] == [3, 3]
+
+
+def test_finished_rows_leave_the_batch_and_the_rest_decode_as_before(build_tiny, monkeypatch):
+    """Once at most half the batch is unfinished, the unfinished rows move to a smaller batch
+    (their keys and values to the front of the cache): each row's greedy tokens and
+    log-probabilities are still those of a full forward over its own sequence."""
+    from nemo_rl_offload.models.kv_cache import KVCache
+
+    model, _ = build_tiny("tiny-dense")
+    model.eval()
+    prompts = PROMPTS + [[3, 4], [60, 61, 62, 63], [9, 9, 9], [21, 22]]
+    settings = SamplingSettings(max_new_tokens=10, greedy=True)
+    kwargs = {"pad_id": 0, "vocab_size": model.vocab_size, "seed": 1, "device": CPU}
+    free = sample(model, prompts, settings, **kwargs)
+    # Stop tokens that five of the eight rows hit at their second token or sooner.
+    stops = tuple({g.ids[1] for g in free[:5]})
+    sizes: list[int] = []
+    keep_rows = KVCache.keep_rows
+
+    def spy(self, kept, rows):
+        sizes.append(rows)
+        return keep_rows(self, kept, rows)
+
+    monkeypatch.setattr(KVCache, "keep_rows", spy)
+    settings = SamplingSettings(max_new_tokens=10, greedy=True, stop_token_ids=stops)
+    generated = sample(model, prompts, settings, **kwargs)
+    assert sizes and sizes[0] <= 4 and sizes == sorted(sizes, reverse=True)
+    assert max(len(g.ids) for g in generated) > 2  # some rows decoded on after the move
+    for prompt, g, f in zip(prompts, generated, free, strict=True):
+        tokens, logprobs = _reference(model, prompt, g.ids)
+        assert g.ids == tokens and g.ids == f.ids[: len(g.ids)]
+        torch.testing.assert_close(torch.tensor(g.logprobs), logprobs, atol=2e-5, rtol=0)
+        assert len(g.ids) == 10 or g.ids[-1] in stops
+
+
+def test_batch_sizes_after_a_move_are_few():
+    from nemo_rl_offload.models.generation import _slots_for
+
+    assert [_slots_for(n, 1) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    assert [_slots_for(n, 2) for n in (1, 3)] == [2, 4]  # sequence parallel splits the rows
