@@ -103,6 +103,20 @@ KNOWN: tuple[KnownWarning, ...] = (
         "an import notice of Megatron-FSDP, which this backend does not use",
         logger="megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
     ),
+    KnownWarning(
+        "DistributedDataParallel: full_param_layout not provided with "
+        "use_distributed_optimizer=True.",
+        "megatron-core computes the layout itself, as it did before the argument existed; "
+        "said once per GPU worker",
+        logger="megatron.core.distributed.distributed_data_parallel",
+        prefix=True,
+    ),
+    KnownWarning(
+        "barrier(): using the device under current context.",
+        "torch's first barrier of a GPU worker: each worker's current device is its own GPU",
+        category=UserWarning,
+        prefix=True,
+    ),
 )
 
 
