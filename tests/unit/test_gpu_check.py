@@ -84,3 +84,23 @@ def test_every_part_is_a_recipe_command_or_the_gpu_tests() -> None:
         config = Path(part.argv[part.argv.index("--config") + 1])
         assert config.exists(), config
     assert json.dumps([p.argv for p in parts])  # plain strings only
+
+
+def test_lanes_run_side_by_side_only_where_the_gpu_holds_both(tmp_path: Path) -> None:
+    def stamped(name: str) -> list[str]:  # writes when it ran, sleeping between
+        code = (
+            "import sys, time; a = time.time(); time.sleep(1.0); "
+            "open(sys.argv[1], 'w').write(f'{a} {time.time()}')"
+        )
+        return [sys.executable, "-c", code, str(tmp_path / f"{name}.txt")]
+
+    parts = [Part(name, stamped(name), 30) for name in ("gpu_tests", "grpo", "sft")]
+    assert GPU_CHECK["lanes"](parts, side_by_side=False) == [parts]
+    lanes = GPU_CHECK["lanes"](parts, side_by_side=True)
+    assert lanes == [parts[:1], parts[1:]]
+    results = GPU_CHECK["run_lanes"](lanes, tmp_path)
+    assert list(results) == ["gpu_tests", "grpo", "sft"]
+    assert all(r["passed"] for r in results.values())
+    ran = {n: [float(t) for t in (tmp_path / f"{n}.txt").read_text().split()] for n in results}
+    assert ran["gpu_tests"][0] < ran["grpo"][1] and ran["grpo"][0] < ran["gpu_tests"][1]
+    assert ran["grpo"][1] <= ran["sft"][0]  # one lane runs in order
