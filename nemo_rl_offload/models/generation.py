@@ -392,6 +392,7 @@ def _sample_rows(
         else None
     )
     spans = windows(longest + 1, max_len, engine.num_cuda_graphs if graphs else None)
+    retired: list[DecodeGraphs] = []
     try:
         with cache.attached(forward.gpt):
             batch = torch.full((rows, prefill), pad_id, dtype=torch.long, device=device)
@@ -442,11 +443,14 @@ def _sample_rows(
                             cache.keep_rows(kept, size)
                             slots = _Slots.of(active[kept], size, pad_id)
                             if graphs:
-                                graphs.release()
+                                # The larger batch's graphs stay alive to the call's end: a
+                                # memory pool whose graphs are all gone is freed, and capturing
+                                # into it again fails.
+                                retired.append(graphs)
                                 graphs = DecodeGraphs(decode_step, cache, pool=graphs.pool)
     finally:
-        if graphs:
-            graphs.release()
+        for done_graphs in [*retired, graphs] if graphs else retired:
+            done_graphs.release()
     routes = recorder.finish() if recorder else None
     ends = lengths.tolist()
     return [
