@@ -89,7 +89,16 @@ def test_the_memory_estimate_is_printed_and_warns_when_the_gpu_is_too_small() ->
 
 
 def test_offload_runtime_settings_are_shown_resolved_when_offloading_is_on() -> None:
-    code, out, err = validate(FGO, "policy.make_sequence_length_divisible_by=1024")
+    # The exemplar packs: every pack has one length, its only bucket.
+    code, out, err = validate(FGO)
+    assert code == 0, err
+    assert re.fullmatch(
+        r"\s+offload_sequence_length_buckets\s+\[8192\]\s+"
+        r"# policy\.sequence_packing\.train_mb_tokens \(every pack has this length\)",
+        setting_line(out, "offload_sequence_length_buckets"),
+    )
+    unpacked = "policy.sequence_packing.enabled=false"
+    code, out, err = validate(FGO, unpacked, "policy.make_sequence_length_divisible_by=1024")
     assert code == 0, err
     assert re.fullmatch(
         r"\s+offload_sequence_length_buckets\s+\[1024, 2048, 3072, 4096\]\s+"
@@ -99,6 +108,7 @@ def test_offload_runtime_settings_are_shown_resolved_when_offloading_is_on() -> 
     assert setting_line(out, "offload_host_memory_budget_gib").endswith("# default")
     code, out, err = validate(
         FGO,
+        unpacked,
         f"++{MCFG}.offload_sequence_length_buckets=[2048,4096]",
         f"++{MCFG}.offload_host_memory_budget_gib=24",
     )
