@@ -35,28 +35,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from generation_benchmark import hbm_bandwidth  # noqa: E402  (the sampler benchmark's floor)
 
 STAGES = ("generation", "policy_and_reference_logprobs", "policy_training")
 ALGORITHMS = {"grpo": "grpo", "distillation": "distill", "sft": "sft", "dpo": "dpo"}
-
-
-def hbm_bandwidth(gib: float = 2.0) -> float:
-    """Bytes per second of a large device copy (each byte read once and written once)."""
-    import torch
-
-    n = int(gib * 2**30)
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / best
 
 
 def matmul_rate(size: int = 8192, repeats: int = 10) -> float:
@@ -78,14 +62,12 @@ def matmul_rate(size: int = 8192, repeats: int = 10) -> float:
     return 2.0 * size**3 * repeats / seconds
 
 
-def model_bytes(config: Path, overrides: list[str]) -> dict[str, float]:
+def model_bytes(recipe: dict[str, Any]) -> dict[str, float]:
     """Bytes one GPU reads per decode step for the weights, and per cached position."""
-    from nemo_rl_offload.config.loader import load_recipe
     from nemo_rl_offload.config.model_presets import section_architecture
     from nemo_rl_offload.offload.apply import effective_settings
     from nemo_rl_offload.offload.memory_estimate import kv_cache_bytes, parameter_counts
 
-    recipe = load_recipe(config, overrides)
     policy = recipe["policy"]
     architecture = section_architecture(policy, base_dir=Path.cwd())
     effective = effective_settings(policy, architecture, te_installed=False)
@@ -98,20 +80,15 @@ def model_bytes(config: Path, overrides: list[str]) -> dict[str, float]:
     }
 
 
-def algorithm_of(config: Path, overrides: list[str]) -> str:
-    from nemo_rl_offload.config.loader import load_recipe
-
-    recipe = load_recipe(config, overrides)
+def algorithm_of(recipe: dict[str, Any], config: Path) -> str:
     for section, command in ALGORITHMS.items():
         if section in recipe:
             return command
     raise SystemExit(f"{config}: no grpo, distillation, sft or dpo section; which job is it?")
 
 
-def job_gpus(config: Path, overrides: list[str]) -> int:
-    from nemo_rl_offload.config.loader import load_recipe
-
-    cluster = load_recipe(config, overrides).get("cluster") or {}
+def job_gpus(recipe: dict[str, Any]) -> int:
+    cluster = recipe.get("cluster") or {}
     return int(cluster.get("gpus_per_node") or 1) * int(cluster.get("num_nodes") or 1)
 
 
@@ -177,7 +154,7 @@ def stage_report(row: dict[str, Any], floors: dict[str, float], gpus: int) -> di
             "passes": passes,
             "tokens_per_s_per_gpu": tokens,
             "floor_s": floor,
-            "of_floor": floor / logprobs if logprobs else None,
+            "of_floor": floor / logprobs,
             # per pass, against training's tokens/s: the forward-only target is >= 2x
             "pass_tokens_per_s_vs_training": (
                 tokens * passes / row["policy_training_tokens_per_sec_per_gpu"]
@@ -251,13 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("rl_step: needs a CUDA GPU", file=sys.stderr)
         return 2
+    from nemo_rl_offload.config.loader import load_recipe
+
     args.out.mkdir(parents=True, exist_ok=True)
+    recipe = load_recipe(args.config, args.overrides)
     floors = {
         "hbm_bytes_per_s": hbm_bandwidth(),
         "matmul_flops_per_s": matmul_rate(),
-        **model_bytes(args.config, args.overrides),
+        **model_bytes(recipe),
     }
-    command = algorithm_of(args.config, args.overrides)
+    torch.cuda.empty_cache()  # the job's workers get the whole GPU
+    command = algorithm_of(recipe, args.config)
     began = time.perf_counter()
     code = run_job(command, args.config, args.steps, args.overrides, args.out)
     wall = time.perf_counter() - began
@@ -272,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    gpus = job_gpus(args.config, args.overrides)
+    gpus = job_gpus(recipe)
     steps = [stage_report(r, floors, gpus) for r in rows]
     payload = {
         "config": str(args.config),

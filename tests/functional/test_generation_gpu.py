@@ -89,7 +89,7 @@ def test_sampler_logprobs_match_the_training_forward_in_bf16():
             [np.abs(np.asarray(g.logprobs) - e) for g, e in zip(generated, expected, strict=True)]
         )
         lengths = [len(g.ids) for g in generated]
-        if sampling is stopping:  # some rows outlive the first moves (at 16 of 32 rows)
+        if sampling is stopping:  # rows end at different steps, some past the first check
             assert min(lengths) < 16 < max(lengths), lengths
         results[name] = {
             "mean_abs_diff": float(diff.mean()),

@@ -4,7 +4,6 @@ names the code it ran. (The GPU runs themselves are the script's job on a GPU ma
 
 from __future__ import annotations
 
-import json
 import runpy
 import sys
 from pathlib import Path
@@ -83,7 +82,32 @@ def test_every_part_is_a_recipe_command_or_the_gpu_tests() -> None:
     for part in parts[1:]:
         config = Path(part.argv[part.argv.index("--config") + 1])
         assert config.exists(), config
-    assert json.dumps([p.argv for p in parts])  # plain strings only
+    assert all(isinstance(arg, str) for part in parts for arg in part.argv)
+
+
+def test_a_part_past_its_time_is_stopped_with_what_it_started(tmp_path: Path) -> None:
+    """A timed-out part's children (a job's Ray workers) do not outlive it."""
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)"
+    )
+    result = GPU_CHECK["run_part"](Part("slow", [sys.executable, "-c", code], 3), tmp_path)
+    assert not result["passed"] and result["exit"] == "timeout"
+    child = int(pid_file.read_text())
+    for _ in range(50):  # gone, or a zombie when nothing reaps it
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the part's child {child} outlived it")
 
 
 def test_lanes_run_side_by_side_only_where_the_gpu_holds_both(tmp_path: Path) -> None:

@@ -82,3 +82,20 @@ def test_a_step_without_generation_has_no_generation_floor() -> None:
     row = {k: v for k, v in _row(2, 3.0).items() if "generation" not in k}
     report = RL_STEP["stage_report"](row, FLOORS, gpus=1)
     assert "generation" not in report["stages"] and "policy_training" in report["stages"]
+
+
+def test_the_recipe_is_read_once_for_the_job_its_gpus_and_its_bytes() -> None:
+    pytest.importorskip("megatron.core")
+    from nemo_rl_offload.config.loader import load_recipe
+
+    config = REPO / "examples" / "configs" / "grpo_math_1B_megatron_fgo.yaml"
+    recipe = load_recipe(config, ["cluster.gpus_per_node=2"])
+    assert RL_STEP["algorithm_of"](recipe, config) == "grpo"
+    assert RL_STEP["job_gpus"](recipe) == 2
+    sizes = RL_STEP["model_bytes"](recipe)
+    # llama-1b in bfloat16: about a billion parameters besides the embedding; one cached
+    # position holds every layer's keys and values of its query groups
+    assert 1e9 < sizes["weight_bytes"] < 4e9
+    assert sizes["kv_bytes_per_position"] == 65536
+    with pytest.raises(SystemExit, match="no grpo, distillation, sft or dpo section"):
+        RL_STEP["algorithm_of"]({"policy": {}}, config)
