@@ -30,7 +30,8 @@ KERNELS = ("all", "flash", "cudnn", "math")
 
 
 def _worker(modules: list[str], offload: bool):
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     section = {
         "model_name": "llama-1b",
@@ -52,7 +53,7 @@ def _worker(modules: list[str], offload: bool):
         },
     }
     worker = PolicyWorker(
-        section=section, where="policy", rank=0, world_size=1, seed=3, on_gpu=True
+        settings=resolve_policy(section), rank=0, world_size=1, seed=3, on_gpu=True
     )
     worker.setup(*worker.node_address())
     return worker

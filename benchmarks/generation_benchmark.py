@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_offload.config.generation_settings import SamplingSettings
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -54,11 +56,11 @@ def section_for(model: str, max_len: int, precision: str, args: argparse.Namespa
 
 
 def build_worker(section: dict[str, Any], on_gpu: bool) -> Any:
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     worker = PolicyWorker(
-        section=section,
-        where="policy",
+        settings=resolve_policy(section),
         rank=0,
         world_size=1,
         seed=1,
@@ -145,8 +147,8 @@ def run_case(
 
     generator = torch.Generator().manual_seed(seed)
     prompts = torch.randint(1, vocab, (batch, prompt_len), generator=generator).tolist()
-    settings = {"max_new_tokens": new, "stop_token_ids": ()}
-    worker.generate(prompts, {**settings, "max_new_tokens": 2}, seed=seed, pad_id=0)  # warm-up
+    settings = SamplingSettings(max_new_tokens=new)
+    worker.generate(prompts, SamplingSettings(max_new_tokens=2), seed=seed, pad_id=0)  # warm-up
     if worker.on_gpu:
         torch.cuda.reset_peak_memory_stats()
     _sync(worker)

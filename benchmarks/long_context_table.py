@@ -33,7 +33,7 @@ def step_flops(payload: dict[str, Any]) -> float:
     if report.errors:
         raise SystemExit("\n".join(report.errors))
     sequences = int(payload["microbatches"]) * int(payload.get("rows") or 1)
-    meter = StepMeter.for_policy(report.recipe["policy"], gpus=1)
+    meter = StepMeter.for_policy(report.policies["policy"], gpus=1)
     return meter.training_flops([int(payload["seq"])] * sequences)
 
 

@@ -6,7 +6,7 @@ with selective recompute; torch's save_on_cpu) builds the policy worker in this 
 ``--steps`` steps of the same random batches, and records the forward-backward peak memory, the
 median forward-backward time (the optimizer step is the same for every case and left out),
 bytes offloaded and the copy bandwidth. The floor of each offload case comes from the physical
-model (nemo_rl_offload/offload/cost_model.py) with this run's own numbers: the no-offload
+model (nemo_rl_offload/planning/cost_model.py) with this run's own numbers: the no-offload
 forward and backward times and the bandwidth of a plain pinned copy measured here.
 
 Each case runs in its own process, which the parent starts with ``--one-case``: a fresh CUDA
@@ -44,7 +44,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nemo_rl_offload.planner import DENSE_MODULES, EXPERT_MODULES  # noqa: E402
+from nemo_rl_offload.planning.planner import DENSE_MODULES, EXPERT_MODULES  # noqa: E402
 from nemo_rl_offload.telemetry import environment  # noqa: E402
 
 FGO = {"fine_grained_activation_offloading": True}
@@ -352,10 +352,10 @@ def check_section(section: dict[str, Any]) -> list[str]:
     """The offload and FP8 rules' verdict on a case (a case the rules reject is reported, not
     run)."""
     from nemo_rl_offload.config import fp8
+    from nemo_rl_offload.config.megatron_settings import resolve_transformer_impl
     from nemo_rl_offload.config.model_presets import architecture_for
-    from nemo_rl_offload.offload.apply import resolve_transformer_impl
     from nemo_rl_offload.offload.capabilities import detect
-    from nemo_rl_offload.offload.rules import check_policy
+    from nemo_rl_offload.preflight import check_policy
 
     caps = detect()
     offload_errors = check_policy(
@@ -382,10 +382,11 @@ def use_megatron_handler(worker: Any, settings: dict[str, Any]) -> None:
 
 
 def build_worker(section: dict[str, Any], on_gpu: bool):
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     worker = PolicyWorker(
-        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=on_gpu
+        settings=resolve_policy(section), rank=0, world_size=1, seed=1, on_gpu=on_gpu
     )
     worker.setup(*worker.node_address())
     return worker
@@ -516,7 +517,7 @@ def run_child(
     (a signal: killed, for instance by the host running out of memory)."""
     import subprocess
 
-    from nemo_rl_offload.failures import Failure, from_text
+    from nemo_rl_offload.planning.failures import Failure, from_text
 
     target.unlink(missing_ok=True)
     done = subprocess.run(command, capture_output=True, text=True)
@@ -550,7 +551,7 @@ def write_case_record(target: Path, name: str, settings: dict[str, Any], run: An
     """The child's side: ``run()``'s record written to ``target``, or, when it raises, the
     failure it raised (so the parent reads why, not the last line of stderr). Returns the
     child's exit status."""
-    from nemo_rl_offload.failures import from_exception
+    from nemo_rl_offload.planning.failures import from_exception
 
     try:
         record = run()
@@ -774,14 +775,14 @@ def _recompute_twin(record: dict[str, Any], records: list[dict[str, Any]]) -> di
 
 def add_floors(records: list[dict[str, Any]], bandwidth: dict[str, float], mbs: int) -> None:
     """Each case's change against no_offload, and for offload cases two floors from the
-    physical model (nemo_rl_offload/offload/cost_model.py): with the bandwidth of one plain
+    physical model (nemo_rl_offload/planning/cost_model.py): with the bandwidth of one plain
     pinned copy (the hardware's limit) and with the copy rate offloading itself achieved (its
     copies are many tensors of a few MiB; a graphed case's rate is from its eager warm-up). A
     graphed case's floor starts from the graphed no-offload step, and its forward is the GPU's
     own forward time (``forward_gpu_s``): without the CPU's launch gaps the passes are
     shorter, so less copy time hides behind them. A case that offloads and recomputes adds
     what the recompute alone costs (its twin without offloading, when the run has it)."""
-    from nemo_rl_offload.offload.cost_model import PassTimes, step_floor_s
+    from nemo_rl_offload.planning.cost_model import PassTimes, step_floor_s
 
     done = [r for r in records if "peak_gib" in r]
     base = next((r for r in done if r["case"] == "no_offload"), None)

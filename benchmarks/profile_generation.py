@@ -20,6 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation_benchmark import build_worker, section_for  # noqa: E402
 
+from nemo_rl_offload.config.generation_settings import SamplingSettings
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -37,7 +39,7 @@ def main() -> None:
     engine = argparse.Namespace(cuda_graphs=True, num_cuda_graphs=4)
     worker = build_worker(section_for("llama-1b", 2048, "bfloat16", engine), on_gpu=True)
     for greedy in (True, False):
-        settings = {"max_new_tokens": args.new_tokens, "greedy": greedy, "stop_token_ids": ()}
+        settings = SamplingSettings(max_new_tokens=args.new_tokens, greedy=greedy)
         worker.generate(prompts, settings, seed=1, pad_id=0)  # warm-up
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -49,7 +51,7 @@ def main() -> None:
             "ms_per_step": 1000 * seconds / args.new_tokens,
         }
         print(results, flush=True)
-    settings = {"max_new_tokens": 128, "greedy": False, "stop_token_ids": ()}
+    settings = SamplingSettings(max_new_tokens=128)
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:

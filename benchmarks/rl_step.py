@@ -64,9 +64,9 @@ def matmul_rate(size: int = 8192, repeats: int = 10) -> float:
 
 def model_bytes(recipe: dict[str, Any]) -> dict[str, float]:
     """Bytes one GPU reads per decode step for the weights, and per cached position."""
+    from nemo_rl_offload.config.megatron_settings import effective_settings
     from nemo_rl_offload.config.model_presets import section_architecture
-    from nemo_rl_offload.offload.apply import effective_settings
-    from nemo_rl_offload.offload.memory_estimate import kv_cache_bytes, parameter_counts
+    from nemo_rl_offload.planning.memory_estimate import kv_cache_bytes, parameter_counts
 
     policy = recipe["policy"]
     architecture = section_architecture(policy, base_dir=Path.cwd())

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.generation_settings import SamplingSettings
+
 
 def medians(seconds: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     """Each pass's median over its repetitions after the first (which warms caches up)."""
@@ -35,7 +37,8 @@ def medians(seconds: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, f
 def _worker(model: str, port: int) -> Any:
     import torch
 
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     on_gpu = torch.cuda.is_available()
     optimizer = {"optimizer": "adam", "lr": 1e-6, "use_distributed_optimizer": True}
@@ -47,7 +50,7 @@ def _worker(model: str, port: int) -> Any:
         "megatron_cfg": {"enabled": True, "optimizer": {**optimizer, "bf16": on_gpu}},
     }
     worker = PolicyWorker(
-        section=section, where="policy", rank=0, world_size=1, seed=7, on_gpu=on_gpu
+        settings=resolve_policy(section), rank=0, world_size=1, seed=7, on_gpu=on_gpu
     )
     worker.setup("127.0.0.1", port)
     return worker
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         replayed.append({**batch, ROUTES_KEY: routes.astype(np.int16)})
 
     prompts = [list(rng.integers(1, vocab, args.prompt_len)) for _ in range(args.prompts)]
-    settings = {"max_new_tokens": args.new_tokens, "greedy": True}
+    settings = SamplingSettings(max_new_tokens=args.new_tokens, greedy=True)
     sampled: dict[str, list[Any]] = {}
     generate_s: dict[str, list[float]] = {"plain": [], "record": []}
     for _ in range(2):

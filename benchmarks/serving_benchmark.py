@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import dataclasses
 import datetime
 import json
 import subprocess
@@ -86,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from generation_benchmark import build_worker, section_for
 
+    from nemo_rl_offload.config.generation_settings import SamplingSettings
     from nemo_rl_offload.data.tokenizer import ByteTokenizer
-    from nemo_rl_offload.models.generation import SamplingSettings
     from nemo_rl_offload.serving.http_server import PolicyServer
     from nemo_rl_offload.serving.sampler_client import SamplerClient
 
@@ -103,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     def generate(prompts: list[list[int]], settings: SamplingSettings, seed: int) -> list:
         calls.append(len(prompts))
         began = time.perf_counter()
-        generated = worker.generate(
-            prompts, dataclasses.asdict(settings), seed=seed, pad_id=tokenizer.pad_id
-        )
+        generated = worker.generate(prompts, settings, seed=seed, pad_id=tokenizer.pad_id)
         if on_gpu:
             torch.cuda.synchronize()
         call_seconds.append(time.perf_counter() - began)

@@ -74,7 +74,7 @@ def _cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if report.ok and not args.no_estimate:
         from pathlib import Path
 
-        from nemo_rl_offload.memory_report import memory_estimate
+        from nemo_rl_offload.planning.memory_report import memory_estimate
 
         found = memory_estimate(
             report.recipe,
@@ -120,7 +120,7 @@ def _job(run: Callable[[argparse.Namespace], int]):
 
 def _training_job(module: str, function: str, algorithm: str):
     def run(args: argparse.Namespace) -> int:
-        from nemo_rl_offload import plan_at_start
+        from nemo_rl_offload.planning import plan_at_start
 
         started = time.monotonic()  # checkpoint_must_save_by counts from the command's start
         report = plan_at_start.checked(args.config, args.overrides, algorithm)
@@ -147,7 +147,7 @@ def _run_telemetry(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from nemo_rl_offload import planner
+    from nemo_rl_offload.planning import planner
 
     try:
         result = planner.plan(
@@ -174,8 +174,8 @@ def _cmd_ledger(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     workers)."""
     from pathlib import Path
 
-    from nemo_rl_offload.models.ledger_run import build_ledger
-    from nemo_rl_offload.offload.ledger import format_ledger
+    from nemo_rl_offload.planning.ledger import format_ledger
+    from nemo_rl_offload.planning.ledger_run import build_ledger
     from nemo_rl_offload.preflight import load_and_check
 
     report = load_and_check(args.config, args.overrides)

@@ -42,7 +42,7 @@ def _first_last(log_dir: Path, key: str) -> tuple[float, float] | None:
 def run_demo(output_dir: str) -> int:
     from nemo_rl_offload.algorithms.grpo import run_grpo
     from nemo_rl_offload.algorithms.sft import run_sft
-    from nemo_rl_offload.plan_at_start import checked
+    from nemo_rl_offload.planning.plan_at_start import checked
 
     root = Path(output_dir)
     shutil.rmtree(root, ignore_errors=True)

@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.algorithms.common import resolve_checkpoint
+from nemo_rl_offload.config.megatron_settings import SINGLE_RANK_LAYOUT
 from nemo_rl_offload.config.model_presets import HF_MODEL_TYPES as MODEL_TYPES
 from nemo_rl_offload.config.model_presets import Architecture, hf_config, section_architecture
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.models.checkpoint import is_legacy, read_legacy_shard, read_saved
-from nemo_rl_offload.offload.apply import SINGLE_RANK_LAYOUT
+from nemo_rl_offload.policy.checkpoint import is_legacy, read_legacy_shard, read_saved
+from nemo_rl_offload.policy.checkpoint_dirs import resolve_checkpoint
 from nemo_rl_offload.preflight import load_and_check
 
 _SHARD = re.compile(r"model_tp(\d+)_pp(\d+)\.pt$")
@@ -94,11 +94,11 @@ def _read_dist_checkpoint(
     """The whole model's weights (one unsharded state dict) of a current-format checkpoint."""
     import torch
 
-    from nemo_rl_offload.models import checkpoint
+    from nemo_rl_offload.config import megatron_settings
     from nemo_rl_offload.models.builder import build_gpt_model
     from nemo_rl_offload.models.lora import merged_state_dict
     from nemo_rl_offload.models.parallel import single_rank_megatron
-    from nemo_rl_offload.offload import apply
+    from nemo_rl_offload.policy import checkpoint
 
     saved = read_saved(policy_dir)  # one line if it is not a checkpoint
     section = copy.deepcopy(policy)
@@ -106,7 +106,7 @@ def _read_dist_checkpoint(
     if torch.distributed.is_initialized():
         raise RuntimeError("export-hf reads a checkpoint in a process of its own")
     with single_rank_megatron(seed=0):
-        effective = apply.effective_settings(section, architecture, te_installed=False)
+        effective = megatron_settings.effective_settings(section, architecture, te_installed=False)
         model, _ = build_gpt_model(effective, architecture, on_gpu=False)
         if saved.quant_cfg is not None:
             _quantized_as_saved(model, policy, saved.quant_cfg, policy_dir)

@@ -1,19 +1,8 @@
 """``logger.monitor_gpus``: each GPU's utilisation and memory in every training step's metrics.
 
-NeMo-RL scrapes Ray's node metrics in a background thread and logs them on their own time
-axis. Here a small Ray actor on each GPU node samples NVML (``pynvml``, from the
-``nvidia-ml-py`` package) every ``SAMPLE_INTERVAL_S`` seconds, and the driver collects the
-samples at the end of each step, so the numbers sit beside the step they describe, under
-NeMo-RL's names:
-
-- ``node.<n>.gpu.<i>.util``: mean utilisation (%) over the step's samples (NVML's own figure is
-  the share of its last sample period, up to a second, in which a kernel ran);
-- ``node.<n>.gpu.<i>.mem_gb``: the most memory in use on the GPU during the step (GiB, every
-  process on it, as NVML sees it: more than torch's allocator reports).
-
-NVML sees every GPU of a node, whatever CUDA_VISIBLE_DEVICES says, so ``<i>`` is the node's
-physical GPU index. A node without NVML (package missing, no driver) gives one warning line
-and no GPU metrics; training goes on.
+A small Ray actor on each GPU node samples NVML and the driver collects the samples at the end
+of each step, so the numbers sit beside the step they describe, under NeMo-RL's names. The
+metrics and how they are measured: docs/telemetry.md.
 """
 
 from __future__ import annotations

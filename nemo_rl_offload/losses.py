@@ -448,7 +448,7 @@ def distillation_kl(
 
 # ------------------------------------------------------------------ micro-batch loss functions
 # Adapters between the losses above and the training step's contract
-# (models.train_step: loss_fn(batch, output) -> (summed loss, count, metric sums)). ``output``
+# (policy.train_step: loss_fn(batch, output) -> (summed loss, count, metric sums)). ``output``
 # is the model's per-token loss, i.e. minus the log-probability of each label, unless the loss
 # needs the whole distribution (distillation), in which case the batch has no labels and
 # ``output`` holds the logits.

@@ -20,25 +20,33 @@ from nemo_rl_offload.config import (
     grpo_options,
     http_server,
     ignored_keys,
+    megatron_settings,
     nemo_gym,
     on_policy_distillation,
     peft,
+    policy_settings,
     quantization,
     router_replay,
 )
+from nemo_rl_offload.config.batching_settings import BatchingSettings
+from nemo_rl_offload.config.environment import Capabilities
 from nemo_rl_offload.config.loader import load_recipe, unset_environment
+from nemo_rl_offload.config.megatron_rules import MEGATRON_RULES
 from nemo_rl_offload.config.model_presets import (
     Architecture,
     ModelNotOnMachine,
     architecture_for,
     section_architecture,
 )
+from nemo_rl_offload.config.policy_settings import PolicySettings
+from nemo_rl_offload.config.rule_context import Findings, RuleContext
 from nemo_rl_offload.config.schema import grpo_loss_problems
 from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
 from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.offload import apply, capabilities, rules
-from nemo_rl_offload.offload.capabilities import Capabilities
+from nemo_rl_offload.models.transformer_config import build_transformer_config
+from nemo_rl_offload.offload import capabilities
+from nemo_rl_offload.offload.rules import OFFLOAD_RULES
 
 POLICY_SECTIONS = ("policy", "teacher")
 _LOG = logging.getLogger("nemo_rl_offload.preflight")
@@ -66,6 +74,9 @@ class Report:
     sections: list[SectionSettings] = field(default_factory=list)
     # Sections written for NeMo-RL's DTensor backend, whose megatron_cfg here is the mapped one.
     dtensor_sections: list[str] = field(default_factory=list)
+    # Each policy section resolved once (a recipe without errors only): what the workers, the
+    # planner and the estimates read.
+    policies: dict[str, PolicySettings] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -111,11 +122,11 @@ def _architecture(
     return architecture
 
 
-def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any, str]]:
+def _resolved_offload(effective: megatron_settings.EffectiveSettings) -> dict[str, tuple[Any, str]]:
     defaults = capabilities.transformer_config_defaults()
     resolved: dict[str, tuple[Any, str]] = {}
-    moe_keys = apply.MOE_DISPATCH_KEYS if effective.is_moe else ()
-    for name in (*apply.FGO_KEYS, *apply.CUDA_GRAPH_KEYS, *moe_keys):
+    moe_keys = megatron_settings.MOE_DISPATCH_KEYS if effective.is_moe else ()
+    for name in (*megatron_settings.FGO_KEYS, *megatron_settings.CUDA_GRAPH_KEYS, *moe_keys):
         setting = effective.settings.get(name)
         if setting is not None:
             resolved[name] = (setting.value, setting.source)
@@ -125,12 +136,13 @@ def _resolved_offload(effective: apply.EffectiveSettings) -> dict[str, tuple[Any
 
 
 def _runtime_settings(
-    section: dict[str, Any], where: str, effective: apply.EffectiveSettings
+    section: dict[str, Any], where: str, effective: megatron_settings.EffectiveSettings
 ) -> dict[str, tuple[Any, str]]:
     """The offload runtime's own settings, resolved: the length buckets steps are padded to
     (with offloading or full-iteration CUDA graphs on), the host budget (offloading on), and
     which groups a fraction below 1 offloads."""
-    from nemo_rl_offload.offload.runtime import pads_steps, step_buckets
+    from nemo_rl_offload.config.batching_settings import step_buckets
+    from nemo_rl_offload.offload.runtime import pads_steps
 
     megatron = section.get("megatron_cfg") or {}
     offloading = effective.value("fine_grained_activation_offloading") is True
@@ -146,7 +158,7 @@ def _runtime_settings(
         return resolved
     if isinstance(section.get("max_total_sequence_length"), int):
         buckets, default = step_buckets(section)
-        packed = (section.get("sequence_packing") or {}).get("enabled")
+        packed = BatchingSettings.mode_of(section) == "packing"
         resolved["offload_sequence_length_buckets"] = (
             buckets,
             f"{where}.sequence_packing.train_mb_tokens (every pack has this length)"
@@ -165,7 +177,9 @@ def _runtime_settings(
     )
     fraction = effective.value("activation_offload_fraction")
     if isinstance(fraction, int | float) and fraction < 1:
-        placement = apply.runtime_choices(effective, megatron, graphed=graphed).fraction_placement
+        placement = megatron_settings.runtime_choices(
+            effective, megatron, graphed=graphed
+        ).fraction_placement
         resolved["activation_offload_fraction_placement"] = (
             (placement, f"{path}.activation_offload_fraction_placement")
             if megatron.get("activation_offload_fraction_placement")
@@ -177,14 +191,16 @@ def _runtime_settings(
     return resolved
 
 
-def _megatron_crosscheck(effective: apply.EffectiveSettings, where: str, report: Report) -> None:
+def _megatron_crosscheck(
+    effective: megatron_settings.EffectiveSettings, where: str, report: Report
+) -> None:
     """Build the real TransformerConfig: anything Megatron still rejects is reported too."""
     if capabilities.transformer_config_fields() is None:
         return
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            apply.build_transformer_config(effective)
+            build_transformer_config(effective)
     except Exception as exc:  # Megatron signals bad settings with AssertionError/ValueError/...
         message = " ".join(str(exc).split()) or type(exc).__name__
         report.errors.append(
@@ -314,7 +330,7 @@ def _not_on_machine(
 
 
 def _mtp_loss_problems(
-    recipe: dict[str, Any], algorithm: str | None, effective: apply.EffectiveSettings
+    recipe: dict[str, Any], algorithm: str | None, effective: megatron_settings.EffectiveSettings
 ) -> list[str]:
     """Multi-token prediction beside a loss that is not a per-token mean. Megatron adds the MTP
     losses per token and the step divides every gradient by the algorithm's count (models.
@@ -397,14 +413,13 @@ def _check_logger_and_batches(
             _tp_batch_variance(where, rows, micro, tp, report, starting)
     policy = recipe.get("policy") if isinstance(recipe.get("policy"), dict) else {}
     if algorithm == "dpo":
-        for key in ("sequence_packing", "dynamic_batching"):
-            if ((policy.get(key) or {}) if isinstance(policy.get(key), dict) else {}).get(
-                "enabled"
-            ):
-                report.errors.append(
-                    f"policy.{key}: not supported for DPO (as in NeMo-RL: chosen and rejected "
-                    f"responses train as pairs of padded rows); set policy.{key}.enabled: false"
-                )
+        mode = BatchingSettings.mode_of(policy)
+        if mode != "rows":
+            key = "sequence_packing" if mode == "packing" else "dynamic_batching"
+            report.errors.append(
+                f"policy.{key}: not supported for DPO (as in NeMo-RL: chosen and rejected "
+                f"responses train as pairs of padded rows); set policy.{key}.enabled: false"
+            )
     max_input = (recipe.get("data") or {}).get("max_input_seq_length")
     max_total = policy.get("max_total_sequence_length")
     if isinstance(max_input, int) and max_input < 1:
@@ -462,7 +477,7 @@ def _tp_batch_variance(
     )
 
 
-def _check_data_source(recipe: dict[str, Any], report: Report) -> None:
+def _check_data_source(recipe: dict[str, Any], report: Report, starting: bool) -> None:
     """data.dataset_name names this backend's data; a NeMo-RL recipe names its datasets under
     data.train instead (which config/ignored_keys.py reports), so one of the two is needed."""
     data = recipe.get("data")
@@ -471,6 +486,11 @@ def _check_data_source(recipe: dict[str, Any], report: Report) -> None:
             "data.dataset_name: required key is missing (arithmetic, or jsonl with "
             "data.train_data_path and data.val_data_path)"
         )
+    from nemo_rl_offload.data.file_checks import problems  # the files named: open, first rows
+
+    errors, warnings = problems(recipe, report.algorithm or "", starting=starting)
+    report.errors += errors
+    report.warnings += warnings
 
 
 def _check_unset_environment(recipe: dict[str, Any], report: Report, starting: bool) -> None:
@@ -494,6 +514,43 @@ def _check_unset_environment(recipe: dict[str, Any], report: Report, starting: b
     if not starting:
         prefixes = tuple(f"{path}{end}" for path, _ in unknown for end in (":", "."))
         report.errors = [line for line in report.errors if not line.startswith(prefixes)]
+
+
+def check_policy(
+    policy_cfg: dict[str, Any],
+    *,
+    where: str,
+    architecture: Architecture | None,
+    caps: Capabilities,
+    gpus_per_node: Any = None,
+    workers: int | None = None,
+    effective: megatron_settings.EffectiveSettings | None = None,
+) -> Findings:
+    """Every rule of one policy section (``policy`` or ``teacher``) that runs on ``workers``
+    workers: Megatron's settings (:mod:`.config.megatron_rules`), then offloading and the
+    recompute beside it (:mod:`.offload.rules`). ``effective``: the section's settings when
+    the caller resolved them already."""
+    megatron_cfg = policy_cfg.get("megatron_cfg")
+    if not isinstance(megatron_cfg, dict):
+        return Findings()  # the schema reports the missing or malformed section
+    if effective is None:
+        effective = megatron_settings.effective_settings(
+            policy_cfg, architecture, where=where, te_installed=caps.has_transformer_engine
+        )
+    ctx = RuleContext(
+        where,
+        megatron_cfg,
+        effective,
+        architecture,
+        caps,
+        policy_cfg,
+        gpus_per_node,
+        workers,
+        transformer_fields=capabilities.transformer_config_fields(),
+    )
+    for rule in (*MEGATRON_RULES, *OFFLOAD_RULES):
+        rule(ctx)
+    return ctx.findings
 
 
 def check_recipe(
@@ -536,7 +593,7 @@ def check_recipe(
     _check_tokenizer(recipe, report, starting)
     _check_deadline(recipe, report)
     _check_logger_and_batches(recipe, algorithm, report, starting)
-    _check_data_source(recipe, report)
+    _check_data_source(recipe, report, starting)
     if algorithm == "grpo" and isinstance(recipe.get("loss_fn"), dict):
         loss_errors, loss_warnings = grpo_loss_problems(recipe["loss_fn"])
         report.errors += loss_errors
@@ -556,27 +613,29 @@ def check_recipe(
     cluster = recipe.get("cluster")
     gpus_per_node = cluster.get("gpus_per_node") if isinstance(cluster, dict) else None
     workers = _workers(cluster)
-    effective_by_section: dict[str, apply.EffectiveSettings] = {}
+    effective_by_section: dict[str, megatron_settings.EffectiveSettings] = {}
+    architectures: dict[str, Architecture] = {}
     for where in POLICY_SECTIONS:
         section = recipe.get(where)
         if not isinstance(section, dict):
             continue
         architecture = _architecture(section, where, base_dir, report, starting)
-        findings = rules.check_policy(
+        effective = megatron_settings.effective_settings(
+            section, architecture, where=where, te_installed=caps.has_transformer_engine
+        )
+        findings = check_policy(
             section,
             where=where,
             architecture=architecture,
             caps=caps,
             gpus_per_node=gpus_per_node,
             workers=workers,
+            effective=effective,
         )
         report.errors += findings.errors
         report.warnings += findings.warnings
         report.notes += [note for note in findings.notes if note not in report.notes]
         report.worker_env.update(findings.worker_env)
-        effective = apply.effective_settings(
-            section, architecture, where=where, te_installed=caps.has_transformer_engine
-        )
         fp8_errors, fp8_warnings = fp8.problems(
             section, where, transformer_impl=effective.value("transformer_impl")
         )
@@ -630,6 +689,7 @@ def check_recipe(
             )
         if architecture is not None:  # Megatron cannot build a config without the model
             effective_by_section[where] = effective
+            architectures[where] = architecture
         report.sections.append(
             SectionSettings(
                 where,
@@ -641,7 +701,35 @@ def check_recipe(
     if megatron_crosscheck and report.ok:
         for where, effective in effective_by_section.items():
             _megatron_crosscheck(effective, where, report)
+    if report.ok:
+        for where, effective in effective_by_section.items():
+            report.policies[where] = policy_settings.resolve(
+                recipe[where],
+                where=where,
+                architecture=architectures[where],
+                te_installed=caps.has_transformer_engine,
+                pair_rows=algorithm == "dpo",
+                effective=effective,
+            )
     return report
+
+
+def resolve_policy(
+    section: dict[str, Any],
+    *,
+    where: str = "policy",
+    base_dir: Path | None = None,
+    pair_rows: bool = False,
+) -> PolicySettings:
+    """A section resolved outside a whole recipe's check (benchmarks, tools, tests): its
+    model from its ``model_name``, this environment's Transformer Engine."""
+    return policy_settings.resolve(
+        section,
+        where=where,
+        architecture=section_architecture(section, where=where, base_dir=base_dir or Path.cwd()),
+        te_installed=capabilities.detect().has_transformer_engine,
+        pair_rows=pair_rows,
+    )
 
 
 def load_and_check(

@@ -1,20 +1,8 @@
 """Progress lines for a job's long phases, as tqdm users expect: where the job is, on stderr.
 
-A step's phases (generation, log-probabilities, training, a checkpoint save) can each run for
-minutes; without a line the job looks hung. A :class:`Progress` prints one line when a phase
-starts, then at most one per interval (``NEMO_RL_OFFLOAD_PROGRESS_INTERVAL_S``, default 10 s;
-0 or ``off`` for none), and a last line when the phase ends only if it ran that long, so a fast
-job gets one line per phase and a slow one a line every interval::
-
-    [grpo step 3] generation: 128 rows ...
-    [grpo step 3] generation: 96/128 rows done, 1,840 new tokens/s (12 s)
-    [grpo step 3] generation: finished, 128/128 rows done (15 s)
-
-Lines go to stderr (stdout carries the metrics), so a Ray worker's reach the driver's stderr
-through Ray's log forwarding. With ``heartbeat`` a thread repeats the phase's last state each
-interval while the caller is blocked (the driver waiting on its workers); without it lines come
-only from :meth:`update` calls (a worker reporting its own loop). The clock is injectable so
-tests can drive the rate limit.
+A step's phases can each run for minutes; without a line the job looks hung. A
+:class:`Progress` prints a line when a phase starts, at most one per interval, and one when a
+long phase ends. Examples and settings: docs/telemetry.md.
 """
 
 from __future__ import annotations

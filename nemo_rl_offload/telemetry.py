@@ -24,11 +24,11 @@ import numpy as np
 
 from nemo_rl_offload.config import quantization
 from nemo_rl_offload.config.batch_checks import check_batch_sizes
-from nemo_rl_offload.config.model_presets import section_architecture
+from nemo_rl_offload.config.policy_settings import PolicySettings
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
-from nemo_rl_offload.preflight import load_and_check
+from nemo_rl_offload.policy.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.preflight import load_and_check, resolve_policy
 
 RUN_OFFLOAD, RUN_AS_GIVEN, RUN_BASELINE = "offload", "recipe", "no offload"
 _COLUMNS = (
@@ -80,6 +80,7 @@ def _shards(
 
 def _run_steps(
     section: dict[str, Any],
+    settings: PolicySettings,
     recipe: dict[str, Any],
     env: dict[str, str] | None,
     *,
@@ -91,8 +92,7 @@ def _run_steps(
     err: TextIO,
 ) -> list[dict[str, Any]]:
     group = PolicyGroup(
-        section,
-        where="policy",
+        settings,
         cluster_cfg=recipe["cluster"],
         seed=seed,
         trainable=True,
@@ -102,7 +102,7 @@ def _run_steps(
     try:
         for line in group.warnings:
             print(f"warning: {line}", file=err)
-        vocab = section_architecture(section, base_dir=Path.cwd()).vocab_size
+        vocab = settings.architecture.vocab_size
         rng = np.random.default_rng(seed)
         quantized = _quantize_as_the_run_would(group, section, lengths[0], vocab, rng)
         if quantized:
@@ -198,17 +198,18 @@ def measure(
     seed = int(next((s["seed"] for s in recipe.values() if isinstance(s, dict) and "seed" in s), 0))
     env = report.worker_environment("policy") or None
     fgo = bool(policy_cfg["megatron_cfg"].get("fine_grained_activation_offloading"))
-    runs = [(RUN_OFFLOAD if fgo else RUN_AS_GIVEN, policy_cfg)]
+    runs = [(RUN_OFFLOAD if fgo else RUN_AS_GIVEN, policy_cfg, report.policies["policy"])]
     if baseline:
         plain = copy.deepcopy(policy_cfg)
         plain["megatron_cfg"]["fine_grained_activation_offloading"] = False
-        runs.append((RUN_BASELINE, plain))
+        runs.append((RUN_BASELINE, plain, resolve_policy(plain, base_dir=Path.cwd())))
     info = cluster.start_or_join(recipe["cluster"], num_cpus=4)
     try:
         records = []
-        for name, section in runs:
+        for name, section, settings in runs:
             records += _run_steps(
                 section,
+                settings,
                 recipe,
                 env,
                 name=name,
@@ -227,7 +228,7 @@ def measure(
         "overrides": overrides,
         "model": policy_cfg["model_name"],
         "gpus_per_node": int(recipe["cluster"].get("gpus_per_node", 0)),
-        "offload_modules": megatron_cfg.get("offload_modules") or [],
+        "offload_modules": list(report.policies["policy"].effective.listed_offload_modules),
         "fine_grained_activation_offloading": bool(
             megatron_cfg.get("fine_grained_activation_offloading")
         ),

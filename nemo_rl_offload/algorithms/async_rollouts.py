@@ -1,20 +1,8 @@
 """``grpo.async_grpo``: rollouts generated ahead of the step that trains on them.
 
-NeMo-RL's asynchronous GRPO generates trajectories on other GPUs while the policy trains; each
-trajectory is tagged with the weight version that generated it and the training step it is
-meant for, and a step trains only on trajectories at most ``max_trajectory_age_steps`` old.
-Its trajectory collector gives the initial weights the steps 0..K (K the maximum age) and
-every later version v the step v + K: when generation keeps up, step t trains on rollouts of
-the weights of step t - K (those of step 0 for the first K steps).
-
-This backend generates on the training GPUs (colocated), so it cannot overlap the two; it
-keeps the schedule instead: :class:`RolloutPipeline` generates each step's rollouts with the
-weights NeMo-RL's collector would have used when it keeps up, K steps ahead, and trains on them
-when their step comes. Which prompts a step trains on, and their sampling seeds, are the
-synchronous loop's (a pipeline with no lead would be it exactly); only the weights that sampled
-them are older. No trajectory mixes weight versions (generation never overlaps a weight
-update here). The rollouts waiting for their step are part of the checkpoint, as NeMo-RL's
-replay buffer is, so a resumed run trains on the same rollouts as an uninterrupted one.
+This backend generates on the training GPUs, so it cannot overlap generation with training as
+NeMo-RL does; :class:`RolloutPipeline` keeps NeMo-RL's schedule instead (each step trains on
+rollouts of weights up to ``max_trajectory_age_steps`` older). The schedule: docs/training.md.
 """
 
 from __future__ import annotations
@@ -48,7 +36,7 @@ class Rollouts:
 
 class RolloutPipeline:
     """The rollouts of the steps to come, each generated ``lead`` steps before it trains (see
-    the module docstring). ``collect(target)`` samples a step's groups with the weights of
+    docs/training.md). ``collect(target)`` samples a step's groups with the weights of
     now; ``exhausted()`` says the data epochs are used up (no more steps to generate for);
     ``last_step``: the run's last step (nothing is generated beyond it)."""
 

@@ -1,25 +1,11 @@
 """What every algorithm loop shares: the pre-start check, the cluster, the tokenizer, data
 encoding, checkpoints with resume, and the metrics logger.
 
-A run directory layout (``checkpointing.checkpoint_dir``)::
-
-    step_000010/policy/          the workers' sharded checkpoint (megatron dist_checkpointing:
-                                 weights, optimizer, scheduler, generators, worker step) and
-                                 layout.json, the layout it was saved with (models.checkpoint)
-    step_000010/state.json       the driver's state: step, data position
-
-A checkpoint directory is written as ``.tmp_step_N`` and renamed to ``step_N`` only when the
-workers' parts and state.json are all written, so a stop mid-save leaves the previous
-checkpoint as the latest complete one; resume looks only at ``step_N`` directories, takes the
-newest whose state.json and workers' files are complete (a damaged newer one is passed over
-with a warning), ignores other entries with a warning, and removes ``.tmp_*`` leftovers. Old
-checkpoints are renamed away before they are deleted, for the same reason. The directory's
-writability is checked before the first step.
-
-Resume is exact: everything a step's outcome depends on is restored (the workers' full state,
-the data order position; GRPO's and distillation's sampling seeds are derived from the step
-number, the data order from the seed and the epoch). Records of steps after the checkpoint,
-left in the metrics file by the run that stopped, are dropped, since those steps run again.
+Checkpoints go to the run's directory (:mod:`nemo_rl_offload.policy.checkpoint_dirs`). Resume is
+exact: everything a step's outcome depends on is restored (the workers' full state, the data
+order position; GRPO's and distillation's sampling seeds are derived from the step number, the
+data order from the seed and the epoch). Records of steps after the checkpoint, left in the
+metrics file by the run that stopped, are dropped, since those steps run again.
 """
 
 from __future__ import annotations
@@ -27,10 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,177 +26,32 @@ import numpy as np
 from nemo_rl_offload.algorithms import batching, packing
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.config import checkpointing, quantization
-from nemo_rl_offload.config.model_presets import section_architecture
+from nemo_rl_offload.config.policy_settings import PolicySettings
 from nemo_rl_offload.data.datasets import (
     CUT_PART_TOKENS,
     EncodedExample,
     encode_and_check_lengths,
 )
-from nemo_rl_offload.data.tokenizer import Tokenizer, load_tokenizer
+from nemo_rl_offload.data.tokenizer import Tokenizer
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.metrics_logger import MetricsLogger
-from nemo_rl_offload.models.policy_group import PolicyGroup
-from nemo_rl_offload.preflight import Report
+from nemo_rl_offload.policy.checkpoint_dirs import (
+    STATE_FILE,
+    TMP_PREFIX,
+    checkpoint_dirs,
+    find_resume,
+    read_state,
+    remove_dir,
+    resolve_checkpoint,
+    step_of,
+)
+from nemo_rl_offload.policy.policy_group import PolicyGroup
+from nemo_rl_offload.policy.tokenizer import policy_tokenizer
+from nemo_rl_offload.preflight import Report, resolve_policy
 from nemo_rl_offload.progress import Progress
 
 _LOG = logging.getLogger("nemo_rl_offload.run")
-STATE_FILE = "state.json"
-# Directories being written or deleted: never read as checkpoints, removed at the next start.
-TMP_PREFIX = ".tmp_"
-
-
-def _remove(directory: Path) -> None:
-    """Delete a checkpoint directory: renamed out of the ``step_*`` names first, so that a
-    stop halfway through never leaves a partly deleted one that looks complete."""
-    doomed = directory.with_name(f"{TMP_PREFIX}delete_{directory.name}")
-    shutil.rmtree(doomed, ignore_errors=True)
-    os.replace(directory, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def remove_incomplete(root: str | Path) -> list[Path]:
-    """Remove what a stopped run left half-written or half-deleted under ``root``."""
-    root = Path(root)
-    leftovers = sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
-    for leftover in leftovers:
-        shutil.rmtree(leftover, ignore_errors=True)
-    return leftovers
-
-
-STEP_DIR = re.compile(r"step_(\d+)")
-
-
-def _step_of(path: Path) -> int | None:
-    """The step of a ``step_N`` directory's name; None for any other entry."""
-    match = STEP_DIR.fullmatch(path.name)
-    return int(match[1]) if match and path.is_dir() else None
-
-
-def _step_dirs(root: str | Path) -> list[Path]:
-    """Every ``step_N`` directory under ``root`` (complete or not), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _step_of(p) is not None]
-    return sorted(found, key=lambda p: _step_of(p) or 0)
-
-
-def checkpoint_dirs(root: str | Path) -> list[Path]:
-    """Checkpoints under ``root`` with their ``state.json`` (written last), oldest first;
-    entries that are not ``step_N`` directories are left alone (:func:`stray_entries`)."""
-    return [p for p in _step_dirs(root) if (p / STATE_FILE).is_file()]
-
-
-def stray_entries(root: str | Path) -> list[str]:
-    """Names under ``root`` that are neither checkpoints nor this package's leftovers (a
-    ``step_6.bak`` copy, notes): ignored, and named in a warning at the start."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(
-        p.name for p in root.iterdir() if _step_of(p) is None and not p.name.startswith(TMP_PREFIX)
-    )
-
-
-def read_state(step_dir: Path) -> dict[str, Any]:
-    """A checkpoint's driver state (``state.json``); one line when it is missing or damaged."""
-    path = step_dir / STATE_FILE
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserInputError(f"{path}: missing (a partial checkpoint)") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UserInputError(f"{path}: damaged ({type(exc).__name__}: {exc})") from None
-    if not isinstance(state, dict) or isinstance(state.get("step"), bool):
-        raise UserInputError(f"{path}: damaged (not a checkpoint's driver state)")
-    if not isinstance(state.get("step"), int):
-        raise UserInputError(f"{path}: damaged (no step number)")
-    return state
-
-
-def checkpoint_problem(step_dir: Path) -> str | None:
-    """Why ``step_dir`` cannot be resumed or loaded as it is (its state.json, its workers'
-    files: :func:`models.checkpoint.problem`, no tensor read), or None."""
-    from nemo_rl_offload.models.checkpoint import problem
-
-    try:
-        read_state(step_dir)
-    except UserInputError as exc:
-        return exc.problems[0]
-    return problem(step_dir / "policy")
-
-
-def latest_good(root: str | Path, where: str) -> Path | None:
-    """The newest complete checkpoint under ``root`` (None when there is none at all). A
-    damaged or partial newer one is passed over with one warning line each; when none is
-    complete, one line refusing (a run must not silently start afresh over them)."""
-    candidates = _step_dirs(root)
-    for step_dir in reversed(candidates):
-        trouble = checkpoint_problem(step_dir)
-        if trouble is None:
-            return step_dir
-        print(
-            f"warning: {where}: skipping the damaged checkpoint {step_dir.name}: {trouble}",
-            file=sys.stderr,
-        )
-    if candidates:
-        raise UserInputError(
-            f"{where}: no complete checkpoint under {root} (each is damaged or partial, see "
-            "the warnings above); move them away to start afresh, or restore one"
-        )
-    return None
-
-
-def resolve_checkpoint(path: str, where: str) -> Path:
-    """A checkpoint step directory, or the latest complete one under a checkpoint_dir."""
-    candidate = Path(path)
-    if (candidate / STATE_FILE).is_file():
-        return candidate
-    found = latest_good(candidate, where)
-    if found is None:
-        raise UserInputError(
-            f"{where}: no checkpoint at '{path}' (expected a step_N directory with {STATE_FILE},"
-            " or a checkpoint_dir that holds some); run the earlier stage first"
-        )
-    return found
-
-
-def check_writable(root: str | Path) -> None:
-    """Before the first step: the checkpoint directory can be created and written, so that
-    a read-only one is found now, not at the first save after the steps before it ran."""
-    path = Path(root)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=f"{TMP_PREFIX}write_check_"):
-            pass
-    except OSError as exc:
-        raise UserInputError(
-            f"checkpointing.checkpoint_dir: cannot write checkpoints to {root} "
-            f"({exc.strerror or exc}); make it writable or set checkpointing.checkpoint_dir "
-            "to a directory you can write"
-        ) from None
-
-
-def find_resume(root: str | Path) -> tuple[Path | None, dict[str, Any]]:
-    """At the start of a run with checkpointing: check ``root`` writable, remove leftovers,
-    warn about entries that are not checkpoints, and find the checkpoint to resume (the
-    latest complete one) with its driver state; (None, {}) for a fresh start."""
-    check_writable(root)
-    for leftover in remove_incomplete(root):
-        print(f"removed an incomplete checkpoint: {leftover}", file=sys.stderr)
-    stray = stray_entries(root)
-    if stray:
-        print(
-            f"warning: checkpointing.checkpoint_dir: ignoring {len(stray)} "
-            f"entr{'y' if len(stray) == 1 else 'ies'} that {'is' if len(stray) == 1 else 'are'}"
-            f" not a checkpoint (step_N): {', '.join(stray)}",
-            file=sys.stderr,
-        )
-    resume_from = latest_good(root, "checkpointing.checkpoint_dir")
-    if resume_from is None:
-        return None, {}
-    return resume_from, read_state(resume_from)
 
 
 def data_where(data_cfg: dict, split: str) -> str:
@@ -343,6 +182,11 @@ class Run:
         return self.recipe["policy"]
 
     @property
+    def policy_settings(self) -> PolicySettings:
+        """The policy section as validate resolved it (:mod:`.config.policy_settings`)."""
+        return self.report.policies["policy"]
+
+    @property
     def max_len(self) -> int:
         return int(self.policy_cfg["max_total_sequence_length"])
 
@@ -469,7 +313,7 @@ class Run:
             json.dumps({"step": step, **state, "metrics": recorded}, indent=1)
         )
         if final.exists():  # the same step again (e.g. the last one): replace it
-            _remove(final)
+            remove_dir(final)
         os.replace(tmp, final)
         self._saved_step = step
         self._retain(root)
@@ -479,7 +323,7 @@ class Run:
         """keep_top_k: delete the checkpoints it does not keep (config.checkpointing says
         which: the best k by metric_name, or the newest k, and always the newest)."""
         ckpt = self.recipe["checkpointing"]
-        directories = {_step_of(path) or 0: path for path in checkpoint_dirs(root)}
+        directories = {step_of(path) or 0: path for path in checkpoint_dirs(root)}
         history = [(step, _recorded(path)) for step, path in directories.items()]
         for step in checkpointing.steps_to_delete(
             history,
@@ -487,7 +331,7 @@ class Run:
             metric=self.metric,
             higher_is_better=bool(ckpt.get("higher_is_better", True)),
         ):
-            _remove(directories[step])
+            remove_dir(directories[step])
 
     def sampler(self, size: int, seed: int) -> EpochSampler:
         """The training-data order, continuing where a resumed run stopped."""
@@ -673,9 +517,13 @@ class Run:
         ``section``: a section the recipe does not hold under ``where`` (an on-policy
         distillation teacher's, built from the policy's: its workers get the policy's
         environment)."""
+        settings = (
+            self.report.policies[where]
+            if section is None
+            else resolve_policy(section, where=where, base_dir=Path.cwd())
+        )
         group = PolicyGroup(
-            self.recipe[where] if section is None else section,
-            where=where,
+            settings,
             cluster_cfg=self.recipe["cluster"],
             seed=seed,
             trainable=trainable,
@@ -705,7 +553,7 @@ class Run:
         from nemo_rl_offload.serving.policy_endpoint import serve_policy
 
         server = serve_policy(
-            self.policy_cfg,
+            self.policy_settings,
             policy,
             self.tokenizer,
             seed=seed,
@@ -743,7 +591,7 @@ def _recorded(step_dir: Path) -> dict[str, float]:
 def _not_quantized(policy_dir: Path, key: str) -> None:
     """A quantization-aware run's checkpoint (ModelOpt's entries, models.quantization) gives
     weights to a run by resuming only; one line naming the other ways."""
-    from nemo_rl_offload.models.checkpoint import is_legacy, read_saved
+    from nemo_rl_offload.policy.checkpoint import is_legacy, read_saved
 
     if is_legacy(policy_dir):
         return
@@ -757,31 +605,11 @@ def _not_quantized(policy_dir: Path, key: str) -> None:
         )
 
 
-def policy_tokenizer(policy: Mapping[str, Any]) -> Tokenizer:
-    """The policy section's tokenizer, checked against its model (and the model's Hugging Face
-    directory checked, so that a bad one fails here rather than in the workers)."""
-    architecture = section_architecture(policy, base_dir=Path.cwd())
-    tokenizer_cfg = policy.get("tokenizer") or {}
-    tokenizer = load_tokenizer(
-        tokenizer_cfg.get("name"), architecture.hf_directory, policy.get("model_name")
-    )
-    if tokenizer.vocab_size > architecture.vocab_size:
-        raise UserInputError(
-            f"policy.tokenizer.name: the tokenizer has {tokenizer.vocab_size} tokens but "
-            f"{policy['model_name']} only {architecture.vocab_size}; use the model's tokenizer"
-        )
-    if architecture.hf_directory and not policy.get("init_checkpoint"):
-        from nemo_rl_offload.models.hf_checkpoint import check_hf_directory
-
-        check_hf_directory(architecture)
-    return tokenizer
-
-
 def prepare(
     report: Report, algorithm: str, *, total_steps_key: str, started: float | None = None
 ) -> Run:
     """From a recipe checked for ``algorithm`` (and planned, with a budget:
-    :mod:`nemo_rl_offload.plan_at_start`): load the tokenizer, find a checkpoint to resume
+    :mod:`nemo_rl_offload.planning.plan_at_start`): load the tokenizer, find a checkpoint to resume
     (Ray starts later, in :meth:`Run.connect`). ``started``: when the command started
     (``time.monotonic``), which checkpoint_must_save_by counts from; by default, now."""
     started = time.monotonic() if started is None else started

@@ -18,17 +18,14 @@ import numpy as np
 
 from nemo_rl_offload.algorithms import gym_rollouts, loop, throughput
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.common import (
-    Run,
-    prepare,
-    resolve_checkpoint,
-)
+from nemo_rl_offload.algorithms.common import Run, prepare
 from nemo_rl_offload.algorithms.grpo import rollout, validate
 from nemo_rl_offload.config import batch_checks
-from nemo_rl_offload.config.model_presets import section_architecture
+from nemo_rl_offload.config.model_presets import Architecture
 from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.policy.checkpoint_dirs import resolve_checkpoint
 from nemo_rl_offload.preflight import Report
 
 # Held-out prompts are sampled this many times each for val_reward (distillation has no
@@ -36,10 +33,8 @@ from nemo_rl_offload.preflight import Report
 VAL_SAMPLES_PER_PROMPT = 4
 
 
-def shared_vocab_size(policy_cfg: dict, teacher_cfg: dict) -> int:
+def shared_vocab_size(student: Architecture, teacher: Architecture) -> int:
     """Student and teacher must score the same vocabulary for a KL between them."""
-    student = section_architecture(policy_cfg, base_dir=Path.cwd())
-    teacher = section_architecture(teacher_cfg, where="teacher", base_dir=Path.cwd())
     if student.vocab_size != teacher.vocab_size:
         raise UserInputError(
             f"teacher.model_name: its vocabulary ({teacher.vocab_size}) differs from the "
@@ -49,8 +44,9 @@ def shared_vocab_size(policy_cfg: dict, teacher_cfg: dict) -> int:
 
 
 def run_distillation(report: Report, *, started: float | None = None) -> int:
-    """Run distillation on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
-    ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
+    """Run distillation on a recipe checked for it
+    (:func:`nemo_rl_offload.planning.plan_at_start.checked`); ``started``: when the command
+    started, for checkpointing.checkpoint_must_save_by."""
     run = prepare(report, "distillation", total_steps_key="max_num_steps", started=started)
     return loop.drive(run, start)
 
@@ -92,10 +88,12 @@ def start(run: Run) -> loop.Steps:
         "name": "distillation",
         "kl_type": loss_cfg["kl_type"],
         "mixed_kl_weight": float(loss_cfg.get("mixed_kl_weight", 0.5)),
-        "vocab_size": shared_vocab_size(policy_cfg, teacher_cfg),
+        "vocab_size": shared_vocab_size(
+            run.policy_settings.architecture, run.report.policies["teacher"].architecture
+        ),
     }
     sampler = run.sampler(prompts.count, seed)
-    meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
+    meter = throughput.StepMeter.for_policy(run.policy_settings, policy.workers)
     val_answers = [str(v["answer"]) for v in val_raw]
     gym_batch = (
         gym_rollouts.sampler(run, gym, prompts.train_rows, group) if gym is not None else None
@@ -106,7 +104,7 @@ def start(run: Run) -> loop.Steps:
             return gym_rollouts.validate(
                 gym,
                 prompts.val_rows,
-                policy_cfg.get("generation") or {},
+                run.policy_settings.generation,
                 max_len=run.max_len,
                 samples_per_prompt=VAL_SAMPLES_PER_PROMPT,
             )

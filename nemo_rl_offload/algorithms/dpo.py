@@ -22,7 +22,7 @@ from nemo_rl_offload.algorithms.common import (
 from nemo_rl_offload.config.batch_checks import check_batch_sizes
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.distributed import sharding
-from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.policy.policy_group import PolicyGroup, holds_reference
 from nemo_rl_offload.preflight import Report
 
 
@@ -87,7 +87,7 @@ def evaluate(run: Run, policy: PolicyGroup, pairs: list, rows: int, spec: dict) 
 
 
 def run_dpo(report: Report, *, started: float | None = None) -> int:
-    """Run dpo on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    """Run dpo on a recipe checked for it (:func:`nemo_rl_offload.planning.plan_at_start.checked`);
     ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
     run = prepare(report, "dpo", total_steps_key="max_num_steps", started=started)
     return loop.drive(run, start)

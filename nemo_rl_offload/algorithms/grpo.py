@@ -38,12 +38,12 @@ from nemo_rl_offload.config import (
     on_policy_distillation,
     router_replay,
 )
+from nemo_rl_offload.config.generation_settings import SamplingSettings
 from nemo_rl_offload.config.router_replay import NO_ROUTE
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.environments.nemo_gym_results import GymTurn
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.models.generation import SamplingSettings
-from nemo_rl_offload.models.policy_group import PolicyGroup, holds_reference
+from nemo_rl_offload.policy.policy_group import PolicyGroup, holds_reference
 from nemo_rl_offload.preflight import Report
 
 # Generation seeds of a step's later generation batches (dynamic sampling) are this far apart,
@@ -51,24 +51,22 @@ from nemo_rl_offload.preflight import Report
 _BATCH_SEED_STRIDE = 1 << 32
 
 
-def sampling_settings(run: Run, prompts: list[TokenSequence], *, greedy: bool) -> dict[str, Any]:
+def sampling_settings(run: Run, prompts: list[TokenSequence], *, greedy: bool) -> SamplingSettings:
     """Sampling settings whose new tokens always fit policy.max_total_sequence_length."""
     longest = max(len(p.ids) for p in prompts)
-    room = run.max_len - longest
-    if room <= 0:
+    generation = run.policy_settings.generation
+    new_tokens = generation.new_tokens(longest, run.max_len)
+    if new_tokens <= 0:
         raise UserInputError(
             f"policy.max_total_sequence_length: {run.max_len} leaves no room to generate after "
             f"a {longest}-token prompt; raise it"
         )
-    generation = run.policy_cfg.get("generation") or {}
-    settings = SamplingSettings.from_recipe(
-        generation,
+    return generation.sampling(
+        max_new_tokens=new_tokens,
         eos_id=run.tokenizer.eos_id,
         greedy=greedy,
-        max_new_tokens=min(int(generation.get("max_new_tokens", room)), room),
         vocab_limit=run.tokenizer.vocab_size,
     )
-    return dataclasses.asdict(settings)
 
 
 def generate_and_score(
@@ -327,8 +325,8 @@ def collect_groups(
     with a non-zero reward spread are gathered (:class:`rewards.DynamicSampling`; a group
     may then hold fewer samples); ``filtered_reward`` is the mean reward of the samples kept
     and ``reward`` NeMo-RL's unfiltered one (:meth:`rewards.DynamicSampling.reward`).
-    ``gym_batch``: NeMo-Gym's rollouts of the picked rows (each repeated for its group) instead of the
-    sampler and the math environment."""
+    ``gym_batch``: NeMo-Gym's rollouts of the picked rows (each repeated for its group) instead
+    of the sampler and the math environment."""
     cfg = run.recipe["grpo"]
     needed, group = int(cfg["num_prompts_per_step"]), int(cfg["num_generations_per_prompt"])
     dynamic = bool(cfg.get("use_dynamic_sampling", False))
@@ -336,9 +334,8 @@ def collect_groups(
     gathering = rewards.DynamicSampling[PromptGroup](
         needed * group, int(cfg.get("dynamic_sampling_max_gen_batches", 10))
     )
-    generation = run.policy_cfg.get("generation") or {}
-    stop_ids = SamplingSettings.from_recipe(
-        generation, eos_id=run.tokenizer.eos_id, max_new_tokens=1
+    stop_ids = run.policy_settings.generation.sampling(
+        max_new_tokens=1, eos_id=run.tokenizer.eos_id
     ).stop_token_ids
     done = False
     seconds, sequence_tokens, new_tokens = 0.0, 0, 0
@@ -471,7 +468,7 @@ def stop_rule(cfg: Mapping[str, Any]) -> Callable[[Mapping[str, float]], str | N
 
 
 def run_grpo(report: Report, *, started: float | None = None) -> int:
-    """Run grpo on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    """Run grpo on a recipe checked for it (:func:`nemo_rl_offload.planning.plan_at_start.checked`);
     ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
     run = prepare(report, "grpo", total_steps_key="max_num_steps", started=started)
     return loop.drive(run, start)
@@ -491,7 +488,7 @@ def start(run: Run) -> loop.Steps:
     # NeMo-RL's training, old and reference log-probabilities are of the sampling
     # distribution's temperature (top-k / top-p are not applied to them here); so are an
     # on-policy distillation teacher's.
-    temperature = float((policy_cfg.get("generation") or {}).get("temperature", 1.0))
+    temperature = run.policy_settings.generation.temperature
     policy = run.start_group(
         "policy",
         seed=seed,
@@ -502,7 +499,7 @@ def start(run: Run) -> loop.Steps:
     )
     teachers = opd.Teachers.start(run, seed=seed, temperature=temperature) if distilling else None
     gym = gym_rollouts.start_sampling(run, policy, prompts, seed=seed)
-    meter = throughput.StepMeter.for_policy(policy_cfg, policy.workers)
+    meter = throughput.StepMeter.for_policy(run.policy_settings, policy.workers)
     env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
     num_prompts, group = (
         int(cfg["num_prompts_per_step"]),
@@ -528,7 +525,7 @@ def start(run: Run) -> loop.Steps:
             return gym_rollouts.validate(
                 gym,
                 prompts.val_rows,
-                policy_cfg.get("generation") or {},
+                run.policy_settings.generation,
                 max_len=run.max_len,
                 samples_per_prompt=val_samples,
             )

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from nemo_rl_offload.algorithms.batching import TokenSequence
+from nemo_rl_offload.config.generation_settings import GenerationSettings
 from nemo_rl_offload.config.nemo_gym import enabled
 from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.data.nemo_gym_rows import gym_data_path, load_gym_rows
@@ -72,13 +73,14 @@ class GymSamples:
 
 def request_rows(
     rows: Sequence[Mapping[str, Any]],
-    generation: Mapping[str, Any],
     *,
+    max_new_tokens: int | None,
     temperature: float,
     top_p: float,
 ) -> list[dict[str, Any]]:
-    """Copies of ``rows`` with NeMo-RL's sampling settings in their requests."""
-    limit = generation.get("max_new_tokens")
+    """Copies of ``rows`` with NeMo-RL's sampling settings in their requests
+    (``max_new_tokens`` None: each request's own limit)."""
+    limit = max_new_tokens
     prepared = []
     for row in rows:
         row = copy.deepcopy(dict(row))
@@ -154,16 +156,16 @@ def sampler(
 ) -> Callable[[list[int]], GymSamples]:
     """A step's sampling: the picked rows, each ``group`` times, with the recipe's sampling
     settings, as one batch of samples (a row's samples must share their prompt)."""
-    generation = run.policy_cfg.get("generation") or {}
+    generation = run.policy_settings.generation
     env = run.recipe.get("env") or {}
     mask_flagged = env.get("should_mask_flagged_samples") is not False
 
     def sample(picked: list[int]) -> GymSamples:
         prepared = request_rows(
             [rows[i] for i in picked for _ in range(group)],
-            generation,
-            temperature=float(generation.get("temperature", 1.0)),
-            top_p=float(generation.get("top_p", 1.0)),
+            max_new_tokens=generation.max_new_tokens,
+            temperature=generation.temperature,
+            top_p=generation.top_p,
         )
         batch = samples(gym, prepared, max_len=run.max_len, mask_flagged=mask_flagged)
         check_group_prompts(batch.prompts, group)
@@ -258,7 +260,7 @@ def load_rows(data_cfg: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[d
 def validate(
     gym: NemoGymServers,
     rows: Sequence[Mapping[str, Any]],
-    generation: Mapping[str, Any],
+    generation: GenerationSettings,
     *,
     max_len: int,
     samples_per_prompt: int = 1,
@@ -271,9 +273,9 @@ def validate(
     repeat = samples_per_prompt
     prepared = request_rows(
         [row for row in rows for _ in range(repeat)],
-        generation,
-        temperature=float(generation.get("val_temperature") or generation.get("temperature", 1.0)),
-        top_p=float(generation.get("val_top_p") or generation.get("top_p", 1.0)),
+        max_new_tokens=generation.max_new_tokens,
+        temperature=generation.val_temperature or generation.temperature,
+        top_p=generation.val_top_p or generation.top_p,
     )
     rewards = samples(gym, prepared, max_len=max_len).rewards
     metrics = {"val_reward": float(np.mean(rewards))}

@@ -15,7 +15,7 @@ from nemo_rl_offload.algorithms import rewards
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.config import on_policy_distillation as opd_config
 from nemo_rl_offload.distributed.cluster import worker_count
-from nemo_rl_offload.models.policy_group import PolicyGroup
+from nemo_rl_offload.policy.policy_group import PolicyGroup
 
 PREFIX = opd_config.SECTION
 

@@ -1,30 +1,9 @@
 """Micro-batches by token budget: sequence packing and dynamic batching (NeMo-RL's
 ``policy.sequence_packing`` and ``policy.dynamic_batching``).
 
-Why: a step's padded rows waste compute and activation memory on padding when lengths vary
-(RL responses do). Both modes keep the loss exact, because every loss returns sums and the step
-divides once by the global token count (``models.train_step``): how sequences are grouped into
-micro-batches changes speed and memory, never the gradient.
-
-Sequence packing puts several sequences end to end in one row of a fixed length (the pack):
-each training pack is padded to the same ``train_mb_tokens`` (rounded up to
-``make_sequence_length_divisible_by``), so every micro-batch of every step has one shape and
-one offload plan serves each micro-batch count. ``cu_seqlens`` marks where each sequence starts
-(the padding after the last one is a segment of its own); the model turns it into Megatron's
-``PackedSeqParams``, so attention stays within a sequence and RoPE positions restart at each
-one (``models.attention``). Per-sequence values (GRPO's advantages) become per-token arrays
-aligned with the labels; ``segment_ids`` says which sequence each position belongs to (-1 for
-padding). Bins come from NeMo-RL's packing algorithms (:data:`PACKERS`); as in NeMo-RL there
-are at least as many packs as data-parallel ranks and a multiple of them, dealt round-robin, so
-every rank runs the same number of micro-batches.
-
-Dynamic batching keeps padded rows but sizes each micro-batch by tokens: NeMo-RL's rule, the
-batch sorted by length, dealt across ranks in stride, then cut greedily so that rows x padded
-length (rounded up to ``sequence_length_round``) stays within the budget, taking at each row
-index the longest of the ranks' rows, so every rank cuts at the same places.
-
-A :class:`Batches` remembers where each sequence went, to put per-sequence results of a
-forward-only pass (log-probabilities, a teacher's scores) on the training micro-batches.
+Padded rows waste compute and memory when lengths vary; both modes keep the loss exact, since
+every loss returns sums and the step divides once by the global token count. A
+:class:`Batches` remembers where each sequence went. How each mode cuts: docs/packing.md.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from nemo_rl_offload.algorithms.common import (
 )
 from nemo_rl_offload.config.batch_checks import check_batch_sizes
 from nemo_rl_offload.data.datasets import load_split
-from nemo_rl_offload.models.policy_group import PolicyGroup
+from nemo_rl_offload.policy.policy_group import PolicyGroup
 from nemo_rl_offload.preflight import Report
 
 
@@ -32,7 +32,7 @@ def evaluate_nll(run: Run, policy: PolicyGroup, sequences: list, micro: int) -> 
 
 
 def run_sft(report: Report, *, started: float | None = None) -> int:
-    """Run sft on a recipe checked for it (:func:`nemo_rl_offload.plan_at_start.checked`);
+    """Run sft on a recipe checked for it (:func:`nemo_rl_offload.planning.plan_at_start.checked`);
     ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
     run = prepare(report, "sft", total_steps_key="max_num_steps", started=started)
     return loop.drive(run, start)

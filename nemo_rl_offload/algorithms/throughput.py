@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from nemo_rl_offload.config.policy_settings import PolicySettings
 
 
 @dataclass(frozen=True)
@@ -21,16 +22,12 @@ class StepMeter:
     gpus: int
 
     @classmethod
-    def for_policy(cls, policy_cfg: dict[str, Any], gpus: int) -> StepMeter:
-        """The meter of the policy of ``policy_cfg`` on ``gpus`` workers: its model FLOPs
-        (:func:`nemo_rl_offload.models.flops.training_flops`) from the effective settings."""
-        from nemo_rl_offload.config.model_presets import section_architecture
+    def for_policy(cls, settings: PolicySettings, gpus: int) -> StepMeter:
+        """The meter of a policy on ``gpus`` workers: its model FLOPs
+        (:func:`nemo_rl_offload.models.flops.training_flops`) from its effective settings."""
         from nemo_rl_offload.models.flops import training_flops
-        from nemo_rl_offload.offload.apply import effective_settings
 
-        architecture = section_architecture(policy_cfg, base_dir=Path.cwd())
-        effective = effective_settings(policy_cfg, architecture, te_installed=False)
-        vocab = architecture.vocab_size
+        effective, vocab = settings.effective, settings.architecture.vocab_size
         return cls(lambda lengths: training_flops(effective, vocab, lengths), gpus)
 
     def metrics(

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_rl_offload.config.batching_settings import BatchingSettings
 from nemo_rl_offload.errors import UserInputError
 
 
 def token_budgeted(policy_cfg: dict[str, Any]) -> bool:
     """Whether micro-batches are formed by token count (sequence packing or dynamic batching)
     rather than train_micro_batch_size rows."""
-    return any(
-        (policy_cfg.get(key) or {}).get("enabled")
-        for key in ("sequence_packing", "dynamic_batching")
-    )
+    return BatchingSettings.mode_of(policy_cfg) != "rows"
 
 
 def check_split(

@@ -1,20 +1,9 @@
 """Run a recipe written for NeMo-RL's DTensor backend on megatron-core, with the same meaning.
 
-NeMo-RL picks its backend per policy section: ``megatron_cfg.enabled: false`` with
-``dtensor_cfg.enabled: true`` trains with PyTorch FSDP2/DTensor, reading the parallel layout from
-``dtensor_cfg``, the optimizer from ``<where>.optimizer`` (a torch optimizer class and its
-kwargs), the schedule from ``<where>.scheduler`` (torch LR schedulers, chained by
-``SequentialLR``) and clipping from ``<where>.max_grad_norm``; its ``megatron_cfg`` is then never
-read. This backend has one trainer, megatron-core, so such a section is rewritten here into the
-``megatron_cfg`` that trains the same model the same way, before anything else looks at it:
-:func:`to_megatron` runs once, in :func:`nemo_rl_offload.preflight.check_recipe`, whose
-``Report.recipe`` is what ``validate``, the planner and the workers read. The recipe's own
-(inactive) ``megatron_cfg`` is dropped, as NeMo-RL drops it, so its settings (e.g. a tensor
-parallel size for a machine the recipe does not run on) give no errors.
-
-What cannot be given the same meaning on megatron-core is refused with one line naming the key;
-the other ``dtensor_cfg`` keys have their one treatment in
-:mod:`nemo_rl_offload.config.ignored_keys`.
+This backend has one trainer, so a DTensor policy section is rewritten into the ``megatron_cfg``
+that trains the same model the same way (:func:`to_megatron`, once, in
+:func:`nemo_rl_offload.preflight.check_recipe`); what cannot have the same meaning is refused
+in one line naming the key. How: docs/recipes.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """``megatron_cfg.fp8_cfg``: FP8 training with NeMo-RL's keys and Transformer Engine's meaning,
 as settings (:class:`Fp8Settings`) and the rules that refuse what this backend does not run.
 ``models.fp8_linear`` applies them; validate and a run both go through :func:`problems`.
-
-NeMo-RL hands ``fp8``, ``fp8_recipe`` and ``fp8_param`` to Megatron's TransformerConfig, whose
-Transformer Engine layers then run the layers' linears in FP8 (forward and both gradients).
-This backend runs the same products without Transformer Engine on the local layer spec:
-
-* ``fp8``: ``e4m3`` (every operand e4m3) or ``hybrid`` (gradients e5m2);
-* ``fp8_recipe``: ``blockwise`` (1x128 activation and gradient blocks, 128x128 weight blocks;
-  scales powers of two unless the workers' environment sets
-  ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``, as Transformer Engine reads it) or ``tensorwise``
-  (one scale per tensor from the tensor itself);
-* ``fp8_param``: false (the master weights stay in the training dtype).
-
-No torch here.
+What each key means here: docs/fp8.md. No torch here.
 """
 
 from __future__ import annotations
@@ -83,7 +71,7 @@ def problems(
 ) -> tuple[list[str], list[str]]:
     """(errors, warnings), one line each, for ``{where}.megatron_cfg.fp8_cfg``, with the
     section's LoRA and ModelOpt keys it cannot run beside. Validate and a worker started
-    without it (``models.policy_worker``) both ask."""
+    without it (``policy.policy_worker``) both ask."""
     section = _section(policy_cfg)
     if section is None:
         return [], []

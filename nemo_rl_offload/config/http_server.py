@@ -1,21 +1,8 @@
 """``policy.generation.mcore_generation_config.expose_http_server``: the rules and the settings.
 
-NeMo-RL's Megatron backend serves the policy being trained over megatron-core's
-OpenAI-compatible HTTP endpoints when ``expose_http_server`` is true (what NeMo-Gym's model
-servers and other agents sample from), with megatron-core's response ``parsers`` (reasoning
-and tool calls) applied to what it generates; ``policy.generation.port_range_low`` /
-``port_range_high`` bound the port. Beside ``expose_http_server``, this backend reads ``host``
-(megatron-core's ``ServeConfig.host``; here 127.0.0.1 unless set, since the server is a
-policy's sampler that anyone who reaches it can occupy) and ``api_key_env_var`` (the environment
-variable holding the key clients must send, as NeMo-RL's ``http_refit_api_key_env_var`` names
-its refit key's; default :data:`API_KEY_ENV`, no key when that is unset). A recipe whose
-backend is vLLM or Dynamo says the same in ``vllm_cfg``, with vLLM's parser names and chat
-template in ``http_server_serving_chat_kwargs``. Here the same endpoints front this backend's
-sampler (:mod:`nemo_rl_offload.serving`), during GRPO and distillation runs and under
-``nemo-rl-offload serve``.
-
 This module owns the decision of what is served and what is refused; the serving package
-applies :class:`ServingSettings`.
+(:mod:`nemo_rl_offload.serving`) applies :class:`ServingSettings`. The keys read and what they
+mean: docs/serving.md.
 """
 
 from __future__ import annotations

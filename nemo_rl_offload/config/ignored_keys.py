@@ -1,21 +1,8 @@
 """The one list of recipe keys the schema accepts but this backend does not act on, and why.
 
-The schema takes NeMo-RL's recipes as they are, so it accepts keys that mean nothing here (a
-generation batch size when generation runs as one batch, a switch whose only supported value
-is the default). A key that is accepted and silently ignored misleads: the user believes it
-acts. Every such key is listed here with the reason, and :func:`check` turns the list into
-``validate``'s lines:
-
-- a value for which ignoring the key changes nothing (``inert``: by default null, or the
-  value this backend always behaves as) gives no line at all;
-- another value gives ``warning: <key>: ignored by this backend: <reason>``, or, where
-  ignoring it would change what is trained (``refuse``), an error naming the key and what to
-  set instead.
-
-``tests/unit/config/test_schema_walk.py`` walks every key of every schema section and fails
-for a key that no code of the package reads and that is not listed here, so a new key cannot
-be accepted and ignored unnoticed. Keys of a section that is handed whole to a megatron-core
-dataclass (:data:`PASSED_THROUGH`) are read by that dataclass's field names.
+A key that is accepted and silently ignored misleads: the user believes it acts. Every such key
+is listed here with its reason, and :func:`check` turns the list into ``validate``'s lines.
+Which lines, and how the list is kept complete: docs/recipes.md.
 """
 
 from __future__ import annotations
@@ -82,8 +69,8 @@ def _dense_model(where: str) -> Callable[[Any, Mapping[str, Any]], bool]:
 
 def _decode_graphs_apply(generation: str) -> Callable[[Any, Mapping[str, Any]], bool]:
     """mcore_generation_config.cuda_graph_impl is acted on (decode-step CUDA graphs,
-    models/generation.py) when it is off or when the policy's decode steps can be captured:
-    no experts, one pipeline stage, no sequence parallelism (models/decode_graphs.py)."""
+    policy/generation.py) when it is off or when the policy's decode steps can be captured:
+    no experts, one pipeline stage, no sequence parallelism (policy/decode_graphs.py)."""
     where = generation.split(".")[0]
 
     def inert(value: Any, recipe: Mapping[str, Any]) -> bool:

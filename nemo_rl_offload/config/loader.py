@@ -1,24 +1,8 @@
 """Load a NeMo-RL-style recipe: YAML file, ``defaults:`` inheritance, overrides, interpolation.
 
-:func:`load_recipe` runs four steps and returns plain data (dicts, lists, scalars):
-
-1. read the YAML file (YAML's safe loader, bounded: :mod:`nemo_rl_offload.config.safe_yaml`;
-   anchors and ``<<:`` merge keys work, a repeated key is refused), with numbers read as
-   NeMo-RL reads them: ``1e-8`` is a float, as in YAML 1.2 and OmegaConf, where plain YAML 1.1
-   would keep it as text because it has no decimal point;
-2. follow ``defaults:`` - a path or a list of paths, each relative to the directory of the file
-   that names it - loading parents recursively, deep-merging them in order (later wins) and the
-   file's own content on top (the file wins); mappings merge key by key, anything else replaces;
-   a top-level section marked ``_override_: true`` replaces the inherited section instead of
-   merging into it (NeMo-RL's marker; the marker itself is dropped);
-3. apply command-line overrides (see :mod:`nemo_rl_offload.config.overrides`) in order; a value
-   given to an override replaces what was there (a dict value is not merged into the old one);
-4. resolve ``${...}`` interpolations with OmegaConf, including the arithmetic resolvers
-   ``mul``, ``add``, ``div``, ``max`` and ``min``.
-
-Every user mistake becomes a UserInputError line that starts with where it is: a file path
-(``recipe.yaml:3:7: ...`` for YAML syntax), an override as typed, or the dotted key of a value.
-All problems with the overrides are collected and reported together. Nothing is ever written.
+:func:`load_recipe` reads the YAML, follows ``defaults:``, applies command-line overrides and
+resolves ``${...}``, and returns plain data. Every user mistake becomes a UserInputError line
+that starts with where it is; nothing is ever written. The steps: docs/recipes.md.
 """
 
 from __future__ import annotations

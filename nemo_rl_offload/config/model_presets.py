@@ -106,7 +106,7 @@ PRESETS: dict[str, Architecture] = {
         vocab_size=384,
         max_position_embeddings=512,
     ),
-    # The 1.3B Llama-like model of the benchmarks (benchmarks/results/*_llama-1b_*).
+    # The 1.3B Llama-like model of the benchmarks (docs/benchmark.md).
     "llama-1b": Architecture(
         name="llama-1b",
         transformer={

@@ -1,8 +1,8 @@
 """Multi-token prediction's recipe keys and which sections they apply to.
 
 NeMo-RL's ``megatron_cfg`` carries Megatron's MTP settings under their TransformerConfig names.
-A trained policy builds the MTP block from them (``offload.apply`` passes them to
-TransformerConfig; ``models.builder``, ``models.train_step`` and ``models.mtp`` run it); a
+A trained policy builds the MTP block from them (``config.megatron_settings`` passes them to
+TransformerConfig; ``models.builder``, ``policy.train_step`` and ``models.mtp`` run it); a
 teacher never trains, so for it they are inert (``config.ignored_keys`` says so) and its model
 has no MTP block.
 """

@@ -2,27 +2,7 @@
 ``grpo.adv_estimator.name: opd``. The rules, the teachers' routing and their sections (one
 owner: ``validate`` and a starting run report the rules through :func:`problems`; GRPO routes
 samples with :class:`TeacherRouting` and starts the groups :func:`teacher_sections` gives).
-
-Meaning, NeMo-RL's (multi-teacher on-policy distillation, arXiv:2601.02780): every response
-token's advantage is the teacher's log-probability of it minus the student's before the step
-(the "prev" log-probabilities of the ratio), without gradient; rewards do not enter it. The
-loss is the recipe's: NeMo-RL's recipes pair it with ``disable_ppo_ratio`` and ICE-POP
-truncated importance sampling.
-
-Which teacher scores a sample: its NeMo-Gym row's ``agent_ref.name`` looked up in
-``teacher_model_by_agent_name`` (alias -> model); an agent that is not there goes to
-``default_teacher_alias``, or is refused with ``strict_agent_name_match``. Samples of this
-backend's own rollouts carry no agent, so they go to the default teacher.
-
-The teachers: one forward-only group of workers per distinct model (aliases naming one model
-share it: their log-probabilities are the same), built from the policy section as NeMo-RL
-builds a teacher's: the model name, the parallel sizes, the precision and any other key of a
-teacher's settings into its ``megatron_cfg``; no PEFT adapters, no quantization, no draft
-model; the policy's ``model_overrides`` and ``hf_config_overrides`` only for a teacher of the
-policy's own model. A teacher of the policy's own model has the policy's initial weights. Here
-the teachers share the policy's workers and GPUs (as distillation's teacher does) rather than
-nodes of their own: ``non_colocated_teachers``' ``num_nodes`` and ``gpus_per_node`` place
-workers, which does not change the numbers, and are reported as not used.
+The meaning, the routing and the teachers: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Parse command-line overrides written in Hydra's override grammar.
 
-One override is one command-line argument:
-
-* ``a.b.c=value``   set a key that already exists (``set``)
-* ``+a.b.c=value``  add a key that does not exist yet (``add``)
-* ``++a.b.c=value`` set the key, adding it if needed (``force``)
-* ``~a.b.c``        delete a key; ``~a.b.c=value`` deletes it only if it currently holds ``value``
-  (``delete``)
-
-Keys are split on dots; a segment that is a non-negative integer addresses a list element when the
-recipe has a list there. Values are read the way Hydra reads them: ``null``, ``true``/``false``,
-integers, floats (``1e-5``, ``5.0e-6``, ``inf``, ``nan``), lists ``[a, 1, [2]]``, dicts
-``{a: 1, b: x}``, quoted strings (``'123'`` stays the string ``"123"``), and otherwise the plain
-text with surrounding whitespace removed. ``key=`` sets the empty string. Text containing ``${...}``
-stays a string, to be resolved after all overrides are applied.
-
 Only parsing lives here; applying an override to a recipe is done by the loader, which knows the
-recipe's keys and can suggest the one the user meant.
+recipe's keys and can suggest the one the user meant. The grammar: docs/recipes.md.
 """
 
 from __future__ import annotations

@@ -6,17 +6,23 @@ recipe in one pass. Every section forbids unknown keys so that a typo such as
 ``fine_grained_activation_offload`` fails before anything starts instead of being ignored.
 
 Types here are strict (YAML already gives real ints, floats and bools): ``"5"`` is not a number,
-``true`` is not an integer. Ranges and cross-key compatibility of the offload settings are not
-checked here: they belong to :mod:`nemo_rl_offload.offload.rules`, their single owner. Keys marked
+``true`` is not an integer. Every value is bounded where its key is defined, by the named types
+below (counts positive, rates finite and in range, sizes within what a run can address);
+:mod:`nemo_rl_offload.config.value_bounds` adds the bounds one key sets for another (``min_lr``
+at most ``lr``, a micro-batch within its batch). Keys typed ``AddressableInt`` are bounded
+here in size only: their lower bound is checked where the key is acted on (offload/rules.py,
+config/megatron_rules.py, grpo_options.py, peft.py, on_policy_distillation.py, preflight.py),
+in a line that says what the value means. Ranges and cross-key compatibility of the offload
+settings belong to :mod:`nemo_rl_offload.offload.rules`, their single owner. Keys marked
 ``NotRequired`` fall back to the default named in their comment (or Megatron-core's own default
 for TransformerConfig fields) when absent.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
-from pydantic import ConfigDict, with_config
+from pydantic import ConfigDict, Field, with_config
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 # A section NeMo-RL itself leaves open (backend kwargs, environment variables, dataset- or
@@ -29,7 +35,65 @@ OpenSection = dict[str, Any]
 Precision = Literal["float32", "bfloat16", "float16"]
 CudaGraphImpl = Literal["none", "local", "transformer_engine", "full_iteration"]
 CudaGraphModuleName = Literal["attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"]
-Number = float  # strict float still accepts ints (not bools)
+
+# ------------------------------------------------------------------------------ value bounds
+# Each bound's ``description`` is the fix config/validate.py prints after the violated bound.
+
+# The most a count or a token length may be: a run indexes samples and tokens with 32-bit
+# integers (a micro-batch of 1e26 rows is refused here, not in a worker).
+MAX_COUNT = 2**31 - 1
+MAX_SEED = 2**32 - 1  # numpy's seeds, as NeMo-RL seeds every generator
+
+PositiveInt = Annotated[
+    int, Field(ge=1, le=MAX_COUNT, description=f"set a positive count (1 to {MAX_COUNT})")
+]
+NonNegativeInt = Annotated[
+    int, Field(ge=0, le=MAX_COUNT, description=f"set 0 or a positive count (up to {MAX_COUNT})")
+]
+SequenceLength = Annotated[
+    int, Field(ge=1, le=MAX_COUNT, description=f"set a length of 1 to {MAX_COUNT} tokens")
+]
+# An integer whose lower bound the module acting on the key checks (module docstring); here
+# only its size.
+AddressableInt = Annotated[
+    int,
+    Field(ge=-MAX_COUNT, le=MAX_COUNT, description=f"set a value from -{MAX_COUNT} to {MAX_COUNT}"),
+]
+# Validation every val_period steps; 0 or -1 (both in NeMo-RL's recipes): never.
+Period = Annotated[
+    int,
+    Field(ge=-1, le=MAX_COUNT, description="set a number of steps, or 0 (or -1) for never"),
+]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, description=f"set a seed from 0 to {MAX_SEED}")]
+Port = Annotated[int, Field(ge=1, le=65535, description="set a port number from 1 to 65535")]
+# top_k: null or -1 sample without a top-k cut (NeMo-RL's two spellings); 0 is refused by
+# config/value_bounds.py, as NeMo-RL refuses it.
+TopK = Annotated[
+    int,
+    Field(ge=-1, le=MAX_COUNT, description="set -1 or null for no top-k cut, or a count from 1"),
+]
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False, description="set a finite number")]
+Number = FiniteFloat  # strict float still accepts ints (not bools)
+PositiveFloat = Annotated[
+    float, Field(gt=0, allow_inf_nan=False, description="set a finite number above 0")
+]
+NonNegativeFloat = Annotated[
+    float, Field(ge=0, allow_inf_nan=False, description="set a finite number, 0 or more")
+]
+Fraction = Annotated[
+    float, Field(ge=0, le=1, allow_inf_nan=False, description="set a fraction from 0 to 1")
+]
+# Adam's betas and SGD's momentum: the share of the running average kept each step.
+Decay = Annotated[
+    float,
+    Field(ge=0, lt=1, allow_inf_nan=False, description="set a number from 0 to below 1"),
+]
+# top_p: the probability mass sampled from; 1 samples from all of it.
+TopP = Annotated[
+    float,
+    Field(gt=0, le=1, allow_inf_nan=False, description="set a number above 0, at most 1 (1: off)"),
+]
 
 
 # --------------------------------------------------------------------------- policy.megatron_cfg
@@ -40,24 +104,24 @@ class MegatronOptimizerConfig(TypedDict):
     """Megatron-core OptimizerConfig fields, NeMo-RL names."""
 
     optimizer: Literal["adam", "sgd"]
-    lr: Number
-    min_lr: NotRequired[Number]  # default: lr (constant)
-    weight_decay: NotRequired[Number]  # default 0.01
+    lr: PositiveFloat
+    min_lr: NotRequired[NonNegativeFloat]  # default: lr (constant)
+    weight_decay: NotRequired[NonNegativeFloat]  # default 0.01
     bf16: NotRequired[bool]
     fp16: NotRequired[bool]
     params_dtype: NotRequired[Precision]
-    adam_beta1: NotRequired[Number]
-    adam_beta2: NotRequired[Number]
-    adam_eps: NotRequired[Number]
-    sgd_momentum: NotRequired[Number]
+    adam_beta1: NotRequired[Decay]
+    adam_beta2: NotRequired[Decay]
+    adam_eps: NotRequired[PositiveFloat]
+    sgd_momentum: NotRequired[Decay]
     use_distributed_optimizer: NotRequired[bool]
     use_precision_aware_optimizer: NotRequired[bool]
     # Decay biases and 1-D weights (norms) too, as torch's AdamW over all parameters does
     # (default false: megatron-core exempts them). DTensor recipes are mapped with true.
     weight_decay_all_params: NotRequired[bool]
-    clip_grad: NotRequired[Number | None]
+    clip_grad: NotRequired[NonNegativeFloat | None]
     optimizer_cpu_offload: NotRequired[bool]
-    optimizer_offload_fraction: NotRequired[Number]
+    optimizer_offload_fraction: NotRequired[Fraction]
     overlap_cpu_optimizer_d2h_h2d: NotRequired[bool]
 
 
@@ -65,13 +129,13 @@ class MegatronOptimizerConfig(TypedDict):
 class MegatronSchedulerConfig(TypedDict):
     """Megatron-core OptimizerParamScheduler settings, NeMo-RL names."""
 
-    start_weight_decay: NotRequired[Number]
-    end_weight_decay: NotRequired[Number]
+    start_weight_decay: NotRequired[NonNegativeFloat]
+    end_weight_decay: NotRequired[NonNegativeFloat]
     weight_decay_incr_style: NotRequired[Literal["constant", "linear", "cosine"]]
     lr_decay_style: NotRequired[Literal["constant", "linear", "cosine", "inverse-square-root"]]
-    lr_decay_iters: NotRequired[int | None]
-    lr_warmup_iters: NotRequired[int]
-    lr_warmup_init: NotRequired[Number]
+    lr_decay_iters: NotRequired[PositiveInt | None]
+    lr_warmup_iters: NotRequired[NonNegativeInt]
+    lr_warmup_init: NotRequired[NonNegativeFloat]
     override_opt_param_scheduler: NotRequired[bool]
 
 
@@ -106,8 +170,8 @@ class MegatronPeftConfig(TypedDict):
     enabled: bool
     target_modules: NotRequired[list[str]]
     exclude_modules: NotRequired[list[str]]
-    dim: NotRequired[int]
-    alpha: NotRequired[int]
+    dim: NotRequired[AddressableInt]
+    alpha: NotRequired[AddressableInt]
     dropout: NotRequired[Number]
     dropout_position: NotRequired[Literal["pre", "post"]]
     lora_A_init_method: NotRequired[str]
@@ -136,13 +200,13 @@ class MegatronConfig(TypedDict):
     # NeMo-RL's switch for full activation recompute (granularity full, uniform, 1 layer).
     activation_checkpointing: NotRequired[bool]
     # Parallelism (defaults 1; expert_tensor_parallel_size null means "same as tensor").
-    tensor_model_parallel_size: NotRequired[int]
-    pipeline_model_parallel_size: NotRequired[int]
-    context_parallel_size: NotRequired[int]
-    expert_model_parallel_size: NotRequired[int]
-    expert_tensor_parallel_size: NotRequired[int | None]
-    num_layers_in_first_pipeline_stage: NotRequired[int | None]
-    num_layers_in_last_pipeline_stage: NotRequired[int | None]
+    tensor_model_parallel_size: NotRequired[PositiveInt]
+    pipeline_model_parallel_size: NotRequired[PositiveInt]
+    context_parallel_size: NotRequired[PositiveInt]
+    expert_model_parallel_size: NotRequired[PositiveInt]
+    expert_tensor_parallel_size: NotRequired[PositiveInt | None]
+    num_layers_in_first_pipeline_stage: NotRequired[NonNegativeInt | None]
+    num_layers_in_last_pipeline_stage: NotRequired[NonNegativeInt | None]
     sequence_parallel: NotRequired[bool]
     pipeline_dtype: NotRequired[Precision | None]
     # MoE router settings (TransformerConfig fields).
@@ -151,7 +215,7 @@ class MegatronConfig(TypedDict):
     moe_router_load_balancing_type: NotRequired[
         Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
     ]
-    moe_router_bias_update_rate: NotRequired[Number]
+    moe_router_bias_update_rate: NotRequired[NonNegativeFloat]
     moe_permute_fusion: NotRequired[bool]
     apply_rope_fusion: NotRequired[bool]
     # With policy.logprob_chunk_size: the output layer runs in those chunks too, each chunk's
@@ -161,7 +225,7 @@ class MegatronConfig(TypedDict):
     # Fine-grained activation offloading (TransformerConfig names; unset keeps Megatron's default).
     fine_grained_activation_offloading: NotRequired[bool]  # default false
     offload_modules: NotRequired[list[str] | None]  # default null
-    min_offloaded_tensor_size: NotRequired[int]  # Megatron default 1048576 elements
+    min_offloaded_tensor_size: NotRequired[AddressableInt]  # Megatron default 1048576 elements
     activation_offload_fraction: NotRequired[Number]  # Megatron default 1.0
     # Per offload module, the fraction of its groups offloaded (spread over the layers), in
     # place of activation_offload_fraction for that module, e.g. {attn_proj: 0.5}.
@@ -170,25 +234,26 @@ class MegatronConfig(TypedDict):
     # the default) or the "earliest" (Megatron's choice).
     activation_offload_fraction_placement: NotRequired[Literal["spread", "earliest"]]
     delay_offload_until_cuda_graph: NotRequired[bool]  # Megatron default false
-    delta_offload_bytes_across_pp_ranks: NotRequired[int]  # Megatron default 0
-    fine_grained_offloading_max_inflight_offloads: NotRequired[int | None]  # Megatron default null
+    delta_offload_bytes_across_pp_ranks: NotRequired[AddressableInt]  # Megatron default 0
+    # Megatron default null.
+    fine_grained_offloading_max_inflight_offloads: NotRequired[PositiveInt | None]
     # Pinned host memory the offload plans of one worker may hold (one plan per step shape);
     # null: half the host's RAM divided by its GPUs.
     offload_host_memory_budget_gib: NotRequired[Number | None]
     # Lengths every micro-batch of an offloaded step is padded to (one plan per micro-batch
     # count x length); null: powers of two and their 1.5x from 32 up to max_total_sequence_length.
-    offload_sequence_length_buckets: NotRequired[list[int] | None]
+    offload_sequence_length_buckets: NotRequired[list[AddressableInt] | None]
     # Peak GPU memory (GiB per worker) to plan for at start: the job first runs
     # `nemo-rl-offload plan` for it and trains with the chosen offload or recompute settings.
     offload_plan_budget_gib: NotRequired[Number | None]
     # Training CUDA graphs.
     cuda_graph_impl: NotRequired[CudaGraphImpl]  # default "none"
     cuda_graph_modules: NotRequired[list[CudaGraphModuleName] | None]  # [] = whole layer
-    cuda_graph_warmup_steps: NotRequired[int]  # Megatron default 3
+    cuda_graph_warmup_steps: NotRequired[AddressableInt]  # Megatron default 3
     # Activation recompute.
     recompute_granularity: NotRequired[Literal["full", "selective"] | None]
     recompute_method: NotRequired[Literal["uniform", "block"] | None]
-    recompute_num_layers: NotRequired[int | None]
+    recompute_num_layers: NotRequired[PositiveInt | None]
     recompute_modules: NotRequired[list[str] | None]
     # "auto" (default) picks transformer_engine when Transformer Engine is installed, else local.
     transformer_impl: NotRequired[Literal["auto", "local", "transformer_engine"]]
@@ -215,32 +280,32 @@ class MegatronConfig(TypedDict):
     freeze_config: NotRequired[OpenSection | None]
     freeze_vision_model: NotRequired[bool]
     freeze_vision_projection: NotRequired[bool]
-    fused_linear_logprobs_chunk_size: NotRequired[int]
+    fused_linear_logprobs_chunk_size: NotRequired[PositiveInt]
     gradient_accumulation_fusion: NotRequired[bool]
-    hybridep_num_ranks_per_nvlink_domain: NotRequired[int]
+    hybridep_num_ranks_per_nvlink_domain: NotRequired[PositiveInt]
     hybridep_use_mnnvl: NotRequired[bool]
     inference_grouped_gemm_backend: NotRequired[str]
     inference_moe_token_dispatcher_type: NotRequired[str]
-    moe_aux_loss_coeff: NotRequired[Number]
+    moe_aux_loss_coeff: NotRequired[NonNegativeFloat]
     moe_enable_deepep: NotRequired[bool]
     moe_flex_dispatcher_backend: NotRequired[str]
     moe_grouped_gemm: NotRequired[bool]
-    moe_hybridep_num_sms: NotRequired[int]
+    moe_hybridep_num_sms: NotRequired[PositiveInt]
     moe_pad_experts_for_cuda_graph_inference: NotRequired[bool]
     moe_per_layer_logging: NotRequired[bool]
     moe_router_enable_expert_bias: NotRequired[bool]
-    moe_router_group_topk: NotRequired[int | None]
-    moe_router_num_groups: NotRequired[int | None]
+    moe_router_group_topk: NotRequired[PositiveInt | None]
+    moe_router_num_groups: NotRequired[PositiveInt | None]
     moe_shared_expert_overlap: NotRequired[bool]
     moe_token_dispatcher_type: NotRequired[Literal["allgather", "alltoall", "flex"]]
     mtp_detach_heads: NotRequired[bool]
     mtp_loss_scaling_factor: NotRequired[Number]
-    mtp_num_layers: NotRequired[int | None]
+    mtp_num_layers: NotRequired[AddressableInt | None]
     mtp_use_repeated_layer: NotRequired[bool]
     peft: NotRequired[MegatronPeftConfig | None]
     scale_loss_by_dp_cp_size: NotRequired[bool]
     track_moe_metrics: NotRequired[bool]
-    train_iters: NotRequired[int]
+    train_iters: NotRequired[PositiveInt]
     use_fused_linear_logprobs: NotRequired[bool]
     use_fused_weighted_squared_relu: NotRequired[bool]
     use_gloo_process_groups: NotRequired[bool]
@@ -263,8 +328,8 @@ class TokenizerConfig(TypedDict):
 
 @with_config(_OPEN)
 class ColocationResources(TypedDict):
-    gpus_per_node: NotRequired[int | None]
-    num_nodes: NotRequired[int | None]
+    gpus_per_node: NotRequired[NonNegativeInt | None]
+    num_nodes: NotRequired[PositiveInt | None]
 
 
 @with_config(_STRICT)
@@ -279,21 +344,21 @@ class GenerationConfig(TypedDict):
     whichever NeMo-RL backend the recipe names (config/ignored_keys.py says so for the others)."""
 
     backend: Literal["megatron", "vllm", "sglang", "trtllm", "dynamo"]
-    max_new_tokens: int
-    temperature: Number
-    top_p: NotRequired[Number]  # default 1.0
-    top_k: NotRequired[int | None]
-    stop_token_ids: NotRequired[list[int] | None]
+    max_new_tokens: SequenceLength
+    temperature: PositiveFloat
+    top_p: NotRequired[TopP]  # default 1.0
+    top_k: NotRequired[TopK | None]
+    stop_token_ids: NotRequired[list[NonNegativeInt] | None]
     stop_strings: NotRequired[list[str] | None]
     # Validation sampling (NeMo-RL defaults: the training values).
-    val_temperature: NotRequired[Number | None]
-    val_top_p: NotRequired[Number | None]
-    val_top_k: NotRequired[int | None]
+    val_temperature: NotRequired[PositiveFloat | None]
+    val_top_p: NotRequired[TopP | None]
+    val_top_k: NotRequired[TopK | None]
     model_name: NotRequired[str]
     bad_words: NotRequired[list[str] | None]
     colocated: NotRequired[ColocationConfig]
-    port_range_low: NotRequired[int]
-    port_range_high: NotRequired[int]
+    port_range_low: NotRequired[Port]
+    port_range_high: NotRequired[Port]
     use_async_rollouts: NotRequired[bool]
     # The other NeMo-RL generation backends' own settings (open, as in NeMo-RL).
     vllm_cfg: NotRequired[OpenSection | None]
@@ -320,10 +385,10 @@ class DTensorConfig(TypedDict):
     enabled: bool
     env_vars: NotRequired[dict[str, str] | None]
     _v2: NotRequired[bool]
-    tensor_parallel_size: NotRequired[int]
-    context_parallel_size: NotRequired[int]
-    expert_parallel_size: NotRequired[int]
-    dp_replicate_size: NotRequired[int]
+    tensor_parallel_size: NotRequired[PositiveInt]
+    context_parallel_size: NotRequired[PositiveInt]
+    expert_parallel_size: NotRequired[PositiveInt]
+    dp_replicate_size: NotRequired[PositiveInt]
     sequence_parallel: NotRequired[bool]
     activation_checkpointing: NotRequired[bool]
     cpu_offload: NotRequired[bool]
@@ -332,16 +397,16 @@ class DTensorConfig(TypedDict):
     moe_parallelizer: NotRequired[OpenSection | None]
     lora_cfg: NotRequired[OpenSection | None]
     automodel_kwargs: NotRequired[OpenSection | None]
-    clear_cache_every_n_steps: NotRequired[int | None]
+    clear_cache_every_n_steps: NotRequired[PositiveInt | None]
 
 
 @with_config(_STRICT)
 class SequencePackingConfig(TypedDict):
     enabled: bool
-    train_mb_tokens: NotRequired[int]
-    logprob_mb_tokens: NotRequired[int]
+    train_mb_tokens: NotRequired[SequenceLength]
+    logprob_mb_tokens: NotRequired[SequenceLength]
     algorithm: NotRequired[str]
-    sequence_length_round: NotRequired[int]
+    sequence_length_round: NotRequired[PositiveInt]
     microbatch_order: NotRequired[Literal["packer", "largest_first"]]
     fuse_loss: NotRequired[bool]
 
@@ -349,9 +414,9 @@ class SequencePackingConfig(TypedDict):
 @with_config(_STRICT)
 class DynamicBatchingConfig(TypedDict):
     enabled: bool
-    train_mb_tokens: NotRequired[int]
-    logprob_mb_tokens: NotRequired[int]
-    sequence_length_round: NotRequired[int]
+    train_mb_tokens: NotRequired[SequenceLength]
+    logprob_mb_tokens: NotRequired[SequenceLength]
+    sequence_length_round: NotRequired[AddressableInt]
 
 
 @with_config(_OPEN)
@@ -366,14 +431,14 @@ class PolicyConfig(TypedDict):
     # A preset name (see nemo_rl_offload.config.model_presets) or a local Hugging Face directory.
     model_name: str
     tokenizer: NotRequired[TokenizerConfig]
-    train_global_batch_size: int
-    train_micro_batch_size: int
-    generation_batch_size: NotRequired[int]
-    logprob_batch_size: NotRequired[int]  # default: train_micro_batch_size
-    max_total_sequence_length: int
+    train_global_batch_size: PositiveInt
+    train_micro_batch_size: PositiveInt
+    generation_batch_size: NotRequired[PositiveInt]
+    logprob_batch_size: NotRequired[AddressableInt]  # default: train_micro_batch_size
+    max_total_sequence_length: SequenceLength
     precision: Precision
-    max_grad_norm: NotRequired[Number | None]
-    make_sequence_length_divisible_by: NotRequired[int]
+    max_grad_norm: NotRequired[NonNegativeFloat | None]
+    make_sequence_length_divisible_by: NotRequired[PositiveInt]
     megatron_cfg: MegatronConfig
     generation: NotRequired[GenerationConfig | None]
     # Start from these weights: a checkpoint step directory, or a checkpoint_dir (its latest
@@ -384,8 +449,8 @@ class PolicyConfig(TypedDict):
     dtensor_cfg: NotRequired[DTensorConfig | None]
     sequence_packing: NotRequired[SequencePackingConfig | None]
     dynamic_batching: NotRequired[DynamicBatchingConfig | None]
-    logprob_chunk_size: NotRequired[int | None]
-    refit_buffer_size_gb: NotRequired[Number | None]
+    logprob_chunk_size: NotRequired[AddressableInt | None]
+    refit_buffer_size_gb: NotRequired[PositiveFloat | None]
     offload_optimizer_for_logprob: NotRequired[bool]
     hf_config_overrides: NotRequired[OpenSection | None]
     draft: NotRequired[SwitchedSection | None]
@@ -397,9 +462,9 @@ class PolicyConfig(TypedDict):
     scheduler: NotRequired[list[OpenSection] | OpenSection | None]
     quant_cfg: NotRequired[str | None]
     quant_calib_data: NotRequired[str | None]
-    quant_calib_size: NotRequired[int | None]
-    quant_batch_size: NotRequired[int | None]
-    quant_sequence_length: NotRequired[int | None]
+    quant_calib_size: NotRequired[PositiveInt | None]
+    quant_batch_size: NotRequired[PositiveInt | None]
+    quant_sequence_length: NotRequired[SequenceLength | None]
     disable_modelopt_layer_spec: NotRequired[bool]
     is_vlm: NotRequired[bool]
 
@@ -409,15 +474,15 @@ class PolicyConfig(TypedDict):
 
 @with_config(_STRICT)
 class ClusterConfig(TypedDict):
-    gpus_per_node: int  # 0 runs the workers on CPU
-    num_nodes: int
+    gpus_per_node: NonNegativeInt  # 0 runs the workers on CPU
+    num_nodes: PositiveInt
     # Ray cluster to join ("auto", "ray://host:port", ...); null starts an embedded local cluster.
     # RAY_ADDRESS in the environment takes the same role.
     address: NotRequired[str | None]
-    num_cpu_workers: NotRequired[int]  # workers when gpus_per_node is 0 (default 1)
-    master_port_range_low: NotRequired[int]
-    master_port_range_high: NotRequired[int]
-    segment_size: NotRequired[int | None]
+    num_cpu_workers: NotRequired[PositiveInt]  # workers when gpus_per_node is 0 (default 1)
+    master_port_range_low: NotRequired[Port]
+    master_port_range_high: NotRequired[Port]
+    segment_size: NotRequired[PositiveInt | None]
 
 
 @with_config(_OPEN)
@@ -450,8 +515,8 @@ class MLflowConfig(TypedDict):
 
 @with_config(_STRICT)
 class GPUMonitoringConfig(TypedDict):
-    collection_interval: Number
-    flush_interval: Number
+    collection_interval: PositiveFloat
+    flush_interval: PositiveFloat
 
 
 @with_config(_STRICT)
@@ -459,7 +524,7 @@ class LoggerConfig(TypedDict):
     log_dir: str
     tensorboard_enabled: NotRequired[bool]
     monitor_gpus: NotRequired[bool]
-    num_val_samples_to_print: NotRequired[int]
+    num_val_samples_to_print: NotRequired[NonNegativeInt]
     # NeMo-RL's other metric sinks and their settings.
     wandb_enabled: NotRequired[bool]
     swanlab_enabled: NotRequired[bool]
@@ -477,8 +542,8 @@ class CheckpointingConfig(TypedDict):
     checkpoint_dir: str
     metric_name: NotRequired[str | None]
     higher_is_better: NotRequired[bool]
-    keep_top_k: NotRequired[int | None]
-    save_period: NotRequired[int]
+    keep_top_k: NotRequired[PositiveInt | None]
+    save_period: NotRequired[PositiveInt]
     checkpoint_must_save_by: NotRequired[str | None]
     # NeMo-RL's checkpoint file options.
     save_optimizer: NotRequired[bool]
@@ -488,8 +553,8 @@ class CheckpointingConfig(TypedDict):
     model_repo_id: NotRequired[str]
     is_peft: NotRequired[bool]
     is_async: NotRequired[bool]
-    ft_keep_latest_k: NotRequired[int | None]
-    ft_save_period: NotRequired[int]
+    ft_keep_latest_k: NotRequired[PositiveInt | None]
+    ft_save_period: NotRequired[PositiveInt]
     pretrained_checkpoint: NotRequired[OpenSection | None]
 
 
@@ -512,8 +577,8 @@ class NemoRLDatasetConfig(TypedDict):
     env_name: NotRequired[str]
     processor: NotRequired[str]
     download_dir: NotRequired[str]
-    split_validation_size: NotRequired[Number]
-    seed: NotRequired[int]
+    split_validation_size: NotRequired[Fraction]
+    seed: NotRequired[Seed]
 
 
 NemoRLDatasets = NemoRLDatasetConfig | list[NemoRLDatasetConfig]
@@ -524,17 +589,17 @@ class DataConfig(TypedDict):
     # "arithmetic" is the built-in synthetic task; "jsonl" reads the paths below. Required
     # unless the recipe names NeMo-RL's datasets (data.train), which preflight reports.
     dataset_name: NotRequired[str]
-    max_input_seq_length: NotRequired[int | None]  # null: no limit
+    max_input_seq_length: NotRequired[AddressableInt | None]  # null: no limit
     shuffle: NotRequired[bool]
-    seed: NotRequired[int]
+    seed: NotRequired[Seed]
     train_data_path: NotRequired[str | None]
     val_data_path: NotRequired[str | None]
-    num_train_samples: NotRequired[int]
-    num_val_samples: NotRequired[int]
+    num_train_samples: NotRequired[PositiveInt]
+    num_val_samples: NotRequired[NonNegativeInt]
     # The arithmetic task's problems: operators and operand ranges (0..max).
     arithmetic_ops: NotRequired[list[Literal["+", "-", "*"]]]
-    max_operand: NotRequired[int]  # default 99
-    max_factor: NotRequired[int]  # default 12 (multiplication)
+    max_operand: NotRequired[PositiveInt]  # default 99
+    max_factor: NotRequired[PositiveInt]  # default 12 (multiplication)
     prompt_file: NotRequired[str | None]
     system_prompt_file: NotRequired[str | None]
     input_key: NotRequired[str]
@@ -551,15 +616,15 @@ class DataConfig(TypedDict):
     add_eos: NotRequired[bool]
     add_generation_prompt: NotRequired[bool]
     add_system_prompt: NotRequired[bool]
-    num_workers: NotRequired[int]
+    num_workers: NotRequired[NonNegativeInt]
     use_multiple_dataloader: NotRequired[bool]
-    num_prompts_per_dataloader: NotRequired[int]
+    num_prompts_per_dataloader: NotRequired[PositiveInt]
     custom_dataloader: NotRequired[str]
 
 
 @with_config(_STRICT)
 class MathEnvConfig(TypedDict):
-    num_workers: NotRequired[int]
+    num_workers: NotRequired[PositiveInt]
     math_verify_impl: NotRequired[str]
 
 
@@ -567,7 +632,7 @@ class MathEnvConfig(TypedDict):
 class OtherEnvConfig(TypedDict):
     """Another NeMo-RL environment's settings (e.g. ``env.dapo``)."""
 
-    num_workers: NotRequired[int]
+    num_workers: NotRequired[PositiveInt]
 
 
 @with_config(_STRICT)
@@ -585,14 +650,14 @@ class EnvConfig(TypedDict):
 
 @with_config(_STRICT)
 class SFTConfig(TypedDict):
-    max_num_epochs: int
-    max_num_steps: int
-    val_period: int
-    val_batches: NotRequired[int]
-    val_global_batch_size: NotRequired[int]
-    val_micro_batch_size: NotRequired[int]
+    max_num_epochs: PositiveInt
+    max_num_steps: PositiveInt
+    val_period: Period
+    val_batches: NotRequired[NonNegativeInt]
+    val_global_batch_size: NotRequired[PositiveInt]
+    val_micro_batch_size: NotRequired[PositiveInt]
     val_at_start: NotRequired[bool]
-    seed: int
+    seed: Seed
     val_at_end: NotRequired[bool]
     only_unmask_final: NotRequired[bool]
 
@@ -605,20 +670,20 @@ class SFTLossConfig(TypedDict):
 
 @with_config(_STRICT)
 class DPOConfig(TypedDict):
-    max_num_epochs: int
-    max_num_steps: int
-    val_period: int
-    val_batches: NotRequired[int]
-    val_global_batch_size: NotRequired[int]
-    val_micro_batch_size: NotRequired[int]
+    max_num_epochs: PositiveInt
+    max_num_steps: PositiveInt
+    val_period: Period
+    val_batches: NotRequired[NonNegativeInt]
+    val_global_batch_size: NotRequired[PositiveInt]
+    val_micro_batch_size: NotRequired[PositiveInt]
     val_at_start: NotRequired[bool]
-    seed: int
+    seed: Seed
     # The loss settings live here, as in NeMo-RL's dpo.yaml.
-    reference_policy_kl_penalty: Number  # DPO's beta
+    reference_policy_kl_penalty: NonNegativeFloat  # DPO's beta
     preference_average_log_probs: NotRequired[bool]
     sft_average_log_probs: NotRequired[bool]
-    preference_loss_weight: NotRequired[Number]
-    sft_loss_weight: NotRequired[Number]
+    preference_loss_weight: NotRequired[NonNegativeFloat]
+    sft_loss_weight: NotRequired[NonNegativeFloat]
     val_at_end: NotRequired[bool]
 
 
@@ -628,8 +693,8 @@ class AsyncRLSamplerConfig(TypedDict):
     here: config/grpo_options.async_lead; ``custom`` is refused)."""
 
     name: NotRequired[str]
-    max_lookahead_versions: NotRequired[int]
-    max_staleness_versions: NotRequired[int]
+    max_lookahead_versions: NotRequired[AddressableInt]
+    max_staleness_versions: NotRequired[AddressableInt]
     sample_freshest_first: NotRequired[bool]
     target: NotRequired[str]
 
@@ -641,9 +706,9 @@ class AsyncRLConfig(TypedDict):
 
     sampler: NotRequired[AsyncRLSamplerConfig]
     recompute_kv_cache_after_weight_updates: NotRequired[bool]
-    min_groups_for_streaming_train: NotRequired[int]
-    max_inflight_prompts: NotRequired[int]
-    max_buffered_rollouts: NotRequired[int]
+    min_groups_for_streaming_train: NotRequired[AddressableInt]
+    max_inflight_prompts: NotRequired[PositiveInt]
+    max_buffered_rollouts: NotRequired[PositiveInt]
     diagnostics: NotRequired[bool]
     rollout_failure: NotRequired[OpenSection]
     stall_watchdog: NotRequired[OpenSection]
@@ -654,8 +719,8 @@ class AsyncRLConfig(TypedDict):
 @with_config(_STRICT)
 class AsyncGRPOConfig(TypedDict):
     enabled: bool
-    max_trajectory_age_steps: NotRequired[int]
-    max_generation_failures: NotRequired[int]
+    max_trajectory_age_steps: NotRequired[AddressableInt]
+    max_generation_failures: NotRequired[NonNegativeInt]
     in_flight_weight_updates: NotRequired[bool]
     recompute_kv_cache_after_weight_updates: NotRequired[bool]
 
@@ -666,9 +731,9 @@ class RewardShapingConfig(TypedDict):
     ``stop_properly_penalty_coef`` a factor on truncated responses' rewards."""
 
     enabled: bool
-    overlong_buffer_length: NotRequired[int | None]
+    overlong_buffer_length: NotRequired[AddressableInt | None]
     overlong_buffer_penalty: NotRequired[Number | None]
-    max_response_length: NotRequired[int | None]
+    max_response_length: NotRequired[SequenceLength | None]
     stop_properly_penalty_coef: NotRequired[Number | None]
 
 
@@ -695,31 +760,31 @@ class AdvEstimatorConfig(TypedDict):
 
 @with_config(_STRICT)
 class GRPOConfig(TypedDict):
-    num_prompts_per_step: int
-    num_generations_per_prompt: int
-    max_rollout_turns: NotRequired[int]
-    max_num_epochs: NotRequired[int]
-    max_num_steps: int
+    num_prompts_per_step: PositiveInt
+    num_generations_per_prompt: PositiveInt
+    max_rollout_turns: NotRequired[PositiveInt]
+    max_num_epochs: NotRequired[PositiveInt]
+    max_num_steps: PositiveInt
     normalize_rewards: NotRequired[bool]
     use_leave_one_out_baseline: NotRequired[bool]
-    val_period: int
+    val_period: Period
     val_at_start: NotRequired[bool]
-    max_val_samples: NotRequired[int | None]
-    val_batch_size: NotRequired[int | None]
-    seed: int
+    max_val_samples: NotRequired[PositiveInt | None]
+    val_batch_size: NotRequired[PositiveInt | None]
+    seed: Seed
     # Reward and advantage transforms (algorithms/rewards.py; checks: config/grpo_options.py).
     advantage_clip_low: NotRequired[Number | None]  # default null: no lower bound
     advantage_clip_high: NotRequired[Number | None]  # default null: no upper bound
     overlong_filtering: NotRequired[bool]  # default false
     use_dynamic_sampling: NotRequired[bool]  # default false
-    dynamic_sampling_max_gen_batches: NotRequired[int]  # default 10
+    dynamic_sampling_max_gen_batches: NotRequired[AddressableInt]  # default 10
     batch_multiplier: NotRequired[Number]  # default 1; other values need dynamic sampling
     reward_shaping: NotRequired[RewardShapingConfig | None]
     reward_scaling: NotRequired[RewardScalingConfig | None]
     # Validation schedule and early stop.
-    val_start_at: NotRequired[int]  # default -1: periodic validation from the first step
+    val_start_at: NotRequired[AddressableInt]  # default -1: periodic validation from the first step
     val_at_end: NotRequired[bool]  # default false
-    val_num_generations_per_prompt: NotRequired[int]  # default 1
+    val_num_generations_per_prompt: NotRequired[AddressableInt]  # default 1
     stop_at_validation_metric: NotRequired[str | None]  # default null: no early stop
     stop_at_validation_threshold: NotRequired[Number | None]
     # NeMo-RL options not implemented by this backend yet: accepted at their NeMo-RL
@@ -740,9 +805,9 @@ class GRPOConfig(TypedDict):
 
 @with_config(_STRICT)
 class GRPOLossConfig(TypedDict):
-    reference_policy_kl_penalty: Number
-    ratio_clip_min: Number
-    ratio_clip_max: Number
+    reference_policy_kl_penalty: NonNegativeFloat
+    ratio_clip_min: NonNegativeFloat
+    ratio_clip_max: NonNegativeFloat
     ratio_clip_c: NotRequired[Number | None]
     use_on_policy_kl_approximation: NotRequired[bool]
     use_importance_sampling_correction: NotRequired[bool]
@@ -767,14 +832,14 @@ class TeacherResourceConfig(TypedDict):
     """A teacher's workers in NeMo-RL's on_policy_distillation.non_colocated_teachers; any other
     key is a megatron_cfg setting of the teacher (config/on_policy_distillation.py)."""
 
-    tensor_model_parallel_size: NotRequired[int]
-    pipeline_model_parallel_size: NotRequired[int]
-    context_parallel_size: NotRequired[int]
-    expert_model_parallel_size: NotRequired[int]
-    num_nodes: NotRequired[int]
-    gpus_per_node: NotRequired[int]
+    tensor_model_parallel_size: NotRequired[AddressableInt]
+    pipeline_model_parallel_size: NotRequired[AddressableInt]
+    context_parallel_size: NotRequired[AddressableInt]
+    expert_model_parallel_size: NotRequired[AddressableInt]
+    num_nodes: NotRequired[AddressableInt]
+    gpus_per_node: NotRequired[AddressableInt]
     precision: NotRequired[str]
-    micro_batch_size: NotRequired[int]
+    micro_batch_size: NotRequired[AddressableInt]
     megatron_cfg_overrides: NotRequired[dict[str, Any]]
 
 
@@ -800,24 +865,24 @@ class OnPolicyDistillationConfig(TypedDict):
 
 @with_config(_STRICT)
 class DistillationConfig(TypedDict):
-    num_prompts_per_step: int
-    num_generations_per_prompt: NotRequired[int]
-    max_rollout_turns: NotRequired[int]
-    max_num_steps: int
-    max_num_epochs: NotRequired[int]
-    val_batch_size: NotRequired[int]
-    val_period: int
+    num_prompts_per_step: PositiveInt
+    num_generations_per_prompt: NotRequired[PositiveInt]
+    max_rollout_turns: NotRequired[PositiveInt]
+    max_num_steps: PositiveInt
+    max_num_epochs: NotRequired[PositiveInt]
+    val_batch_size: NotRequired[PositiveInt]
+    val_period: Period
     val_at_start: NotRequired[bool]
-    max_val_samples: NotRequired[int | None]
-    topk_logits_k: NotRequired[int | None]
-    seed: int
+    max_val_samples: NotRequired[PositiveInt | None]
+    topk_logits_k: NotRequired[PositiveInt | None]
+    seed: Seed
     val_at_end: NotRequired[bool]
 
 
 @with_config(_STRICT)
 class DistillationLossConfig(TypedDict):
     kl_type: Literal["forward", "reverse", "mixed"]
-    mixed_kl_weight: NotRequired[Number]  # weight of the forward KL when kl_type is "mixed"
+    mixed_kl_weight: NotRequired[Fraction]  # weight of the forward KL when kl_type is "mixed"
     zero_outside_topk: NotRequired[bool]
 
 

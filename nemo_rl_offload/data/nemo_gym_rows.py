@@ -16,7 +16,7 @@ from typing import Any
 
 from nemo_rl_offload.errors import UserInputError
 
-__all__ = ["gym_data_path", "load_gym_rows"]
+__all__ = ["gym_data_path", "load_gym_rows", "parse_row"]
 
 _MAX_REPORTED = 20
 
@@ -34,6 +34,23 @@ def gym_data_path(data_cfg: Mapping[str, Any], split: str) -> str | None:
     return path
 
 
+def parse_row(line: str) -> tuple[dict[str, Any] | None, str | None]:
+    """One line of a rows file: (the row, None), or (None, what is wrong with it)."""
+    try:
+        row = json.loads(line)
+    except ValueError as exc:
+        return None, f"not JSON ({exc.msg})"
+    if not isinstance(row, dict) or not isinstance(row.get("responses_create_params"), dict):
+        return None, "no responses_create_params object (the request)"
+    agent = row.get("agent_ref")
+    if not isinstance(agent, dict) or not isinstance(agent.get("name"), str):
+        return None, (
+            "no agent_ref.name (the agent that runs the row: a server name of "
+            "env.nemo_gym.config_paths); add it, as NeMo-Gym's data preparation does"
+        )
+    return row, None
+
+
 def load_gym_rows(path: str, where: str) -> list[dict[str, Any]]:
     """Every row of ``path``, each checked for what an agent needs; all problems at once."""
     file = Path(path)
@@ -44,20 +61,9 @@ def load_gym_rows(path: str, where: str) -> list[dict[str, Any]]:
     for number, line in enumerate(file.read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except ValueError as exc:
-            problems.append(f"{path}:{number}: not JSON ({exc.msg})")
-            continue
-        if not isinstance(row, dict) or not isinstance(row.get("responses_create_params"), dict):
-            problems.append(f"{path}:{number}: no responses_create_params object (the request)")
-            continue
-        agent = row.get("agent_ref")
-        if not isinstance(agent, dict) or not isinstance(agent.get("name"), str):
-            problems.append(
-                f"{path}:{number}: no agent_ref.name (the agent that runs the row: a server "
-                "name of env.nemo_gym.config_paths); add it, as NeMo-Gym's data preparation does"
-            )
+        row, problem = parse_row(line)
+        if row is None:
+            problems.append(f"{path}:{number}: {problem}")
             continue
         rows.append(row)
     if len(problems) > _MAX_REPORTED:

@@ -1,18 +1,9 @@
 """NeMo-Gym for a GRPO run (``env.should_use_nemo_gym``): its servers, and rollouts through its
 agents against the policy's HTTP server.
 
-NeMo-RL starts NeMo-Gym in a Ray actor of its own virtual environment: the head server and one
-process per server of ``env.nemo_gym.config_paths`` (model servers, resources servers, agents),
-with ``env.nemo_gym``'s other entries as NeMo-Gym's global configuration and the policy's server
-as ``policy_base_url``. Each rollout is one data row POSTed to its agent's ``/run``
-(``agent_ref.name``); the agent talks to the policy through NeMo-Gym's model server and returns
-the response and its reward.
-
-Here NeMo-Gym runs as NeMo-Gym's own command (``gym env start``) under a Python that has it
-installed (:func:`gym_python`: NeMo-Gym's dependencies are heavy and need not be in this
-package's environment), joined to the run's Ray cluster as NeMo-RL joins it, with the same
-global configuration written to a file; rollouts are plain HTTP to the agents, whose addresses
-the head server gives (``/global_config_dict_yaml``).
+NeMo-Gym runs as its own command (``gym env start``) under a Python that has it installed
+(:func:`gym_python`), joined to the run's Ray cluster; rollouts are plain HTTP to its agents.
+How this differs from NeMo-RL's Ray actor: docs/nemo_gym.md.
 """
 
 from __future__ import annotations

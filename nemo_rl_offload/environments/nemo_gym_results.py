@@ -1,19 +1,9 @@
 """A NeMo-Gym rollout's result as a sequence GRPO trains on.
 
-NeMo-Gym runs an agent against the policy's HTTP server (:mod:`nemo_rl_offload.serving`) and
-returns the response's output items and a reward. Every item the policy generated carries the
-tokens of its call: ``prompt_token_ids`` (everything before it: the first prompt, earlier turns,
-tool results) and ``generation_token_ids`` with ``generation_log_probs``. As in NeMo-RL, each
-call's prompt must begin with every token seen before it (the server splices earlier turns'
-tokens into the prompt so that it does); the rollout is then one token sequence: the first
-call's prompt, then for each call the new prompt tokens (the environment's: not trained) and the
-generated ones (trained, with the sampler's log-probabilities).
-
-Each generated turn is also checked as NeMo-RL checks it, for GRPO's message-level penalties
-(``grpo.invalid_tool_call_advantage`` / ``malformed_thinking_advantage``): an invalid tool call
-is a tool-call pattern left in the turn's text (a call the parser did not turn into a structured
-call, so nothing ran); malformed thinking is a thinking tag in the final content, or more than
-one of a tag in a reasoning summary.
+An agent's output items become one token sequence, as NeMo-RL builds it: the environment's
+prompt tokens (not trained) and the generated ones (trained, with the sampler's
+log-probabilities). Each generated turn is also checked for GRPO's message-level penalties.
+The rules: docs/nemo_gym.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,9 @@
 """Core attention for Megatron's local layer spec through torch's scaled_dot_product_attention.
 
-Why not Megatron's own local ``DotProductAttention``: it materialises the S x S attention
-probabilities, which costs O(S^2) memory, and when fine-grained offloading covers ``core_attn``
-it copies that whole matrix to the host, gigabytes per step at a few thousand tokens. SDPA
-dispatches to flash / memory-efficient kernels on GPU (and a fused kernel on CPU), which keep
-only O(S) statistics for the backward pass.
-
-The module is a drop-in for the local spec's ``core_attention`` slot: same constructor and
-forward signature, same tensor layouts ([s, b, heads, dim] in, [s, b, heads * dim] out), the
-same tensor-parallel head partitioning, grouped-query attention with Megatron's head-to-group
-mapping (query head i uses key/value group i // (heads / groups)), the same softmax scale and
-dropout RNG handling. Features that the local DotProductAttention rejects or that SDPA cannot
-express are rejected here with an error that says so.
-
-Packed sequences (``policy.sequence_packing``): Megatron hands the attention ``PackedSeqParams``
-in the THD layout ([tokens, heads, dim], the batch dimension squeezed away) with ``cu_seqlens``,
-the offsets at which each sequence of the pack starts. No token may attend across a boundary,
-so each segment is attended causally on its own: on CUDA in half precision through torch's
-variable-length flash kernel (``torch.nn.attention.varlen``), which reads the offsets on the
-device; elsewhere (CPU, float32, dropout, deterministic mode) one SDPA call per segment. Both
-keep memory linear in the pack's length: no [tokens x tokens] mask is ever built.
-
-Generation (``models.generation``) attaches a :class:`models.kv_cache.KVCache` to every core
-attention for the duration of a call: prefill stores the prompts' keys and values and attends
-causally as in training; a decode step stores one token per row and attends over the cache
-(see that module for why the cache is the project's and not megatron-core's inference context).
-
-Context parallelism (``context_parallel_size`` > 1): each CP rank holds two chunks of every
-sequence (``models.context_parallel``: chunks r and 2 * CP - 1 - r of 2 * CP). Keys and values
-are all-gathered over the CP group (Megatron's mapping, whose backward reduce-scatters their
-gradients) and put back in sequence order; each local query chunk i then attends the keys of
-chunks 0..i, causally within chunk i: a causal mask aligned to the bottom right of its
-[chunk x (i + 1) chunks] block (torch's ``causal_lower_right``, which flash kernels take
-without building the mask). This is Megatron's ``cp_comm_type: all_gather`` scheme rather than
-Transformer Engine's ring exchange: one layer's full-length keys and values are on every rank
-while that layer attends. Packed rows do the same sequence by sequence (one SDPA call per
-chunk, not the variable-length kernel).
+Megatron's local ``DotProductAttention`` materialises the S x S attention probabilities (and
+offloading ``core_attn`` copies them to the host); SDPA keeps O(S) statistics. A drop-in for the
+local spec's ``core_attention`` slot, also for packed sequences, generation's KV cache and
+context parallelism: docs/design/local_layer_spec.md.
 """
 
 from __future__ import annotations
@@ -43,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -122,8 +91,8 @@ class SDPACoreAttention(MegatronModule):
     def _kernels(self) -> contextlib.AbstractContextManager[None]:
         """Under Megatron's deterministic_mode, SDPA's math kernel: torch's flash backward
         accumulates with atomics, so two identical passes differ, and cuDNN's occasionally does,
-        while the math kernel is bitwise reproducible
-        (benchmarks/results/2026-11-22_h100_attention_determinism.json). It materialises the
+        while the math kernel is bitwise reproducible (measured on an H100; see
+        docs/design/local_layer_spec.md). It materialises the
         S x S attention probabilities (O(S^2) memory), the price of reproducibility."""
         if not self.config.deterministic_mode:
             return contextlib.nullcontext()
@@ -243,7 +212,8 @@ class SDPACoreAttention(MegatronModule):
             )
 
     def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
-        """Causal attention within each segment of a THD pack (see the module docstring)."""
+        """Causal attention within each segment of a THD pack (see
+        docs/design/local_layer_spec.md)."""
         if params.qkv_format != "thd":
             raise NotImplementedError(
                 f"SDPACoreAttention: packed format {params.qkv_format!r} (only 'thd')"
@@ -317,8 +287,9 @@ class SDPACoreAttention(MegatronModule):
         self, query: Tensor, key: Tensor, value: Tensor, bounds: Tensor
     ) -> Tensor:
         """Attention of this CP rank's query chunks over the all-gathered keys and values (see
-        the module docstring). ``bounds``: the sequences' offsets in the whole (padded) row,
-        each sequence a multiple of 2 * CP long; tensors are [local tokens, b, heads, dim]."""
+        docs/design/local_layer_spec.md). ``bounds``: the sequences' offsets in the whole
+        (padded) row, each sequence a multiple of 2 * CP long; tensors are [local tokens, b,
+        heads, dim]."""
         group = self._cp_group()
         cp, rank = group.size(), group.rank()
         order = gathered_order(bounds.cpu(), cp).to(key.device)
@@ -383,3 +354,18 @@ def _varlen_keywords() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
 
     return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+@contextlib.contextmanager
+def kv_cache_attached(model: torch.nn.Module, cache: KVCache) -> Iterator[None]:
+    """Every core attention of ``model`` reads and writes ``cache`` until the block ends."""
+    modules = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
+    if {m.layer_number for m in modules} != set(cache.keys):
+        raise RuntimeError("KVCache: the cache's layers are not this model's attention layers")
+    for module in modules:
+        module.kv_cache = cache
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.kv_cache = None

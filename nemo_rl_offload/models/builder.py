@@ -1,7 +1,8 @@
 """Build the policy's Megatron-core GPTModel from the effective settings.
 
-TransformerConfig's arguments come only from :func:`offload.apply.transformer_config_kwargs`
-(so what the offload rules checked is what runs); this module adds just what the chosen layer
+TransformerConfig's arguments come only from
+:func:`config.transformer_config_kwargs` (so what the offload rules checked is
+what runs); this module adds just what the chosen layer
 spec and device need when the recipe left it unset, and reports every setting it could not
 honour as a warning line instead of dropping it silently.
 
@@ -15,12 +16,16 @@ from typing import Any
 
 from megatron.core.models.gpt.gpt_model import GPTModel
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.fp8 import Fp8Settings
+from nemo_rl_offload.config.megatron_settings import EffectiveSettings
 from nemo_rl_offload.config.model_presets import Architecture
 from nemo_rl_offload.config.peft import LoraSettings
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.offload import apply
-from nemo_rl_offload.offload.apply import EffectiveSettings
+from nemo_rl_offload.models.transformer_config import (
+    make_transformer_config,
+    transformer_config_kwargs,
+)
 
 FGO_FIELD = "fine_grained_activation_offloading"
 # Fusions that need Apex or Transformer Engine kernels the local spec does not have. Megatron
@@ -46,7 +51,7 @@ def transformer_config_for(
 ) -> tuple[dict[str, Any], list[str]]:
     """TransformerConfig keyword arguments for this device, and the warnings to report."""
     warnings: list[str] = []
-    kwargs = apply.transformer_config_kwargs(effective)
+    kwargs = transformer_config_kwargs(effective)
     impl = kwargs.get("transformer_impl", "local")
 
     if kwargs.get(FGO_FIELD):
@@ -83,7 +88,7 @@ def transformer_config_for(
             )
         kwargs["use_cpu_initialization"] = True
 
-    # models.train_step normalises the loss per token over the whole step (Megatron's
+    # policy.train_step normalises the loss per token over the whole step (Megatron's
     # per-token mode: sum per micro-batch, divide the gradients by the step's token count).
     kwargs.setdefault("calculate_per_token_loss", True)
     if kwargs["calculate_per_token_loss"] is not True:
@@ -266,13 +271,17 @@ def build_gpt_model(
 
     kwargs, warnings = transformer_config_for(effective, on_gpu=on_gpu)
     # This package's offload points go with the flag (off on CPU workers).
-    mlp_modules = apply.project_offload_modules(effective) if kwargs.get(FGO_FIELD) else frozenset()
-    config = apply.make_transformer_config(kwargs, mlp_modules)
+    mlp_modules = (
+        megatron_settings.project_offload_modules(effective)
+        if kwargs.get(FGO_FIELD)
+        else frozenset()
+    )
+    config = make_transformer_config(kwargs, mlp_modules)
     model = gpt_model_for(
         config,
         architecture,
         mlp_modules,
-        apply.project_recompute_modules(effective),
+        megatron_settings.project_recompute_modules(effective),
         effective.lora,
         effective.fp8,
     )
@@ -282,7 +291,7 @@ def build_gpt_model(
         prepare(model)
     if effective.freeze_moe_router:
         freeze_decoder_routers(model)
-    if apply.offloads_layer_input(effective):
+    if megatron_settings.offloads_layer_input(effective):
         if on_gpu:
             from nemo_rl_offload.models.layer_input_block import offload_layer_inputs
 

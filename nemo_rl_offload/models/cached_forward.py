@@ -1,19 +1,9 @@
-"""The policy's forward for generation: Megatron's GPTModel pieces called in order over this rank's
-pipeline stage, with the rotary positions the KV cache needs, outside Megatron's schedule.
+"""The policy's forward for generation: Megatron's GPTModel pieces called in order over this
+rank's pipeline stage, with the rotary positions the KV cache needs, outside Megatron's schedule.
 
-Why not ``GPTModel.forward``: it computes the rotary embedding of positions 0..s-1 from the
-input's length (or from a Megatron inference context, see :mod:`models.kv_cache` for why there
-is none), and a decode step feeds each row one token at its own position. This module calls the
-same submodules (``embedding``, ``decoder``, the output weight) and gives the decoder the
-rotary frequencies of the positions that are fed. It also computes logits only where they are
-sampled (each row's last position), not over the whole prompt batch.
-
-Layouts: prefill feeds ``[rows, s]`` tokens (right-padded prompts, positions 0..s-1); a decode
-step feeds the rows' new tokens as one sequence of ``rows`` tokens in a batch of one
-(``[1, rows]``), so the rotary frequencies are Megatron's usual ``[s, 1, 1, dim]`` and sequence
-parallelism splits the rows over tensor-parallel ranks (rows are padded to a multiple of TP).
-Pipeline stages pass hidden states with point-to-point sends; the last stage's logits are
-broadcast so that every rank samples the same token (with the same generator state).
+It exists because ``GPTModel.forward`` takes rotary positions from the input's length, while a
+decode step feeds each row one token at its own position; it also computes logits only where
+they are sampled. Why, and the layouts: docs/generation.md.
 """
 
 from __future__ import annotations

@@ -2,46 +2,9 @@
 ``policy.megatron_cfg.chunked_output_layer``, the output layer in those chunks too); and GRPO's
 sampling temperature on the logits they come from (:func:`install`).
 
-Why: the model's per-token loss (minus each label's log-probability, what every algorithm's
-token log-probs and the SFT, GRPO and DPO losses come from) is, in Megatron's plain path, the
-output layer's logits [seq, batch, vocab] (in the model's precision) followed by the
-vocab-parallel cross entropy, which upcasts them to float32 and keeps its float32 softmax for
-the backward pass. So the whole sequence's logits exist at once in the forward beside a float32
-copy of them, a float32 tensor over the vocabulary for every position is kept until the
-backward, and the backward makes the logits' gradient for the whole sequence beside it: at long
-context and a large vocabulary those are the largest tensors of the step.
-
-Two depths, one owner (:func:`install`):
-
-- ``logprob_chunk_size`` alone (NeMo-RL's meaning: the log-softmax in chunks of the logits):
-  the model's ``compute_language_model_loss`` is replaced by :class:`ChunkedVocabParallelLogprob`,
-  which keeps the logits in the model's precision (no float32 copy) and per position their
-  log-sum-exp; its backward writes the logits' gradient over the kept logits a chunk at a
-  time. No float32 tensor over the whole vocabulary exists at any moment, and the backward
-  holds the logits once. Nothing is computed twice.
-- with ``chunked_output_layer`` as well, :func:`install` registers an output processor
-  (:class:`ChunkedOutputLogprobs`, handed to ``GPTModel.forward`` as ``output_processor`` by
-  :func:`forward_kwargs`, which the training and log-probability passes and the activation
-  ledger's measurement use) that takes the final hidden states ``chunk`` sequence positions at
-  a time through the output layer, its optional MuP scaling and the temperature to the labels'
-  log-probabilities, each chunk under a non-reentrant activation checkpoint. What the backward
-  keeps is the final hidden states (which the plain output layer keeps too) and the labels;
-  each chunk's logits exist one chunk at a time, in the forward and again in the backward.
-  Cost: the output layer's forward runs twice per micro-batch; forward-only passes run it
-  once, chunked, without checkpoints. Under sequence parallelism a chunk of this rank's slice
-  of the sequence is gathered into the same chunk of every rank's slice (the output layer's
-  all-gather), whose labels are taken from the whole sequence and whose log-probabilities are
-  put back at their positions.
-
-What each depth costs and saves on the GPU: the long-context results under
-``benchmarks/results/`` (cases ``lp:N`` and ``lpo:N``).
-
-Exact: the same logits, log-sum-exp and label logit per position as the plain path, reduced
-over the tensor-parallel vocabulary shards as Megatron does; the gradients equal the plain
-path's up to the order in which the output weight's gradient is summed over chunks. Teacher
-top-k scores take their float32 log-softmax in the same chunks
-(``PolicyWorker.topk_logprobs``); the distillation loss's log-softmax over the student's logits
-is not chunked.
+Megatron's plain path holds the whole sequence's logits with a float32 copy, the largest tensors
+of a long-context step; the two depths installed here avoid that, with the same values. What
+each depth keeps and costs: docs/packing.md.
 """
 
 from __future__ import annotations
@@ -163,7 +126,7 @@ class ChunkedOutputLogprobs:
     """``GPTModel.forward``'s ``output_processor`` for the labels path: the final hidden states
     [s_local, b, h] -> minus the labels' log-probabilities [b, s] in float32 (what Megatron's
     plain path returns). With ``output_layer_chunked``, ``chunk`` positions of the local
-    sequence at a time, each chunk's logits recomputed in the backward (module docstring);
+    sequence at a time, each chunk's logits recomputed in the backward (docs/packing.md);
     otherwise the output layer over the whole sequence and its log-softmax ``chunk`` positions
     at a time (``chunk`` None: at once; the processor then only carries the temperature)."""
 

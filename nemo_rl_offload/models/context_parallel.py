@@ -9,7 +9,7 @@ multiple of 2 * CP first; the rank's part of the pack is its chunks of every seq
 so its segment offsets are the global ones divided by CP.
 
 This module only computes positions and moves tensors between the two layouts; the attention
-(``models.attention``) and the passes (``models.train_step``) use it.
+(``models.attention``) and the passes (``policy.train_step``) use it.
 """
 
 from __future__ import annotations

@@ -1,60 +1,9 @@
 """Run Megatron-core's local layer spec on CPU workers (tests, functional runs, laptops).
 
-Megatron-core 0.19 assumes CUDA in a handful of places on the local-spec training path. Rather
-than replacing ``torch.cuda`` for the whole process (which would fool every other library), the
-patches below replace *names inside the Megatron modules that need them*; the rest of the process
-still sees the real ``torch.cuda``. :func:`enable_cpu_execution` applies them (idempotent) and
-:func:`disable_cpu_execution` restores exactly what was there (for tests).
-
-Patches (module: name -> replacement, and why):
-
-1. ``torch`` as seen by the modules in :data:`CUDA_DEVICE_MODULES` -> a stand-in that delegates
-   everything to torch except ``torch.cuda.current_device`` (returns the CPU device) and the
-   stream API (``Stream``/``current_stream``/``stream``: one CPU stand-in stream, no-op events).
-   These modules allocate buffers on ``torch.cuda.current_device()`` (rotary ``inv_freq``, the
-   global memory buffer that the unfused attention uses, the MoE router's weights, the pipeline
-   stages' receive buffers, tensor-parallel all-gather and sequence-parallel reduce-scatter
-   outputs) or hand copies to a side CUDA stream (the all-to-all MoE token dispatcher, which
-   caches that stream on its class: the cache is emptied while the patches are on and restored
-   after). On CPU there is one device and one stream, so the stand-ins are exact, not
-   approximations.
-2. ``megatron.core.fusions.fused_softmax.get_default_causal_mask`` -> the same upper-triangular
-   boolean mask built on CPU (the original builds it with ``device="cuda"``); only Megatron's
-   unfused ``DotProductAttention`` reaches it, when no explicit mask is passed.
-3. The model-parallel RNG tracker (``tensor_parallel.random._CUDA_RNG_STATE_TRACKER``) ->
-   :class:`CpuRngTracker`, whose ``fork`` is a no-op: Megatron's tracker keeps separate CUDA
-   generator states (``torch.cuda.get_rng_state`` needs a GPU). On CPU every random draw (init,
-   dropout) comes from torch's CPU generator, seeded by ``models.parallel``.
-4. ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> CPU-safe no-ops:
-   activation recompute saves and restores "the CUDA RNG state" next to the CPU one; with no
-   CUDA generator in use, the CPU state it already restores is the whole state.
-7. ``get_pos_emb_on_this_cp_rank`` as the rotary and YaRN embeddings import it -> the same
-   selection of this context-parallel rank's chunks of the rotary table (chunks r and
-   2 * CP - 1 - r of 2 * CP) with its index on the table's device: the original builds the
-   index in pinned memory and moves it with ``.cuda()``.
-6. The all-to-all token dispatcher's ``maybe_move_tensor_to_cpu`` -> the same for CPU tensors:
-   with expert parallelism its split sizes become numpy arrays, as its device-to-host copy
-   makes them on GPU (the collective takes a sequence of ints).
-
-5. ``torch`` as seen by the modules in :data:`CUDA_ALLOCATION_MODULES` (Megatron's DDP
-   helpers, optimizer, gradient clipping, multi-tensor utilities) -> the stand-in of 1 that also
-   puts ``device="cuda"`` allocations (loss scale, found-inf flag, norm accumulators) on the CPU,
-   and ``optimizer.clip_grad_by_total_norm_fp32`` -> the same scaling without its assertion that
-   gradients are CUDA tensors. With these, Megatron's DistributedDataParallel and
-   get_megatron_optimizer run unchanged on CPU workers, so data parallelism has one code path.
-
-8. ``torch`` as seen by ModelOpt's megatron plugin -> the stand-in of 1, once a CPU worker
-   quantizes (:func:`enable_cpu_modelopt`): it synchronises CUDA before serialising a
-   quantizer's state, and on CPU there is nothing to wait for.
-
-:func:`cpu_schedule_allocations` is separate and scoped to one call: Megatron's pipeline
-schedules allocate their token counter with ``device="cuda"`` unconditionally. So are
-:func:`cpu_checkpoint_io` (Megatron's distributed-checkpoint writer synchronises CUDA and puts
-its failure flag on the GPU) and :func:`params_typed_as_cuda` (the DistributedOptimizer accepts
-only parameters whose type name is a CUDA one; set on the parameters while it is built).
-
-Not covered (they do not run on the local spec on CPU): inference KV caches, CUDA graphs,
-fine-grained activation offloading (GPU-only).
+Megatron-core 0.19 assumes CUDA in a handful of places; rather than replacing ``torch.cuda`` for
+the whole process, the patches replace names inside the Megatron modules that need them.
+:func:`enable_cpu_execution` applies them (idempotent) and :func:`disable_cpu_execution`
+restores what was there. The patches and why: docs/design/local_layer_spec.md.
 """
 
 from __future__ import annotations
@@ -302,7 +251,7 @@ def cpu_execution_enabled() -> bool:
 
 
 def enable_cpu_execution() -> None:
-    """Apply the CPU patches listed in this module's docstring (idempotent)."""
+    """Apply the CPU patches (numbered in docs/design/local_layer_spec.md; idempotent)."""
     if _saved:
         return
     cpu_torch = _CpuTorch()

@@ -1,29 +1,10 @@
 """Output-discarding recompute on public torch APIs, for the local layer spec's cheap selective
 recompute (the norms, the dense MLP's activation).
 
-A norm's or an activation's output is saved for backward by the linear that reads it, although
-it can be rebuilt from a tensor that is kept anyway (the norm's input, fc1's output) by an
-elementwise pass. :class:`DiscardingCheckpoint` runs such a function without recording its
-graph, keeps only its inputs, frees the output's memory once the forward no longer reads it,
-and rebuilds it in backward when the gradient of a later tensor arrives (before the linear's
-backward reads it); the function's own backward then runs on the rebuilt graph.
-
-megatron-core 0.19 has the same mechanism (``tensor_parallel.CheckpointWithoutOutput``, behind
-its ``layernorm`` and ``moe_act`` recompute), but without Transformer Engine it cannot run: its
-constructor's ``self.fp8 = fp8 is not None`` is true for the default ``fp8=False``, so its
-forward always reaches for TE's ``FP8GlobalStateManager`` (NameError), and it puts the rebuilt
-values back by sharing storage through a C++ extension that torch compiles on the first
-backward of every process (a compiler and ninja on every worker, and the compile's time). This
-class has the two methods Megatron's layer calls (``checkpoint`` and
-``discard_output_and_register_recompute``) and puts the values back by copying them into the
-output's own storage, resized back to its size: every tensor that shares that storage (what
-the linear saved, views included) sees them, and no version counter moves (autograd would
-otherwise refuse the saved tensor). The copy is one more elementwise pass over the output, and
-the rebuilt tensor's own memory is freed at once unless its graph saved it.
-
-The functions recomputed here draw no random numbers (norms, activations), so no RNG state is
-saved or restored; nor does it run under CUDA graph capture (the rules refuse graphs with these
-recompute options).
+:class:`DiscardingCheckpoint` frees an elementwise function's output once the forward no longer
+reads it and rebuilds it in backward. megatron-core 0.19's ``CheckpointWithoutOutput`` does the
+same but cannot run without Transformer Engine. Why, and how values are put back:
+docs/offloading.md.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nemo_rl_offload.offload.apply import EffectiveSettings
-from nemo_rl_offload.offload.ledger import DENSE, MOE, layer_kinds
-from nemo_rl_offload.offload.memory_estimate import layer_weights
+from nemo_rl_offload.config.megatron_settings import EffectiveSettings
+from nemo_rl_offload.config.model_shape import DENSE, MOE, layer_kinds, layer_weights
 
 # Dense bfloat16 peak of one GPU (FLOP/s), by a name its CUDA device name contains: NVIDIA's
 # H100 SXM and H200 data sheets (989.4 TFLOP/s without sparsity), the peak NeMo-RL divides by.

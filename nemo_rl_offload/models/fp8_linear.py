@@ -1,19 +1,9 @@
 """The transformer layers' linears in FP8 without Transformer Engine (``fp8_cfg``; the rules
 are :mod:`config.fp8`, the arithmetic :mod:`models.fp8_math`).
 
-What runs in FP8 is what Transformer Engine's FP8 runs in a Megatron GPT layer: the attention's
-QKV and output projections, the MLP's two linears and the experts' linears. The embedding, the
-output layer, the router and the attention's own products stay in the training dtype. Each
-linear makes its three products in FP8 (forward, input gradient, weight gradient), each
-operand quantized by the recipe, accumulating in float32; the master weights, the optimizer and
-checkpoints are unchanged. For the weight gradient the forward keeps the input quantized along
-the token dimension (FP8: half the bytes of a bfloat16 input), as Transformer Engine does.
-
-The seams: Megatron's ColumnParallelLinear and RowParallelLinear make their product in the
-method ``_forward_impl``, which :class:`Fp8ColumnParallelLinear` and
-:class:`Fp8RowParallelLinear` override (tensor-parallel communication stays Megatron's, through
-its autograd mappings); the local grouped expert linears make theirs in ``_products``.
-:func:`with_fp8_linears` puts them in a layer spec.
+The linears that Transformer Engine's FP8 runs in a Megatron GPT layer make their three products
+in FP8 here, through subclasses of Megatron's parallel linears that :func:`with_fp8_linears`
+puts in a layer spec. What runs in FP8, and the seams: docs/fp8.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """FP8 quantization and scaled matrix products without Transformer Engine (``fp8_cfg``; the
 layers that use them are :mod:`models.fp8_linear`, the rules :mod:`config.fp8`).
 
-The two recipes NeMo-RL's ``fp8_recipe`` names and this backend runs, with Transformer Engine's
-meaning (its ``Float8BlockScaling`` and ``Float8CurrentScaling`` recipes):
-
-* ``blockwise`` (the DeepSeek-V3 scheme): activations and gradients are scaled per 1x128 block
-  along the contraction dimension of each product, weights per 128x128 block. Scales are the
-  block's FP8 maximum over its absolute maximum, in float32, or rounded down to a power of two
-  (Transformer Engine's default, which ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1`` turns off).
-* ``tensorwise`` (current scaling): one scale per tensor, computed from the tensor itself at
-  every product.
-
-A quantized operand is :class:`Quantized`: its FP8 values and the float32 factors that turn them
-back into real values (``dequantized = data * scale_inv``, per block), the factors torch's
-scaled matrix product takes. :func:`matmul_nt` multiplies two of them with torch's FP8 kernels
-where this GPU and torch have them (``torch.nn.functional.scaled_mm``: the block-scaled kernels
-need an SM 9.x GPU; per-tensor scales SM 8.9+), and otherwise computes the same product from
-the dequantized values in float32 (:func:`kernel_for` says which; a GPU warns once per kind of
-product it emulates). The two agree up to the order of float32 accumulation.
+The ``blockwise`` and ``tensorwise`` recipes, with Transformer Engine's meaning.
+:func:`matmul_nt` uses torch's FP8 kernels where this GPU and torch have them, and otherwise
+computes the same product in float32 (:func:`kernel_for` says which). Details: docs/fp8.md.
 """
 
 from __future__ import annotations
@@ -164,8 +150,8 @@ def _quantize(
 
 class _CompiledQuantize:
     """:func:`_quantize` under torch.compile, for GPU tensors: eagerly each quantization is
-    several kernels over float32 copies, slower than the products it feeds (both forms are
-    timed in ``benchmarks/results/2026-11-26_h100_fp8_training.md``). Shapes are dynamic.
+    several kernels over float32 copies, slower than the products it feeds (both forms timed
+    on an H100; see docs/fp8.md). Shapes are dynamic.
     Where compiling fails (no triton), the eager form runs, with one warning."""
 
     def __init__(self) -> None:

@@ -1,27 +1,10 @@
 """Pure-PyTorch grouped expert linears, so that Megatron's TEGroupedMLP runs without Transformer
 Engine, and with it the fine-grained offloading of the expert activations.
 
-Why this exists: megatron-core offloads the MoE activations ``expert_fc1`` (the experts' input)
-and ``moe_act`` (the first linear's output, the activation's input) only inside
-:class:`megatron.core.transformer.moe.experts.TEGroupedMLP`, which wraps its ``linear_fc1`` call
-and its activation in the offload hooks. Without Transformer Engine, Megatron's local layer spec
-builds the experts as ``SequentialMLP``, which has no such hooks, so those two offload modules
-offload nothing. TEGroupedMLP itself needs no Transformer Engine, only builders for its two
-grouped linears (the ``GroupedLinearFc1Builder`` / ``GroupedLinearFc2Builder`` protocols in
-``megatron/core/transformer/moe/experts.py``); this module provides them, and
-:func:`local_grouped_experts` the experts builder for the local spec.
-
-The linears follow Transformer Engine's ``GroupedLinear`` as TEGroupedMLP uses it:
-
-* one weight per local expert, ``weight0 .. weight{N-1}`` of shape [out, in], sharded over the
-  expert tensor-parallel group (column: out split, row: in split) with no communication inside:
-  Megatron's token dispatcher does the expert-TP communication (TE's "explicit expert comm");
-* one ``torch.autograd.Function`` per call that saves the whole input as one tensor, so the
-  offload hooks see one activation instead of one slice per expert; the input rows are split by
-  ``tokens_per_expert`` and each chunk is multiplied by its expert's weight (``torch._grouped_mm``
-  for bfloat16 on CUDA, a loop of matrix products otherwise);
-* ordinary ``.grad`` gradients (Megatron's DDP copies them to ``main_grad`` in its hooks), no
-  gradient-accumulation fusion, and a no-op ``backward_dw`` (weight gradients are not delayed).
+megatron-core offloads ``expert_fc1`` and ``moe_act`` only inside TEGroupedMLP, which needs only
+builders for its two grouped linears: this module provides them, and
+:func:`local_grouped_experts` the experts builder for the local spec. How the linears follow
+Transformer Engine's: docs/design/local_layer_spec.md.
 """
 
 from __future__ import annotations

@@ -1,62 +1,8 @@
 """Hugging Face checkpoints <-> the state dict of our Megatron-core GPTModel, per tensor-parallel
 rank, for the dense Llama, Qwen2, Qwen3 and the MoE Qwen3-MoE and Mixtral families.
 
-Pure functions on state dicts: reading and writing the shards belongs to the caller.
-
-Names. Hugging Face keeps one tensor per projection (``model.layers.{i}.self_attn.q_proj.weight``,
-``mlp.gate_proj.weight``, ...); Megatron fuses some of them and names them by module::
-
-    model.embed_tokens.weight                  embedding.word_embeddings.weight
-    layers.{i}.input_layernorm.weight          decoder.layers.{i}.input_layernorm.weight
-    layers.{i}.self_attn.{q,k,v}_proj.weight   decoder.layers.{i}.self_attention.linear_qkv.weight
-    layers.{i}.self_attn.{q,k,v}_proj.bias     ...self_attention.linear_qkv.bias (Qwen2)
-    layers.{i}.self_attn.{q,k}_norm.weight     ...self_attention.{q,k}_layernorm.weight (Qwen3)
-    layers.{i}.self_attn.o_proj.weight         ...self_attention.linear_proj.weight
-    layers.{i}.post_attention_layernorm.weight decoder.layers.{i}.pre_mlp_layernorm.weight
-    layers.{i}.mlp.{gate,up}_proj.weight       ...mlp.linear_fc1.weight ([gate; up])
-    layers.{i}.mlp.down_proj.weight            ...mlp.linear_fc2.weight
-    model.norm.weight                          decoder.final_layernorm.weight
-    lm_head.weight                             output_layer.weight (absent when tied)
-
-MoE layers have a router and one gated MLP per expert. Qwen3-MoE names them
-``mlp.gate.weight`` and ``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral
-``block_sparse_moe.gate.weight`` and ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`` (w1 gate,
-w3 up, w2 down); Megatron has ``mlp.router.weight`` and either
-``mlp.experts.local_experts.{e}.linear_fc{1,2}.weight`` (SequentialMLP) or, with
-``moe_grouped_gemm`` (TEGroupedMLP, over Transformer Engine's or our
-:mod:`~nemo_rl_offload.models.grouped_linear` grouped linears),
-``mlp.experts.linear_fc{1,2}.weight{e}`` (``grouped_experts=True``).
-
-Transformer Engine's layer spec fuses the pre-attention norm into the QKV projection
-(TELayerNormColumnParallelLinear): ``input_layernorm.weight`` becomes
-``self_attention.linear_qkv.layer_norm_weight``; in dense layers ``pre_mlp_layernorm.weight``
-becomes ``mlp.linear_fc1.layer_norm_weight`` too, but MoE layers keep a separate
-``pre_mlp_layernorm`` (the router needs the normalised input). ``fused_layernorm=True`` selects
-these names (the same renames as the spec's ``sharded_state_dict_keys_map``).
-
-``*._extra_state`` entries of a Megatron state dict (FP8 metadata, None without TE) are not
-weights: they are ignored on export and not produced on import, so load the result with
-``strict=False`` or add the model's own ``_extra_state`` entries first.
-
-Layouts, and why:
-
-* QKV: Megatron computes attention per query group, and a tensor-parallel rank must hold whole
-  groups, so ``linear_qkv`` rows are grouped per query group g: [the group's
-  heads/groups query heads, its key head, its value head], each head ``head_dim`` rows. Its
-  bias has the same layout. Splitting those rows in ``tp`` contiguous chunks gives each rank
-  its ``num_query_groups / tp`` groups, exactly as ColumnParallelLinear shards it.
-* Gated MLP: ``linear_fc1`` is [gate; up] on one rank, but Megatron builds it with stride 2, so
-  with tensor parallelism each rank holds [its gate rows; its up rows] (the SwiGLU then splits
-  the local output in two halves). Experts' fc1 likewise.
-* Column-parallel weights (qkv, fc1, expert fc1, word embeddings and output layer along the
-  vocabulary) are split along dim 0; row-parallel ones (linear_proj, fc2, expert fc2) along
-  dim 1; norms and the router are replicated on every rank.
-* Vocabulary: our builder gives GPTModel exactly ``architecture.vocab_size`` rows (no padding),
-  which tensor parallelism must divide.
-
-Experts are assumed unsharded across expert-parallel ranks (EP = 1) and split over tensor
-parallelism like dense weights (expert_tensor_parallel_size = tensor_model_parallel_size,
-Megatron's default).
+Pure functions on state dicts: reading and writing the shards belongs to the caller. The names
+and layouts mapped, and why: docs/hf_models.md.
 """
 
 from __future__ import annotations

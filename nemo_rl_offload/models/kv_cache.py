@@ -1,33 +1,13 @@
 """The key/value cache of one generation call, written and read by the project's core attention.
 
-Why not megatron-core's own inference context. Its ``StaticInferenceContext`` is what Megatron's
-``Attention`` fills through ``_adjust_key_value_for_inference``: every row sits at one shared
-position (a Python-int ``sequence_len_offset``), and each step slices the cache up to that
-offset, so each decode step has new tensor shapes and cannot be replayed from one CUDA graph
-(megatron-core 0.19 itself refuses CUDA graphs with static batching unless ``flash_decode``,
-which needs flash-attn). Its ``DynamicInferenceContext`` (and the dynamic engine) require
-flash-attn outright. Neither is installable here, so this module owns the smallest piece:
-
-- one preallocated cache per layer, ``[rows, query groups, max_len, head dim]`` (the layout
-  a decode step's SDPA call reads as it lies: rows as the batch, query groups as the heads);
-- the position each row writes its next token at, as a tensor (rows at different lengths:
-  right-padded prompts of different lengths decode side by side);
-- per-row masking of the positions a row has not reached yet, over a fixed window of the cache.
-
-The seam: :class:`models.attention.SDPACoreAttention` (the local layer spec's core attention,
-this project's module) takes the cache as an attribute for the duration of a call
-(:meth:`KVCache.attached`). Megatron's ``Attention`` then runs exactly its training path (no
-inference context is passed): it projects the new tokens, applies RoPE at the positions the
-caller's rotary embedding gives, and hands query, key and value to the core attention, which
-stores the keys and values and attends over the cache. Prefill attends causally over the
-prompts as in training; a decode step (one token per row, laid out as ``[rows, 1]``) attends
-over the window.
+megatron-core's inference contexts either change tensor shapes at every decode step (no CUDA
+graph replay) or need flash-attn, so this module owns the smallest piece: one preallocated cache
+per layer, each row's write position, and per-row masking. Why, and the seam:
+docs/generation.md.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -82,7 +62,7 @@ class KVCache:
         """Only the rows ``kept`` (ascending) decode on, as rows 0..len(kept)-1 of a cache of
         ``rows`` rows (the rest padding): their keys and values move to the front of the same
         memory, and every layer's cache becomes a view of its first ``rows`` rows, so a decode
-        step of the smaller batch reads only them (models.generation's compaction)."""
+        step of the smaller batch reads only them (policy.generation's compaction)."""
         count = kept.numel()
         for cache in (self.keys, self.values):
             for layer, tensor in cache.items():
@@ -90,22 +70,6 @@ class KVCache:
                 cache[layer] = tensor[:rows]
         self.positions = torch.zeros(rows, dtype=self.positions.dtype, device=kept.device)
         self._rows = torch.arange(rows, device=kept.device)
-
-    @contextlib.contextmanager
-    def attached(self, model: torch.nn.Module) -> Iterator[None]:
-        """Every core attention of ``model`` reads and writes this cache until the block ends."""
-        from nemo_rl_offload.models.attention import SDPACoreAttention
-
-        modules = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
-        if {m.layer_number for m in modules} != set(self.keys):
-            raise RuntimeError("KVCache: the cache's layers are not this model's attention layers")
-        for module in modules:
-            module.kv_cache = self
-        try:
-            yield
-        finally:
-            for module in modules:
-                module.kv_cache = None
 
     def store_prompt(self, layer: int, key: Tensor, value: Tensor) -> None:
         """Prefill: keys and values [s, rows, groups, dim] of positions 0..s-1 (right padding

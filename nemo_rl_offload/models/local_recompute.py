@@ -1,31 +1,9 @@
 """Selective recompute of the norms (``layernorm``) and of the dense MLP's activation alone
 (``mlp_act``) on megatron-core's local layer spec, without Transformer Engine.
 
-Both are output-discarding recompute (:mod:`.discard_checkpoint`): the tensor removed is an
-elementwise function's output that the next linear saves, rebuilt in backward from a tensor
-that is kept anyway, for an elementwise pass.
-
-- ``layernorm`` is Megatron's own option: its ``TransformerLayer`` wraps the input and pre-MLP
-  norms in ``tensor_parallel.CheckpointWithoutOutput``, which cannot run without Transformer
-  Engine (see :mod:`.discard_checkpoint`). :class:`RecomputeNormsLayer` is Megatron's layer
-  whose two attributes holding those checkpoints (``input_layernorm_checkpoint``,
-  ``pre_mlp_norm_checkpoint``, assigned afresh by Megatron's forward each time) hold a
-  :class:`.discard_checkpoint.DiscardingCheckpoint` instead: Megatron's forward, its choice
-  of what to recompute and where to discard stay as they are.
-- ``mlp_act`` is this package's name (megatron-core names the experts' activation recompute
-  ``moe_act``, and has none for the dense MLP, also on its main branch). Megatron's
-  ``MLP.forward`` applies the activation inline between fc1 and fc2, so
-  :class:`RecomputeActMLP` runs fc1, the activation (the same choice of kernel as
-  ``MLP.forward`` for the dense MLP: the fused bias-SwiGLU/GeLU/GeGLU with
-  ``bias_activation_fusion``, otherwise the bias add, the gated unit and the activation) and fc2
-  itself, with the activation under output-discarding recompute. It keeps fc1's output (the
-  activation's input) and drops fc2's saved input (the activation's output), and the unfused
-  gated unit's intermediates with it.
-
-Both rely on Megatron code as it is in the checked release: the layer's forward methods that
-assign, call and discard the norm checkpoints, and ``MLP.forward``, whose activation step
-:class:`RecomputeActMLP` repeats (``owned.RECOMPUTE_FINGERPRINTS``; validate and the spec
-refuse these options in one line when the installed code differs).
+Both are output-discarding recompute (:mod:`.discard_checkpoint`), through
+:class:`RecomputeNormsLayer` and :class:`RecomputeActMLP`; validate and the spec refuse them
+when the installed Megatron code differs from the checked one. How: docs/offloading.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
 """LoRA adapters on the local layer spec's linears (``policy.megatron_cfg.peft``).
 
 Each adapted linear is a subclass of Megatron's parallel linear that the layer spec places
-(:func:`with_lora`); its output is ``base(x) + scale * B(A(dropout(x)))`` with the dropout
-on the adapter's input (``pre``) or output (``post``). Under tensor parallelism the adapter
-follows its linear's split so no full-size activation is gathered:
-
-- column-parallel (``linear_qkv``, ``linear_fc1``): A (``dim x in``) is whole on every rank
-  and B is split along the output like the weight; A's output enters B through Megatron's
-  copy (its gradient is summed over ranks), or with sequence parallelism through the gather
-  of the sequence (its gradient reduce-scattered);
-- row-parallel (``linear_proj``, ``linear_fc2``): A is split along the input like the weight;
-  its partial output is summed over ranks (or reduce-scattered to the sequence) before the
-  whole B, and the result is added to the base output, which Megatron reduced already.
-
-An adapter weight that sees only its rank's part of the sequence (A of a column-parallel
-linear, B of a row-parallel one, with sequence parallelism) is marked ``sequence_parallel``,
-so Megatron's gradient finalisation sums it over the tensor-parallel group as it does norms.
-
-:func:`prepare` freezes every other parameter (Megatron's DDP and optimizer then hold the
-adapters' gradients and state only) and initialises A from a generator seeded by the layer
-and linear, so every parallel layout starts from the same adapters. The adapters live in the
-linear's state dict as ``lora_a``/``lora_b`` and in its sharded state dict split like the
-weight, so checkpoints hold base and adapters; :func:`merged_state_dict` folds them into the
-base weights for export.
+(:func:`with_lora`): ``base(x) + scale * B(A(dropout(x)))``, the adapter split like its linear.
+:func:`prepare` freezes every other parameter, and :func:`merged_state_dict` folds the adapters
+into the base weights for export. How it runs under tensor parallelism: docs/lora.md.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """Offload points for the dense MLP's saved tensors on the local layer spec.
 
-megatron-core 0.19 offloads the attention block and the norm inputs without Transformer Engine,
-but not the dense MLP, whose saved tensors are about half of a layer's: fc1's input, what the
-activation saves (fc1's output), and fc2's input (the activation's output). This module adds
-three offload groups for them, run by Megatron's own offload manager (the runtime's plans,
-pinned pool and telemetry treat them like Megatron's groups):
-
-- ``mlp_fc1``: what fc1 saves (its input, the pre-MLP norm's output);
-- ``mlp_act``: what autograd saves between fc1 and fc2 (the bias add, the activation or gated
-  unit and a per-token scale: fc1's output, and the gate's activation for a gated unit);
-- ``mlp_fc2``: what fc2 saves (its input, the activation's output).
-
-Each group is marked the way Megatron marks its attention groups: a group start on the input
-(``FineGrainedActivationOffloadingInterface.__enter__``: the start function, then the saved-
-tensor hooks), and a commit on the output (``group_offload``), whose backward waits for the
-group's reload before the group's own backward runs. Megatron's ``MLP.forward`` calls fc1, the
-activation and fc2 in one function, so the groups are opened and closed by forward hooks on its
-two linears (fc1's pre-hook opens ``mlp_fc1``; fc1's hook commits it and opens ``mlp_act``; fc2's
-pre-hook commits ``mlp_act`` and opens ``mlp_fc2``; fc2's hook commits it): Megatron's forward
-and its linears run unchanged, and the parameters keep their names. Nothing is released by force:
-each tensor's memory goes when the MLP's forward drops it, once its copy has been issued.
-
-The groups rely on how Megatron's ``MLP.forward`` runs (fc1 once, then the activation, then fc2
-once, each linear returning its output and bias) and on ``MLP.as_mlp_submodule`` building the
-class it is called on: ``owned.MLP_FINGERPRINTS`` holds their source hashes as checked, and
-validate and the spec refuse the modules (one line) when the installed megatron-core's differ.
+megatron-core 0.19 does not offload the dense MLP, whose saved tensors are about half of a
+layer's. This module adds the groups ``mlp_fc1``, ``mlp_act`` and ``mlp_fc2``, opened and closed
+by forward hooks on the MLP's two linears and run by Megatron's own offload manager. What each
+group holds, and the Megatron code relied on: docs/offloading.md.
 """
 
 from __future__ import annotations
@@ -38,8 +17,8 @@ from megatron.core.pipeline_parallel.fine_grained_activation_offload import (
 )
 from megatron.core.transformer.mlp import MLP
 
+from nemo_rl_offload.config.module_names import MLP_OFFLOAD_MODULES
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES
 from nemo_rl_offload.offload.owned import mlp_drift
 
 MLP_FC1, MLP_ACT, MLP_FC2 = "mlp_fc1", "mlp_act", "mlp_fc2"

@@ -1,19 +1,8 @@
 """Torch norms for megatron-core's local layer spec that also run under sequence parallelism.
 
-Megatron-core 0.19's ``WrappedTorchNorm`` (the local spec's norm without Apex) asserts
-``not config.sequence_parallel``, so the local spec could not be used with sequence
-parallelism at all. Nothing in the norm itself depends on it: with sequence parallelism each
-tensor-parallel rank normalises its own slice of the sequence, and a norm acts per token, so
-the forward is unchanged. What changes is the backward: the norm's weights are replicated over
-the tensor-parallel group but each rank sees only its tokens, so each rank's weight gradient is
-a partial sum. Megatron's ``finalize_model_grads`` sums the gradients of parameters marked
-``sequence_parallel = True`` over the tensor-parallel group when ``config.sequence_parallel`` is
-on (as Transformer Engine's norms mark theirs); :class:`LocalNorm` builds the same torch norm as
-``WrappedTorchNorm`` and marks its parameters that way.
-
-``builder.layer_spec`` puts it into the local spec (the layers' input and pre-MLP norms, the
-q/k norms, and the decoder's final norm) through the spec, so Megatron's own classes are left
-as they are for the rest of the process.
+Megatron-core 0.19's ``WrappedTorchNorm`` refuses sequence parallelism; :class:`LocalNorm`
+builds the same torch norm and marks its parameters ``sequence_parallel``, so that their partial
+gradients are summed over the tensor-parallel group. Why: docs/design/local_layer_spec.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Router replay (NeMo-RL's ``policy.router_replay``, "R3"): an MoE policy trains on the experts
 its sampler chose.
 
-Why: the sampler and the training forward compute each router's top-k from logits that differ
-in their last bits (a KV-cached decode against a full-sequence forward, other batch shapes), so
-a token near a tie can go to other experts in training than in sampling, and the importance
-ratio then compares two different networks. Replaying the sampler's choices removes that
-mismatch; the router's scores still train (the probabilities of the replayed experts are
-gathered from them).
-
-How, on Megatron's own seam: each MoE layer's router is built as :class:`ReplayRouter`
-(``MoESubmodules.router`` of the layer spec, :func:`with_replay_router`), whose
-:class:`RoutesReplay` is Megatron's ``RouterReplay`` held by that router alone: Megatron keeps
-every ``RouterReplay`` in a process-wide list (its inference engine records through it), which
-would mix the policy's routers with the reference model's; this package addresses routers
-through the model instead (:func:`decoder_replays`).
-
-- Sampling (:class:`Recorder`, ``models.generation``): every forward of a call records each
-  router's top-k of the tokens it fed, gathered over the sequence-parallel ranks and then over
-  the pipeline stages, into one array per sequence [positions, MoE layers, k] (-1 where a
-  position was never fed: the last sampled token).
-- Training and the old policy's log-probabilities (``models.train_step``): each forward sets
-  every router's targets from the micro-batch's ``routed_experts`` in the router's own token
-  layout (this context-parallel rank's positions, this sequence-parallel rank's slice,
-  sequence-major), and after a training forward switches to Megatron's backward replay, so a
-  recompute that reruns the router (full or ``moe`` recompute) replays the same experts.
-- A position without a route (-1: the last sampled token, padding) takes the router's own top-k
-  (:meth:`RoutesReplay.get_replay_topk`); NeMo-RL does the same for routes its sampler missed.
-- The reference policy's log-probabilities are computed without replay (as NeMo-RL's).
+The sampler and the training forward can send a token near a tie to other experts, and the
+importance ratio then compares two networks; replaying the sampler's choices removes that.
+:class:`Recorder` records routes while sampling, :class:`ReplayRouter` replays them in training.
+How: docs/training.md.
 """
 
 from __future__ import annotations
@@ -34,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -44,6 +22,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from torch import Tensor
 
 from nemo_rl_offload.config.router_replay import NO_ROUTE, ROUTES_KEY, route_dtype
+from nemo_rl_offload.models.step_feature import FeatureInput
 from nemo_rl_offload.offload.owned import fingerprint
 
 __all__ = ["NO_ROUTE", "ROUTES_KEY", "Recorder", "ReplayRouter", "RoutesReplay"]
@@ -125,7 +104,7 @@ class RoutesReplay(RouterReplay):
 
 
 class ReplayRouter(TopKRouter):
-    """Megatron's top-k router with its own :class:`RoutesReplay` (module docstring)."""
+    """Megatron's top-k router with its own :class:`RoutesReplay` (docs/training.md)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -275,11 +254,54 @@ def disarm(model: torch.nn.Module) -> None:
         replay.clear_indices()
 
 
+class RouterReplayStep:
+    """Router replay in the training step and the forward passes (:mod:`.step_feature`): each
+    forward given sampled routes replays them (in the routers' token layout: this
+    sequence-parallel rank's slice), the routers are disarmed after a pass, and the step reports
+    how many replayed routes the routers would have chosen otherwise."""
+
+    forward_keys: tuple[str, ...] = (ROUTES_KEY,)
+
+    def start_step(self, model: Any, device: Any) -> None:
+        start_step(model, device)
+
+    def inputs(self, model: Any, batch: Mapping[str, Tensor]) -> dict[str, FeatureInput]:
+        routes = batch.get(ROUTES_KEY)
+        # No route on padding or another rank's positions: the router's own top-k there.
+        return {} if routes is None else {ROUTES_KEY: FeatureInput(routes, NO_ROUTE)}
+
+    def forward(
+        self, model: Any, inputs: Mapping[str, Tensor], *, training: bool
+    ) -> tuple[dict[str, Any], contextlib.AbstractContextManager[Any]]:
+        routes = inputs.get(ROUTES_KEY)
+        if routes is None:
+            return {}, contextlib.nullcontext()
+        from megatron.core import parallel_state
+
+        config = model.config
+        slices = (
+            max(1, int(config.tensor_model_parallel_size))
+            if getattr(config, "sequence_parallel", False)
+            else 1
+        )
+        rank = parallel_state.get_tensor_model_parallel_rank() if slices > 1 else 0
+        return {}, replaying(model, router_tokens(routes, rank, slices), training=training)
+
+    def after_pass(self, model: Any, microbatches: list[Mapping[str, Tensor]]) -> None:
+        """Routers keep no replayed routes beyond the pass (their backward replay list holds
+        each training micro-batch's until a recompute takes it, and none does without one)."""
+        if any(ROUTES_KEY in mb for mb in microbatches):
+            disarm(model)
+
+    def step_metrics(self, model: Any, device: Any, microbatches: int) -> dict[str, float]:
+        return step_metrics(model, device)
+
+
 # ---------------------------------------------------------------------------------- sampling
 
 
 class Recorder:
-    """The routes of one sampling call (module docstring): ``rows`` sequences of up to
+    """The routes of one sampling call (docs/training.md): ``rows`` sequences of up to
     ``max_len`` positions over every MoE layer of the model."""
 
     def __init__(self, model: torch.nn.Module, rows: int, max_len: int, device: Any) -> None:

@@ -1,30 +1,9 @@
 """Self-attention whose keys and values own their memory and whose rotary embedding shares one
 pair of tables across layers (the local spec's ``self_attention``).
 
-Why, keys and values: Megatron's ``SelfAttention.get_query_key_value_tensors`` splits the fused
-QKV projection's output into views. The query is reshaped (a copy) and rotary embeddings give
-the key a new tensor, but the value stays a view of the whole fused output: whoever saves the
-value for backward (the attention kernel, a core-attention recompute's checkpoint) keeps the
-query's and key's pre-rotary bytes alive as well. With grouped-query attention that view holds
-several times the value's own bytes for the whole step: the activation ledger counted it
-against ``core_attn``. Here any key or value that is a view into a larger buffer is copied to
-its own memory (one small copy per layer) before the attention sees it, so only its own bytes
-are saved; the fused buffer is freed as the forward moves on.
-
-Why, rotary: Megatron's unfused rotary embedding computes ``cos`` and ``sin`` of the position
-frequencies in the activations' dtype on every call (the query's and the key's, in every
-layer), and autograd keeps both tables for the backward of ``t * cos + rotate(t) * sin``: four
-sequence-by-head-dim tables per layer from the forward to the backward, which the peak
-composition of a long-context step found among its live tensors
-(``benchmarks/results/2026-11-26_h100_long_context_3b.md``). The tables depend only on the
-positions, so here one pair is computed per micro-batch and shared by every layer's query and
-key (:func:`rotary_tables`): autograd keeps the same two tensors for every layer. Megatron's
-formula runs on them unchanged (the same operations on the same values: the same bits, forward
-and backward), for a padded batch and a packed one (its positions restart in each sequence)
-without context parallelism; other layouts take Megatron's own path. The shared tables are
-saved under identity hooks, so an offload group around the projection never copies them.
-
-The result is the same tensor values: the same training, fewer saved bytes.
+Megatron's value is a view of the whole fused QKV output, and its rotary tables are computed
+and saved in every layer; here neither is. The same tensor values: the same training, fewer
+saved bytes. Why, and what was measured: docs/design/local_layer_spec.md.
 """
 
 from __future__ import annotations
@@ -123,8 +102,8 @@ _FORWARD = inspect.signature(SelfAttention.forward)
 class CompactKVSelfAttention(SelfAttention):
     """``SelfAttention`` whose ``get_query_key_value_tensors`` returns keys and values that
     own their memory, and, in a training forward, the query and key with the rotary embedding
-    applied on tables shared by every layer (the module docstring says why). The unsplit form
-    (``split_qkv=False``, Megatron's fused-rotary path) is returned as it is."""
+    applied on tables shared by every layer (docs/design/local_layer_spec.md says why). The
+    unsplit form (``split_qkv=False``, Megatron's fused-rotary path) is returned as it is."""
 
     _pending_rotary: tuple[Any, Any] | None = None
 

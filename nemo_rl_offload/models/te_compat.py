@@ -5,8 +5,8 @@ Megatron-core's offload manager flips ``CPUOffloadEnabled`` on the module it imp
 offload region, so that TE layers know their saved tensors are being offloaded. Without
 Transformer Engine that name is ``None`` and the manager raises "TE CPU offload is not
 available", although the local layer spec has no TE layer that would read the flag. Supplying a
-namespace that holds the flag is all FGO needs to run on the local spec
-(benchmarks/results/2026-11-22_h100_training_fgo.json: SFT and GRPO with FGO on a GPU).
+namespace that holds the flag is all FGO needs to run on the local spec (SFT and GRPO ran
+with FGO on an H100; see docs/offloading.md).
 """
 
 from __future__ import annotations

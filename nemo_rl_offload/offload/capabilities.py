@@ -23,47 +23,10 @@ import logging
 import re
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-# offload_modules accepted by each megatron-core minor version (from its TransformerConfig).
-OFFLOAD_MODULES_BY_VERSION: dict[str, frozenset[str]] = {
-    "0.15": frozenset(
-        {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"}
-    ),
-    "0.19": frozenset(
-        {
-            "attn_norm",
-            "qkv_linear",
-            "core_attn",
-            "attn_proj",
-            "mlp_norm",
-            "expert_fc1",
-            "moe_act",
-            "fused_group_mlp",
-        }
-    ),
-}
-# Transformer Engine from this version on changed its offload API; Megatron's FGO needs the old
-# one, selected by NVTE_CPU_OFFLOAD_V1=1 in every worker.
-TE_OFFLOAD_V1_ENV_FROM = (2, 10)
-MOE_OFFLOAD_MODULES = frozenset({"expert_fc1", "moe_act", "fused_group_mlp"})
-# offload_modules this package adds to Megatron's (models.mlp_offload): the dense MLP's saved
-# tensors, which megatron-core 0.19 reaches only through Transformer Engine. Named as Megatron
-# names its points (the block, then the op whose saved tensors the group holds) and kept out of
-# TransformerConfig, which refuses names it does not know (offload.apply).
-MLP_OFFLOAD_MODULES = frozenset({"mlp_fc1", "mlp_act", "mlp_fc2"})
-# The offload module name of each full-recompute segment's input (offload.layer_input), as
-# Megatron-LM PR 5218 names it; kept out of TransformerConfig too.
-LAYER_INPUT = "layer_input"
-# recompute_modules this package adds to Megatron's (models.local_recompute): the dense MLP's
-# activation alone, named as Megatron names the experts' one (moe_act) and kept out of
-# TransformerConfig, which refuses names it does not know (offload.apply).
-PROJECT_RECOMPUTE_MODULES = frozenset({"mlp_act"})
-# Selective recompute that runs on the local spec through this package's seams
-# (models.local_recompute; the grouped experts' models.grouped_linear.LocalGroupedMLP), with the
-# Megatron code they rely on fingerprinted.
-LOCAL_RECOMPUTE_MODULES = frozenset({"layernorm", "mlp_act", "moe_act"})
+from nemo_rl_offload.config.environment import Capabilities, version_tuple
+from nemo_rl_offload.config.module_names import LOCAL_RECOMPUTE_MODULES, OFFLOAD_MODULES_BY_VERSION
 
 
 @contextlib.contextmanager
@@ -92,46 +55,11 @@ def transformer_config_class() -> Any:
     return TransformerConfig
 
 
-def _version_tuple(version: str | None) -> tuple[int, ...]:
-    if not version:
-        return ()
-    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
-
-
 def _installed_version(distribution: str) -> str | None:
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    megatron_version: str | None
-    te_version: str | None
-    offload_module_names: frozenset[str]
-    offload_module_names_source: str  # "megatron-core" (asked it) or "version table"
-    # The line refusing offloading when the installed megatron-core's offload code is not the
-    # code the runtime's subclasses were checked against (owned.megatron_drift); None: it is.
-    offload_code_drift: str | None = None
-    # The same for the MLP offload modules' reliance on Megatron's MLP (owned.mlp_drift).
-    mlp_code_drift: str | None = None
-    # The same for the layer_input offload's reliance on Megatron's checkpoint code
-    # (layer_input.drift).
-    layer_input_code_drift: str | None = None
-    # (recompute module, the line refusing it) for each of LOCAL_RECOMPUTE_MODULES whose
-    # Megatron code differs from the checked one (owned.recompute_drift).
-    recompute_code_drift: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def has_transformer_engine(self) -> bool:
-        return self.te_version is not None
-
-    @property
-    def te_needs_offload_v1_env(self) -> bool:
-        # An installed TE of unknown version gets the variable too: older TE ignores it.
-        version = _version_tuple(self.te_version)
-        return self.has_transformer_engine and (not version or version >= TE_OFFLOAD_V1_ENV_FROM)
 
 
 def _names_from_megatron() -> frozenset[str] | None:
@@ -159,10 +87,10 @@ def _names_from_megatron() -> frozenset[str] | None:
 
 
 def _names_from_table(megatron_version: str | None) -> frozenset[str]:
-    minor = ".".join(str(p) for p in _version_tuple(megatron_version)[:2])
+    minor = ".".join(str(p) for p in version_tuple(megatron_version)[:2])
     if minor in OFFLOAD_MODULES_BY_VERSION:
         return OFFLOAD_MODULES_BY_VERSION[minor]
-    return OFFLOAD_MODULES_BY_VERSION[max(OFFLOAD_MODULES_BY_VERSION, key=_version_tuple)]
+    return OFFLOAD_MODULES_BY_VERSION[max(OFFLOAD_MODULES_BY_VERSION, key=version_tuple)]
 
 
 @functools.cache

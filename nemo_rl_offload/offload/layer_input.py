@@ -1,40 +1,10 @@
 """Full recompute with each recomputed segment's input on the host (``offload_modules:
 [layer_input]``, the name Megatron-LM PR 5218 gives the same feature).
 
-Under full recompute Megatron's block runs each segment of ``recompute_num_layers`` layers (or,
-with the block method, each of the first ``recompute_num_layers`` layers) inside its
-``CheckpointFunction``: the segment's forward keeps nothing for backward except the checkpoint's
-own inputs, which it saves with ``save_for_backward``. The first of those inputs is the
-segment's input hidden states, one hidden-size vector per token; the others (attention mask,
-rotary embeddings, padding mask) are small or shared across segments. That one tensor per
-segment is what full recompute still keeps on the GPU, and it grows with sequence length and
-layer count.
-
-:class:`LayerInputOffloader` catches it with autograd's saved-tensor hooks while the block's
-forward runs: a tensor that a layer received while Megatron's checkpoint ran its segment
-(``is_checkpointing()``, reported by the block's layers through :meth:`LayerInputOffloader.mark`)
-and that is then saved, with the block input's shape and dtype, goes to host memory; everything
-else is kept as it is. In backward each segment's input comes back before its recompute, and
-the input of the segment before it (the next to run backward) starts coming back at the same
-time, so its copy hides behind this segment's recompute and backward.
-
-Streams (GPU): the copy to the host runs on a side stream after the compute stream's work that
-produced the input (``wait_stream``); the input is ``record_stream``-ed there so the allocator
-does not reuse its memory before the copy has read it. The copy back allocates on the compute
-stream, runs on a second side stream after the offload copy's event and after the compute
-stream's work up to the allocation, and the compute stream waits for its event before the
-recompute reads it. Host buffers are pinned tensors from torch's caching host allocator, which
-records the copies that use them and reuses a buffer only after they end; the runtime's
-``OwnedHostPool`` is not used because its buffers live and are returned per FGO step, through
-Megatron's offload manager, which this feature does not run. On CPU (no streams) the same path
-copies into a separate tensor and back, so tests see every byte go through it.
-
-Megatron code relied on (hashed in :data:`FINGERPRINTS`, refused by :func:`drift` when it
-changes): ``CheckpointFunction.forward`` runs the segment without gradients while
-``is_checkpointing()`` is true, passing its inputs to the segment as they are, and saves those
-same tensors; ``checkpointed_forward`` passes the segment input to the first layer of the
-segment, in the block input's shape;
-``TransformerBlock.forward`` takes that path in training under full recompute.
+Under full recompute each segment's input is what stays on the GPU, growing with length and
+layers; :class:`LayerInputOffloader` moves it to the host in forward and brings it back ahead of
+the segment's recompute. The Megatron code relied on is hashed in :data:`FINGERPRINTS`. How:
+docs/offloading.md.
 """
 
 from __future__ import annotations
@@ -103,7 +73,7 @@ class _Offloaded:
 
 class LayerInputOffloader:
     """Saved-tensor hooks that move each full-recompute segment's input to the host in forward
-    and back in backward (see the module's docstring)."""
+    and back in backward (see docs/offloading.md)."""
 
     def __init__(self) -> None:
         self.counters = Counters()

@@ -1,42 +1,10 @@
 """The offload runtime's own subclasses of Megatron-core 0.19's offload classes.
 
-Megatron's fine-grained activation offloading is three classes in
-``megatron.core.pipeline_parallel.fine_grained_activation_offload``: a process-wide
-``PipelineOffloadManager`` (the singleton ``PipelineOffloadManager.OFFLOAD_MGR`` that Megatron's
-layers ask for), a ``ChunkOffloadHandler`` per micro-batch that the manager creates, and the
-``OffloadTensorPool`` of pinned host buffers. The runtime (:mod:`.runtime`) creates its own
-manager per step shape, :class:`OwnedOffloadManager`, and installs it as that singleton; the
-manager creates :class:`OwnedChunkHandler` handlers, and the plans share one
-:class:`OwnedHostPool`. What they do differently is chosen per plan by :class:`PlanChoices`
-(each choice off is Megatron's own code, through ``super()``):
-
-- ``reload_waits_for_offload``: a reload on the compute stream waits for its offload copy
-  (Megatron-LM issue 7398: the warm-up step computed with partly stale activations);
-- ``strided_copies``: a tensor saved as a permuted view (SDPA's query, key and output) goes to
-  the host and back as its bytes lie, with its strides, instead of through a ``contiguous()``
-  copy kernel on the GPU, and autograd gets back the layout it saved;
-- ``fraction_placement``: with ``activation_offload_fraction`` below 1, the groups offloaded
-  are spread evenly over the forward pass (``spread``) instead of being the earliest ones
-  (Megatron's choice, ``earliest``), so the copies keep pace with the compute;
-- ``pool_expert_groups``: MoE expert groups take their pinned buffers from the pool when
-  drop-and-pad dispatch makes their shapes recur (what a CUDA graph of a MoE step needs);
-- ``pool_every_group``: every group's host copy, the expert groups' included, comes from the
-  pool (:class:`OwnedHostPool` serves any size), in the warm-up step too;
-- ``copy_timer``: CUDA events around each group's copies, for a :class:`CopyTimer` (copy time
-  and achieved bandwidth in the step metrics);
-- ``lean_hooks``: the same hook work in less host time, outside CUDA graph capture (an eager
-  step that is host-bound pays every microsecond of the hooks);
-- ``one_copy_per_storage``: a storage the model marks as kept on the GPU is not copied, and
-  (in the lean hooks, so eagerly) tensors of one micro-batch that view one storage are copied
-  once (:mod:`.shared_copies`).
-
-No Megatron class or module attribute is replaced: Megatron's classes keep their own methods for
-any other user in the process. The subclasses override or re-implement Megatron methods and read
-some of Megatron's private state, so each such Megatron function is listed in
-:data:`FINGERPRINTS` with a hash of its source as checked: :func:`require_checked_megatron`
-refuses offloading when the installed megatron-core's source differs (the runtime calls it when
-it is built, ``validate`` reports it through the capabilities), and
-tests/unit/offload/test_owned.py fails on such a difference in CI.
+The runtime (:mod:`.runtime`) installs an :class:`OwnedOffloadManager` as Megatron's singleton;
+it makes :class:`OwnedChunkHandler` handlers that share one :class:`OwnedHostPool`, and
+:class:`PlanChoices` picks per plan what differs from Megatron. No Megatron class is replaced;
+every Megatron function relied on is hashed in :data:`FINGERPRINTS`. The choices:
+docs/offloading.md.
 """
 
 from __future__ import annotations
@@ -48,6 +16,7 @@ import functools
 import hashlib
 import importlib.metadata
 import inspect
+import io
 import math
 import textwrap
 from collections.abc import Hashable
@@ -625,8 +594,8 @@ class OwnedChunkHandler(fgo.ChunkOffloadHandler):
         buffer of the same strides (a view of a pooled buffer of its shape: one
         ``cudaMemcpyAsync``, no kernel), and :meth:`reload` brings it back into a GPU tensor of
         the same strides. Other non-contiguous tensors (slices of a larger tensor) keep
-        Megatron's path. Chosen per model by ``apply.runtime_choices`` (where it was measured
-        faster: benchmarks/results/2026-11-22_h100_benchmark_copies_ab_*_seq4096.md).
+        Megatron's path. Chosen per model by ``megatron_settings.runtime_choices`` (where it
+        was measured faster on an H100: see docs/offloading.md).
 
         Stands in for: no upstream issue (Megatron copies every non-contiguous tensor through
         ``contiguous()``).
@@ -1045,8 +1014,8 @@ class OwnedOffloadManager(fgo.PipelineOffloadManager):
         the forward. Spread, each module offloads the fraction of its own groups, evenly spaced
         over the layers, so the copies run beside the whole forward and every module gives up
         its share of bytes (a count over all modules together could pick one module only when
-        two alternate). Megatron's callback prints its summary table from inside, so the spread
-        case re-implements it (:meth:`_place_spread`) and prints the table once, as trained.
+        two alternate). Megatron's callback computes its summary table from inside, so the spread
+        case re-implements it (:meth:`_place_spread`); the table is kept off stdout either way.
 
         ``pool_expert_groups``: the MoE expert groups (``expert_fc1``, ``moe_act``) take pinned
         buffers from the pool once their plan is recorded, where their shapes are static.
@@ -1068,10 +1037,14 @@ class OwnedOffloadManager(fgo.PipelineOffloadManager):
             self._activation_offload_fraction,
             *dict(self.choices.fraction_by_module).values(),
         ]
-        if self.choices.fraction_placement == "spread" and min(fractions) < 1:
-            self._place_spread()
-        else:
-            super().post_warmup_callback()
+        # Megatron prints its summary table of the plan's bytes on stdout (after a gather every
+        # rank joins); the runtime reports the same bytes per step (plan_metrics), so the table
+        # is kept off the user's output.
+        with contextlib.redirect_stdout(io.StringIO()):
+            if self.choices.fraction_placement == "spread" and min(fractions) < 1:
+                self._place_spread()
+            else:
+                super().post_warmup_callback()
         if self.choices.pool_expert_groups:
             for chunk in self._cached_chunks_forward:
                 for group in chunk.offload_groups:

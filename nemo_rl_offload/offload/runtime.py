@@ -1,27 +1,9 @@
 """Keep Megatron's fine-grained offloading correct across the phases of an RL step.
 
-Megatron-core's PipelineOffloadManager records one offload plan during the first training step
-and replays it on every later one. RL steps do not repeat:
-
-- a forward-only pass (logprobs, reference or teacher scores, generation) in between crashes the
-  next backward (``AssertionError: Chunk mismatch``): :meth:`OffloadRuntime.forward_only`
-  suspends offloading for such passes (measured: the suspension avoids the crash);
-- a different micro-batch count silently drops the savings, and changing lengths grow the
-  pinned pool without bound: :meth:`OffloadRuntime.prepare_step` pads every micro-batch of a
-  step to one length bucket (:func:`sequence_length_buckets`) and keeps one plan per step shape
-  (measured: a plan recorded for its shape keeps the savings), whose pinned buffers one pool
-  lends by size (:class:`.owned.OwnedHostPool`: at most 1.25x the largest plan's need where
-  the plans' buffers nest), under a host-memory budget;
-- the warm-up step's gradients differ from a model without offload (Megatron-LM issue 7398),
-  and permuted tensors cost a copy kernel each way: the runtime's own subclasses of Megatron's
-  offload classes (:mod:`.owned`) fix both, per plan (:class:`.owned.PlanChoices`).
-
-Telemetry: bytes per module come from the replayed plan (:func:`plan_metrics`); copy time and
-achieved bandwidth from CUDA events around each group's copies (the runtime's
-:class:`.owned.CopyTimer`).
-
-The runtime is owned by the policy worker; it does nothing when offloading is off (CPU workers,
-recipes without FGO).
+Megatron records one offload plan in the first training step and replays it; RL steps do not
+repeat. :class:`OffloadRuntime` (owned by the policy worker; it does nothing when offloading is
+off) suspends offloading for forward-only passes, keeps one plan per step shape and fixes the
+warm-up step. What goes wrong without it: docs/offloading.md.
 """
 
 from __future__ import annotations
@@ -34,11 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.megatron_settings import RuntimeChoices
 from nemo_rl_offload.config.router_replay import NO_ROUTE, ROUTES_KEY
-from nemo_rl_offload.offload.apply import RuntimeChoices
 
 _LOG = logging.getLogger("nemo_rl_offload.offload")
-SMALLEST_BUCKET = 32
 
 
 def host_allocator_bytes() -> int:
@@ -100,54 +81,11 @@ def default_host_budget_bytes() -> int:
     return ram // 2 // gpus
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def sequence_length_buckets(max_length: int, multiple: int = 1) -> list[int]:
-    """The default padded lengths of a step: powers of two and the midpoints 1.5 x 2^k from
-    32 on, each rounded up to ``multiple``, and last ``max_length`` rounded up to it.
-
-    Every bucket is a step shape with its own offload plan (the pinned buffers are shared), so
-    buckets trade padding (at most half a bucket: a length just above 2^k pads to 1.5 x 2^k)
-    against plans (about two per doubling of the length, 15 up to 4096)."""
-    multiple = max(1, multiple)
-    top = _round_up(max_length, multiple)
-    buckets: set[int] = {top}
-    size = SMALLEST_BUCKET
-    while size < top:
-        for candidate in (size, size * 3 // 2):
-            rounded = _round_up(candidate, multiple)
-            if rounded < top:
-                buckets.add(rounded)
-        size *= 2
-    return sorted(buckets)
-
-
 def pads_steps(offloading: bool, full_iteration_graphs: bool) -> bool:
     """Whether training steps are padded to the length buckets: with offloading (one plan per
     step shape) or full-iteration CUDA graphs (one graph per step shape), which both need
     shapes that recur. The one rule the runtime, the recipe checks and validate's report use."""
     return offloading or full_iteration_graphs
-
-
-def step_buckets(policy_cfg: dict[str, Any]) -> tuple[list[int], bool]:
-    """The length buckets a policy section's offloaded steps are padded to, and whether they
-    are the default (derived from its max_total_sequence_length and padding multiple). With
-    sequence packing every training micro-batch is one pack of the same length, so that length
-    is the only bucket: one plan per micro-batch count."""
-    from nemo_rl_offload.config.batching_settings import pack_length
-
-    packed = pack_length(policy_cfg)
-    if packed is not None:
-        return [packed], False
-    given = (policy_cfg.get("megatron_cfg") or {}).get("offload_sequence_length_buckets")
-    if given:
-        return list(given), False
-    multiple = policy_cfg.get("make_sequence_length_divisible_by")
-    return sequence_length_buckets(
-        int(policy_cfg["max_total_sequence_length"]), multiple if isinstance(multiple, int) else 1
-    ), True
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int:

@@ -1,6 +1,6 @@
 """What autograd keeps for the backward pass of one forward, per owning module.
 
-The ledger (:mod:`nemo_rl_offload.offload.ledger`) is derived from a real forward rather than
+The ledger (:mod:`nemo_rl_offload.planning.ledger`) is derived from a real forward rather than
 from formulas: what a norm, an attention kernel or a loss keeps depends on the kernels torch
 and Megatron pick, and only running them says which. Each tensor autograd saves
 (``torch.autograd.graph.saved_tensors_hooks``) is attributed to the innermost module whose

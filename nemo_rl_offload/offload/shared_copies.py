@@ -1,31 +1,8 @@
 """One host copy per saved storage: two offload groups that save the same bytes move them once.
 
-Why: autograd saves tensors, but memory is held by storages, and two modules can save views
-of one storage. The case that matters: SDPA saves its output for its backward, and the
-attention's output projection (``linear_proj``) saves the same bytes, reshaped, as its input.
-Megatron's offload groups copy per saved tensor, so
-
-- ``core_attn`` offloaded without ``attn_proj`` copied the attention's output to the host and
-  back for nothing: the projection still held it on the GPU (and the reload made a second GPU
-  copy beside it in the backward);
-- ``core_attn`` with ``attn_proj`` copied it twice.
-
-Here (:class:`SharedCopies`, one per micro-batch handler):
-
-- a tensor that spans its whole storage and whose host copy lies as its GPU bytes do
-  (:func:`is_storage_image`; a permuted tensor only with the runtime's strided copies, which
-  eager MoE plans leave off) is noted when its group offloads it;
-- a later tensor of the same micro-batch that views the same storage (the same storage
-  object, held by weak reference, so a freed storage is never matched by address) is not
-  copied again: both become :class:`SharedView` states of one :class:`SharedCopy`, and
-  whichever reloads first brings the bytes back once; every view is then a strided view of
-  that one GPU tensor;
-- a storage the model marks with :func:`keep_on_gpu` (the attention's output, when the
-  projection keeps it because ``attn_proj`` is not offloaded) is not offloaded at all.
-
-The values autograd gets back are the bytes it saved, with the strides it saved: the same
-training, fewer bytes moved (tests/unit/offload/test_shared_copies.py;
-tests/functional/test_offload_runtime_gpu.py runs it bitwise for 100 steps).
+Two modules can save views of one storage (SDPA's output, ``linear_proj``'s input), and
+Megatron's offload groups copy per saved tensor. :class:`SharedCopies` copies such a storage
+once, and a storage marked :func:`keep_on_gpu` not at all. The cases: docs/offloading.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """megatron-core's OpenAI-compatible endpoints, served in this process in front of the sampler.
 
-The endpoints (``/v1/chat/completions``, ``/v1/completions``) are megatron-core's own Quart
-blueprints, the ones NeMo-RL's Megatron backend serves: chat templating, the
-``prevent_retokenization`` splice of a multi-turn conversation's earlier tokens, the
-``parsers`` (reasoning and tool calls, ``mcore_generation_config.parsers``), the response's
-``prompt_token_ids`` / ``generation_token_ids`` / ``generation_log_probs`` that NeMo-Gym's
-model server trains from. What they call is their app config's ``client``
-(:class:`~.sampler_client.SamplerClient` here) and ``tokenizer`` (:class:`ServingTokenizer`).
-This module adds ``/v1/models`` (OpenAI clients list models first), puts
-:mod:`.request_guard` in front (the API key, the requests' bounds, JSON errors, and a ``/health``
-that says when the policy's workers are down), and runs the app on hypercorn in a background
-thread with its own event loop, bound before :meth:`start` returns.
-
-megatron-core's endpoints are private API of its inference package: :func:`_endpoint_blueprints`
-checks that the three this server needs are there and fails naming the version otherwise.
+The endpoints are megatron-core's own blueprints, the ones NeMo-RL's Megatron backend serves;
+this module adds ``/v1/models`` and :mod:`.request_guard` in front and runs the app on hypercorn
+in a background thread. What is served, and how: docs/serving.md.
 """
 
 from __future__ import annotations

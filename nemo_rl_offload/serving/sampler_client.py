@@ -1,29 +1,8 @@
 """The sampler behind megatron-core's HTTP endpoints: what its ``InferenceClient`` is to them.
 
-megatron-core's text generation server (the endpoints NeMo-RL's Megatron backend exposes with
-``mcore_generation_config.expose_http_server``) turns an OpenAI request into prompt token ids
-and :class:`megatron.core.inference.sampling_params.SamplingParams`, calls
-``client.add_request(prompt_tokens, sampling_params)`` once per choice, and formats the records
-that come back (text, token ids, log-probabilities) as the OpenAI response; parsing reasoning
-and tool calls out of the text is the endpoints' own (``parsers``). Its own client speaks to the
-dynamic inference engine's coordinator; this one speaks to this backend's sampler
-(:mod:`models.generation`, on the policy's workers), which is the seam: the endpoints read the
-client from the app's config.
-
-Why batching here: the sampler runs one call at a time over a batch of prompts that share their
-sampling settings. Requests arriving while a call runs wait and go together into the next call,
-grouped by their settings (temperature, top-p, top-k, greedy, stop tokens); each group runs with
-the longest ``max_tokens`` of its requests and every row is cut at its own (autoregressive
-sampling makes a row's first n tokens the same draw either way). The first request to an idle
-sampler waits for the rest of its burst (:data:`GATHER_QUIET_S`). A request the sampler cannot
-serve as asked gets a failed record whose message the endpoints return with HTTP 400, naming
-the parameter and what to send instead; an over-long prompt's message carries megatron-core's
-``MaxSequenceLengthOverflowError`` wording, which NeMo-Gym's model server reads as a finish by
-length. (The request's fields were checked before: :mod:`.request_bounds`.)
-
-A sampler call that raises fails its requests with a transient record (HTTP 500; the error is
-logged here, not sent). When the call held several requests, each is tried again alone first,
-so that one request the policy cannot sample fails alone and its neighbours are served.
+The endpoints call ``client.add_request`` once per choice; this client gathers the requests
+that arrive while a sampler call runs, grouped by their sampling settings, into the next call of
+this backend's sampler (:mod:`policy.generation`). Batching and failures: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -35,7 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nemo_rl_offload.models.generation import Generated, SamplingSettings
+from nemo_rl_offload.config.generation_settings import SamplingSettings
+from nemo_rl_offload.policy.generation import Generated
 
 __all__ = ["GenerateFn", "SamplerClient"]
 
@@ -49,8 +29,8 @@ _SEED_STRIDE = 7919
 # The first request to an idle sampler waits for the rest of its burst (an agent framework
 # sends a step's rollouts together, over some milliseconds): until no request has come for
 # GATHER_QUIET_S, at most GATHER_MAX_S. A burst split over two calls takes nearly twice as
-# long, since a call's time is its decode steps whatever its rows
-# (benchmarks/results/2026-11-26_h100_serving.md); both waits are short against a call.
+# long, since a call's time is its decode steps whatever its rows (measured on an H100; see
+# docs/serving.md); both waits are short against a call.
 GATHER_QUIET_S = 0.05
 GATHER_MAX_S = 1.0
 

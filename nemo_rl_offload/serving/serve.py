@@ -16,11 +16,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.algorithms.common import policy_tokenizer, resolve_checkpoint
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.models.policy_group import PolicyGroup
+from nemo_rl_offload.policy.checkpoint_dirs import resolve_checkpoint
+from nemo_rl_offload.policy.policy_group import PolicyGroup
+from nemo_rl_offload.policy.tokenizer import policy_tokenizer
 from nemo_rl_offload.preflight import check_recipe
 from nemo_rl_offload.serving.policy_endpoint import serve_policy
 
@@ -53,13 +54,14 @@ def serve(
         print(line, file=sys.stderr)
     recipe = report.recipe
     policy_cfg = recipe["policy"]
-    if policy_cfg.get("quant_cfg") is not None:
+    settings = report.policies["policy"]
+    if settings.quant_cfg is not None:
         raise UserInputError(
             "policy.quant_cfg: nemo-rl-offload serve does not rebuild a quantization-aware "
             "policy yet; export the checkpoint with nemo-rl-offload export-hf and serve the "
             "exported directory as policy.model_name (with policy.quant_cfg removed)"
         )
-    source = checkpoint or policy_cfg.get("init_checkpoint")
+    source = checkpoint or settings.init_checkpoint
     path = (
         resolve_checkpoint(source, "--checkpoint" if checkpoint else "policy.init_checkpoint")
         if source
@@ -79,15 +81,13 @@ def serve(
     }
     group = server = None
     try:
-        generation = policy_cfg.get("generation") or {}
         group = PolicyGroup(
-            policy_cfg,
-            where="policy",
+            settings,
             cluster_cfg=recipe["cluster"],
             seed=_seed(recipe, report.algorithm),
             trainable=False,
             env_vars=report.worker_environment("policy") or None,
-            logits_temperature=float(generation.get("temperature", 1.0)),
+            logits_temperature=settings.generation.temperature,
         )
         for line in group.warnings:
             print(f"warning: {line}", file=sys.stderr)
@@ -101,7 +101,7 @@ def serve(
                 file=sys.stderr,
             )
         server = serve_policy(
-            policy_cfg, group, tokenizer, seed=_seed(recipe, report.algorithm), force=True
+            settings, group, tokenizer, seed=_seed(recipe, report.algorithm), force=True
         )
         print("serving until interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         while not signalled and not stop.wait(_POLL_S):

@@ -115,7 +115,7 @@ def _check_recipe_section(section: dict) -> None:
     """The section passes the offload rules (the worker gets only what validate accepts)."""
     from nemo_rl_offload.config.model_presets import architecture_for
     from nemo_rl_offload.offload.capabilities import detect
-    from nemo_rl_offload.offload.rules import check_policy
+    from nemo_rl_offload.preflight import check_policy
 
     findings = check_policy(
         section,
@@ -137,11 +137,8 @@ def _schedule(steps: int) -> list[tuple[int, int]]:
 def _batches(algorithm: str, vocab: int) -> list[list[dict[str, np.ndarray]]]:
     """Every step's micro-batches, already padded to their bucket (so that the plain runs,
     which pad nothing, compute on exactly the same inputs)."""
-    from nemo_rl_offload.offload.runtime import (
-        bucket_for,
-        pad_microbatches,
-        sequence_length_buckets,
-    )
+    from nemo_rl_offload.config.batching_settings import sequence_length_buckets
+    from nemo_rl_offload.offload.runtime import bucket_for, pad_microbatches
 
     rng = np.random.default_rng(17)
     steps = []
@@ -168,13 +165,13 @@ def _run(
     arguments (``model``: its model, modules and overrides; the dense preset's without). The
     last record also counts the offload groups of the run's plans that allocate fresh pinned
     tensors instead of pooled ones (``unpooled_offload_groups``)."""
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     section = _section(**variant, **model)
     _check_recipe_section(section)
     worker = PolicyWorker(
-        section=section,
-        where="policy",
+        settings=resolve_policy(section),
         rank=0,
         world_size=1,
         seed=1234,

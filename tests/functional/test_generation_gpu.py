@@ -15,6 +15,8 @@ import pytest
 import torch
 from support.gpu_results import write_results
 
+from nemo_rl_offload.config.generation_settings import SamplingSettings
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -24,7 +26,8 @@ MODEL = "llama-1b"
 
 
 def _worker(cuda_graphs: bool, max_len: int = 2048):
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     section = {
         "model_name": MODEL,
@@ -39,7 +42,7 @@ def _worker(cuda_graphs: bool, max_len: int = 2048):
         },
     }
     worker = PolicyWorker(
-        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=True, trainable=False
+        settings=resolve_policy(section), rank=0, world_size=1, seed=1, on_gpu=True, trainable=False
     )
     worker.setup(*worker.node_address())
     return worker
@@ -72,10 +75,10 @@ def test_sampler_logprobs_match_the_training_forward_in_bf16():
 
     vocab = architecture_for(MODEL).vocab_size
     prompts = _prompts(32, vocab, seed=0)
-    settings = {"max_new_tokens": 256, "stop_token_ids": ()}
+    settings = SamplingSettings(max_new_tokens=256)
     # One token in 40 stops a row: rows end at different steps, and the unfinished ones move
     # to smaller batches (and graphs of their size) as the batch empties.
-    stopping = {"max_new_tokens": 256, "stop_token_ids": tuple(range(1, vocab, 40))}
+    stopping = SamplingSettings(max_new_tokens=256, stop_token_ids=tuple(range(1, vocab, 40)))
     results = {}
     for name, graphs, sampling in [
         ("graphs", True, settings),
@@ -111,8 +114,8 @@ def test_throughput_at_64_prompts_and_1024_new_tokens():
     vocab = architecture_for(MODEL).vocab_size
     worker = _worker(cuda_graphs=True)
     prompts = _prompts(64, vocab, seed=1)
-    settings = {"max_new_tokens": 1024, "stop_token_ids": ()}
-    worker.generate(prompts, {**settings, "max_new_tokens": 4}, seed=1, pad_id=0)
+    settings = SamplingSettings(max_new_tokens=1024)
+    worker.generate(prompts, SamplingSettings(max_new_tokens=4), seed=1, pad_id=0)
     torch.cuda.synchronize()
     start = time.perf_counter()
     generated = worker.generate(prompts, settings, seed=1, pad_id=0)

@@ -38,9 +38,9 @@ def _run(**cfg: Any) -> dict[str, Any]:
     bytes held from forward to backward, peak over the step and seconds per step (median)."""
     from support.policies import make_policy
 
+    from nemo_rl_offload.config.megatron_settings import effective_settings
     from nemo_rl_offload.config.model_presets import architecture_for
     from nemo_rl_offload.models.builder import build_gpt_model
-    from nemo_rl_offload.offload.apply import effective_settings
 
     policy = make_policy(MODEL, **cfg)
     arch = architecture_for(MODEL)

@@ -51,7 +51,7 @@ def _section() -> dict:
 # Megatron's CPU execution, this process needs nccl and none of that.
 LEDGER = """
 import json, sys
-from nemo_rl_offload.models.ledger_run import build_ledger
+from nemo_rl_offload.planning.ledger_run import build_ledger
 print(json.dumps(build_ledger(json.loads(sys.argv[1])).as_json()))
 """
 
@@ -60,7 +60,8 @@ print(json.dumps(build_ledger(json.loads(sys.argv[1])).as_json()))
 def measured() -> dict:
     import numpy as np
 
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     section = _section()
     done = subprocess.run(
@@ -72,7 +73,7 @@ def measured() -> dict:
     )
     ledger = json.loads(done.stdout.strip().splitlines()[-1])
     worker = PolicyWorker(
-        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=True
+        settings=resolve_policy(section), rank=0, world_size=1, seed=1, on_gpu=True
     )
     worker.setup(*worker.node_address())
     worker.model.train()

@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from nemo_rl_offload.cli import main
-from nemo_rl_offload.offload import apply
+from nemo_rl_offload.config import megatron_settings
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
 FGO = str(CONFIGS / "grpo_math_1B_megatron_fgo.yaml")
 PLAIN = str(CONFIGS / "grpo_math_1B.yaml")
 MCFG = "policy.megatron_cfg"
-OFFLOAD_KEYS = (*apply.FGO_KEYS, *apply.CUDA_GRAPH_KEYS)
+OFFLOAD_KEYS = (*megatron_settings.FGO_KEYS, *megatron_settings.CUDA_GRAPH_KEYS)
 # A problem line starts with where it is: a dotted recipe path.
 DOTTED_PROBLEM = re.compile(r"^[A-Za-z_]\w*(\.\w+)+: \S")
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl_offload import planner
+from nemo_rl_offload.config.model_shape import DENSE
 from nemo_rl_offload.config.overrides import parse_override
 from nemo_rl_offload.distributed.worker_group import WorkerError
-from nemo_rl_offload.offload import cost_model
-from nemo_rl_offload.offload.activation_bytes import ActivationTable, Row
-from nemo_rl_offload.offload.cost_model import Calibration, LayerCosts
-from nemo_rl_offload.offload.ledger import DENSE
+from nemo_rl_offload.planning import cost_model, planner
+from nemo_rl_offload.planning.activation_bytes import ActivationTable, Row
+from nemo_rl_offload.planning.cost_model import Calibration, LayerCosts
 
 GIB = 2**30
 # One dense layer per micro-batch, shaped as a Llama layer's ledger is (GiB): what each module

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_rl_offload.config.generation_settings import SamplingSettings
+
 STEPS = 100
 COUNTS = (1, 2, 4)  # micro-batches per step
 LENGTHS = (250, 380, 500, 760, 1000, 1200, 1500, 2000)  # 1200 and 1500 share bucket 1536
@@ -108,10 +110,11 @@ def policy_section(
 def gpu_worker(section: dict[str, Any], rank: int = 0, world: int = 1, port: int | None = None):
     """A GPU policy worker of ``section``; on several ranks, each joins rank 0's rendezvous on
     ``port`` of this host."""
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     built = PolicyWorker(
-        section=section, where="policy", rank=rank, world_size=world, seed=1234, on_gpu=True
+        settings=resolve_policy(section), rank=rank, world_size=world, seed=1234, on_gpu=True
     )
     address, free_port = built.node_address()
     built.setup("127.0.0.1" if port else address, port or free_port)
@@ -149,11 +152,8 @@ def step_batch(count: int, length: int, vocab: int, rng: np.random.Generator) ->
 def as_padded_by_the_runtime(batch: list[dict]) -> list[dict]:
     """The micro-batches as the offloading worker's runtime pads them (to the step's length
     bucket): the plain model gets the same padded inputs, so the two compute the same thing."""
-    from nemo_rl_offload.offload.runtime import (
-        bucket_for,
-        pad_microbatches,
-        sequence_length_buckets,
-    )
+    from nemo_rl_offload.config.batching_settings import sequence_length_buckets
+    from nemo_rl_offload.offload.runtime import bucket_for, pad_microbatches
 
     longest = max(mb["input_ids"].shape[1] for mb in batch)
     return pad_microbatches(batch, bucket_for(longest, sequence_length_buckets(MAX_LENGTH)))
@@ -250,7 +250,7 @@ def run_steps(
         batch = step_batch(count, length, vocab, rng)
         fgo.token_logprobs(batch[:1])  # GRPO's old-logprob pass
         if step % 10 == 0:
-            fgo.generate([[1, 2, 3, 4]], {"max_new_tokens": 4}, seed=step, pad_id=0)
+            fgo.generate([[1, 2, 3, 4]], SamplingSettings(max_new_tokens=4), seed=step, pad_id=0)
         metrics = fgo.train(batch, {"name": "nll"})
         # The plain twin gets the inputs the offloading worker computed on: padded to the
         # runtime's length bucket where a runtime plan ran; as given where none did

@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from nemo_rl_offload.config.environment import Capabilities
 from nemo_rl_offload.config.model_presets import architecture_for
-from nemo_rl_offload.offload.capabilities import OFFLOAD_MODULES_BY_VERSION, Capabilities
+from nemo_rl_offload.config.module_names import OFFLOAD_MODULES_BY_VERSION
 
 NO_TE = Capabilities("0.19.2", None, OFFLOAD_MODULES_BY_VERSION["0.19"], "version table")
 TE_2_10 = Capabilities("0.19.2", "2.10.0", OFFLOAD_MODULES_BY_VERSION["0.19"], "version table")
@@ -40,7 +41,7 @@ def check(
 ):
     """Run the offload rules on a policy built from keyword settings, on ``workers`` workers
     (None: unknown); returns the Findings."""
-    from nemo_rl_offload.offload.rules import check_policy
+    from nemo_rl_offload.preflight import check_policy
 
     return check_policy(
         make_policy(model, **cfg),

@@ -1,7 +1,7 @@
 """Small but real policy checkpoint directories, written in milliseconds without a model:
 PyTorch's distributed checkpoint of a few tensors and objects (what megatron's
 dist_checkpointing writes underneath) and the ``layout.json`` beside it, so that the checks of
-a checkpoint's files (models.checkpoint.problem) see a complete one."""
+a checkpoint's files (policy.checkpoint.problem) see a complete one."""
 
 from __future__ import annotations
 

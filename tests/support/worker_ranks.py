@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.generation_settings import SamplingSettings
+
 LOSS = {"name": "nll"}
 
 
@@ -87,10 +89,11 @@ def section(**megatron_cfg: Any) -> dict[str, Any]:
 
 
 def make_worker(rank: int, world: int, port: int, policy: dict[str, Any]) -> Any:
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     worker = PolicyWorker(
-        section=policy, where="policy", rank=rank, world_size=world, seed=7, on_gpu=False
+        settings=resolve_policy(policy), rank=rank, world_size=world, seed=7, on_gpu=False
     )
     worker.setup("127.0.0.1", port)
     return worker
@@ -201,8 +204,10 @@ def every_pass(worker: Any, train_length: int = 23) -> dict[str, Any]:
     logprobs = worker.token_logprobs(batches)
     packed = worker.token_logprobs([three_sequence_pack()])
     topk = worker.topk_logprobs(batches[:1], 4)
-    greedy = worker.generate(PROMPTS, {"max_new_tokens": 6, "greedy": True}, seed=3, pad_id=0)
-    sampled = worker.generate(PROMPTS, {"max_new_tokens": 6}, seed=3, pad_id=0)
+    greedy = worker.generate(
+        PROMPTS, SamplingSettings(max_new_tokens=6, greedy=True), seed=3, pad_id=0
+    )
+    sampled = worker.generate(PROMPTS, SamplingSettings(max_new_tokens=6), seed=3, pad_id=0)
     step = train_step(worker, 7, length=train_length)
     reports = bool(worker.parallel_layout()["reports"])
     after = probe(worker)
@@ -273,7 +278,11 @@ def load_then_replay(
     worker = make_worker(rank, world, port, policy)
     worker.load_checkpoint(ckpt, weights_only=True)
     greedy = worker.generate(
-        PROMPTS, {"max_new_tokens": 6, "greedy": True}, seed=3, pad_id=0, record_routes=True
+        PROMPTS,
+        SamplingSettings(max_new_tokens=6, greedy=True),
+        seed=3,
+        pad_id=0,
+        record_routes=True,
     )
     batches = step_batches(99, 2, length=23)
     for index, batch in enumerate(batches):
@@ -322,8 +331,9 @@ def dtensor_recipe_steps(rank: int, world: int, port: int, out: Path, recipe: di
 def chunk_rows(rank: int, world: int, port: int, out: Path, buffer_rows: float) -> dict[str, Any]:
     """The sampler's chunk size on each rank when rank r has 3 + r prompts and the KV cache
     buffer holds ``buffer_rows`` rows, with and without that buffer."""
+    from nemo_rl_offload.config.generation_settings import EngineSettings
     from nemo_rl_offload.models.cached_forward import CachedForward
-    from nemo_rl_offload.models.generation import EngineSettings, _cache_bytes, rows_per_chunk
+    from nemo_rl_offload.policy.generation import _cache_bytes, rows_per_chunk
 
     worker = make_worker(rank, world, port, section())
     forward = CachedForward(worker.model, worker.architecture.vocab_size)

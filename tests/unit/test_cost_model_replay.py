@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from nemo_rl_offload import planner
 from nemo_rl_offload.config.loader import load_recipe
-from nemo_rl_offload.plan_menu import Candidate, predictor
+from nemo_rl_offload.planning import planner
+from nemo_rl_offload.planning.plan_menu import Candidate, predictor
 from nemo_rl_offload.preflight import check_recipe
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Why a case failed (nemo_rl_offload/failures.py): an out-of-memory with the sizes PyTorch
+"""Why a case failed (nemo_rl_offload/planning/failures.py): an out-of-memory with the sizes PyTorch
 reported, else the exception's type and message, never the last line a process printed; the
 benchmark's child writes it and its parent reads it, the planner records it per trial."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from support.fake_planner import graphed_records, small_costs
 
-from nemo_rl_offload import failures, planner
 from nemo_rl_offload.distributed.worker_group import WorkerError
+from nemo_rl_offload.planning import failures, planner
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))

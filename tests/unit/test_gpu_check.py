@@ -90,12 +90,9 @@ def test_a_part_past_its_time_is_stopped_with_what_it_started(tmp_path: Path) ->
     import time
 
     pid_file = tmp_path / "child.pid"
-    code = (
-        "import subprocess, sys, time; "
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)"
-    )
-    result = GPU_CHECK["run_part"](Part("slow", [sys.executable, "-c", code], 3), tmp_path)
+    # A shell starts in milliseconds even on a loaded machine, well inside the part's time.
+    script = f"sleep 60 & echo $! > {pid_file}; sleep 60"
+    result = GPU_CHECK["run_part"](Part("slow", ["bash", "-c", script], 5), tmp_path)
     assert not result["passed"] and result["exit"] == "timeout"
     child = int(pid_file.read_text())
     for _ in range(50):  # gone, or a zombie when nothing reaps it
@@ -111,14 +108,26 @@ def test_a_part_past_its_time_is_stopped_with_what_it_started(tmp_path: Path) ->
 
 
 def test_lanes_run_side_by_side_only_where_the_gpu_holds_both(tmp_path: Path) -> None:
-    def stamped(name: str) -> list[str]:  # writes when it ran, sleeping between
+    def stamped(name: str, partner: str = "") -> list[str]:
+        """Marks its start; with a partner, waits (up to 60 s) to see the partner's start too,
+        which only parts running at the same time can both see; then marks its end."""
         code = (
-            "import sys, time; a = time.time(); time.sleep(1.0); "
-            "open(sys.argv[1], 'w').write(f'{a} {time.time()}')"
+            "import pathlib, sys, time\n"
+            "d, name, partner = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
+            "start = time.time(); (d / f'{name}.start').write_text(str(start))\n"
+            "met = not partner\n"
+            "deadline = time.time() + 60\n"
+            "while not met and time.time() < deadline:\n"
+            "    met = (d / f'{partner}.start').exists(); time.sleep(0.05)\n"
+            "(d / f'{name}.txt').write_text(f'{start} {time.time()} {int(met)}')\n"
         )
-        return [sys.executable, "-c", code, str(tmp_path / f"{name}.txt")]
+        return [sys.executable, "-c", code, str(tmp_path), name, partner]
 
-    parts = [Part(name, stamped(name), 30) for name in ("gpu_tests", "grpo", "sft")]
+    parts = [
+        Part("gpu_tests", stamped("gpu_tests", "grpo"), 90),
+        Part("grpo", stamped("grpo", "gpu_tests"), 90),
+        Part("sft", stamped("sft"), 90),
+    ]
     assert GPU_CHECK["lanes"](parts, side_by_side=False) == [parts]
     lanes = GPU_CHECK["lanes"](parts, side_by_side=True)
     assert lanes == [parts[:1], parts[1:]]
@@ -126,5 +135,5 @@ def test_lanes_run_side_by_side_only_where_the_gpu_holds_both(tmp_path: Path) ->
     assert list(results) == ["gpu_tests", "grpo", "sft"]
     assert all(r["passed"] for r in results.values())
     ran = {n: [float(t) for t in (tmp_path / f"{n}.txt").read_text().split()] for n in results}
-    assert ran["gpu_tests"][0] < ran["grpo"][1] and ran["grpo"][0] < ran["gpu_tests"][1]
+    assert ran["gpu_tests"][2] == 1 and ran["grpo"][2] == 1  # each saw the other running
     assert ran["grpo"][1] <= ran["sft"][0]  # one lane runs in order

@@ -1,6 +1,7 @@
-"""Data flows one way: config -> offload rules -> workers -> algorithms -> plan at start / CLI.
-Every import in the package (module level or inside a function) goes down the layers, never
-up; config/ imports neither torch nor Ray."""
+"""The house plan (docs/architecture.md): data flows one way, config -> offload rules and
+models -> the policy's workers -> algorithms -> planning -> CLI. Every import in the package
+(module level or inside a function) goes down the layers, never up; no two modules import each
+other, even through others; config/ imports neither torch nor Ray."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "nemo_rl_offload"
 # Lower layers first; a module may import its own layer or lower ones.
 LAYERS = [
-    {"errors", "failures", "progress", "known_warnings"},
+    {"errors", "progress", "known_warnings"},
     {"config"},
-    {"data", "environments", "offload"},
-    {"distributed", "models", "losses", "gpu_monitor", "metrics_logger"},
-    {"preflight", "memory_report"},
+    {"data", "environments", "offload", "losses"},
+    {"distributed", "models", "gpu_monitor", "metrics_logger"},
+    {"policy"},
+    {"preflight"},
     {"algorithms", "serving", "telemetry", "export_hf"},
-    {"planner", "plan_menu", "plan_optimizer"},
-    {"plan_at_start", "demo", "cli"},
+    {"planning"},
+    {"demo", "cli"},
 ]
 # Known upward imports (none today): (importing file, the layer it reaches up to).
 ALLOWED: set[tuple[str, str]] = set()
@@ -65,3 +67,28 @@ def test_config_needs_neither_torch_nor_ray() -> None:
         if module.split(".")[0] in ("torch", "ray", "megatron")
     ]
     assert heavy == []
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(relative.parts).removesuffix(".__init__")
+
+
+def test_no_module_reaches_itself_through_its_imports() -> None:
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {
+        name: {target for target in _imports(path) if target in modules}
+        for name, path in modules.items()
+    }
+    circles = []
+    for start in sorted(graph):
+        seen, frontier = set(), list(graph[start])
+        while frontier:
+            module = frontier.pop()
+            if module == start:
+                circles.append(start)
+                break
+            if module not in seen:
+                seen.add(module)
+                frontier += graph[module]
+    assert circles == []

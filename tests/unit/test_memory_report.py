@@ -1,6 +1,6 @@
-"""validate's memory estimate (nemo_rl_offload/memory_report.py) on tiny recipes: the warning
-both ways, CPU workers, a model not on this machine, the teacher beside the policy, and the
-ledger cache (nemo_rl_offload/models/ledger_cache.py)."""
+"""validate's memory estimate (nemo_rl_offload/planning/memory_report.py) on tiny recipes:
+the warning both ways, CPU workers, a model not on this machine, the teacher beside the policy,
+and the ledger cache (nemo_rl_offload/planning/ledger_cache.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from nemo_rl_offload.config.loader import load_recipe  # noqa: E402
-from nemo_rl_offload.memory_report import memory_estimate  # noqa: E402
-from nemo_rl_offload.models import ledger_cache  # noqa: E402
+from nemo_rl_offload.planning import ledger_cache
+from nemo_rl_offload.planning.memory_report import memory_estimate  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny"
 
@@ -82,7 +82,7 @@ def test_the_ledger_is_measured_once_per_model_and_read_back_from_disk():
 
 def test_a_step_whose_kv_cache_does_not_fit_counts_the_chunk_the_sampler_takes():
     """The sampler samples in chunks of rows whose cache fits 60% of the free memory
-    (models/generation.py); the estimate counts one chunk's cache, and says so."""
+    (policy/generation.py); the estimate counts one chunk's cache, and says so."""
     overrides = ["cluster.gpus_per_node=1", "policy.generation.max_new_tokens=48"]
     recipe = load_recipe(TINY / "grpo.yaml", overrides)
     roomy = memory_estimate(recipe, "grpo", gpu_memory_gib=80)

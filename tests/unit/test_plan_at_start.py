@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_offload import plan_at_start, planner
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.planning import plan_at_start, planner
 
 RECIPE = str(
     Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_1B_megatron.yaml"
@@ -79,7 +79,7 @@ def test_without_a_budget_nothing_is_planned_and_the_algorithm_must_match():
 
 
 def test_planning_measures_the_reference_copy_the_job_holds():
-    from nemo_rl_offload.models.policy_group import holds_reference
+    from nemo_rl_offload.policy.policy_group import holds_reference
 
     with_kl = {"loss_fn": {"reference_policy_kl_penalty": 0.01}}
     assert holds_reference(with_kl, "grpo") and holds_reference({}, "dpo")

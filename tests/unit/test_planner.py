@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 from support.fake_planner import GIB, Simulated, graphed_records, small_costs
 
-from nemo_rl_offload import planner
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.offload import cost_model
+from nemo_rl_offload.planning import cost_model, planner
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 TABLES = sorted(RESULTS.glob("*_benchmark_*.json"))
@@ -55,8 +54,8 @@ def _predict_peak(profile: planner.Profile, modules: tuple[str, ...], fraction: 
     manager keeps the last layer's on the GPU and so the first moves the measured bytes."""
     from support.fake_planner import layer_table
 
-    from nemo_rl_offload.offload import cost_model
-    from nemo_rl_offload.offload.activation_bytes import ActivationSettings
+    from nemo_rl_offload.planning import cost_model
+    from nemo_rl_offload.planning.activation_bytes import ActivationSettings
 
     saved = tuple((g * 2**30, m, None) for m, g in profile.bytes_per_microbatch_gib.items())
     costs = cost_model.LayerCosts(layer_table(2, saved, 0.0), {})
@@ -99,7 +98,7 @@ def test_predicted_peaks_match_every_measured_offload_case(path):
 
 
 def test_the_menu_offloads_only_what_recompute_leaves_and_covers_full_and_block_recompute():
-    from nemo_rl_offload.plan_menu import menu
+    from nemo_rl_offload.planning.plan_menu import menu
 
     costs = small_costs(layers=8)
     candidates = menu(costs.layers.table, is_moe=False, dtensor=False)
@@ -124,8 +123,8 @@ def test_a_recipe_without_a_chunked_loss_gets_it_in_every_candidate():
     ones, and the cost model times it as the plain loss (so a plain twin could never win)."""
     import dataclasses
 
-    from nemo_rl_offload.offload import cost_model
-    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, menu
+    from nemo_rl_offload.planning import cost_model
+    from nemo_rl_offload.planning.plan_menu import LEAN_LOSS_CHUNK, menu
 
     costs = small_costs(layers=8)
     plain = menu(costs.layers.table, is_moe=False, dtensor=False)
@@ -151,7 +150,7 @@ def test_a_recipe_without_a_chunked_loss_gets_it_in_every_candidate():
 
 
 def test_the_frontier_keeps_valid_plans_that_trade_memory_for_time_and_asks_the_rules_lazily():
-    from nemo_rl_offload.plan_menu import frontier
+    from nemo_rl_offload.planning.plan_menu import frontier
 
     points = {"a": (10.0, 1.0), "b": (12.0, 1.1), "c": (8.0, 1.2), "d": (6.0, 1.5), "e": (9, 2)}
     candidates = [planner.Candidate((m,), 1.0, None) for m in points]
@@ -449,8 +448,7 @@ SMALL_STEP = ["policy.train_global_batch_size=8", "policy.train_micro_batch_size
 
 def _best_fitting(simulated, candidates, budget):
     """The fastest plan the rules accept whose true peak fits: what a perfect planner finds."""
-    from nemo_rl_offload.offload import rules
-    from nemo_rl_offload.preflight import load_and_check
+    from nemo_rl_offload.preflight import check_policy, load_and_check
 
     report = load_and_check(LONG, SMALL_STEP)
     policy = report.recipe["policy"]
@@ -460,7 +458,7 @@ def _best_fitting(simulated, candidates, budget):
         if true.peak_bytes / 2**30 > budget or (best_s is not None and true.step_s >= best_s):
             continue
         patched = planner.deep_merge(policy, c.patch()["policy"])
-        findings = rules.check_policy(
+        findings = check_policy(
             patched, where="policy", architecture=None, caps=report.caps, gpus_per_node=1
         )
         if not findings.errors:
@@ -488,7 +486,7 @@ def test_where_no_offload_does_not_fit_full_recompute_calibrates_and_mixed_plans
     assert profile.peak_gib == pytest.approx(plain.peak_bytes / 2**30, rel=0.05)
     assert profile.fwd_bwd_s == pytest.approx(plain.step_s, rel=0.05)
     assert profile.resident_gib == pytest.approx(20.0)
-    from nemo_rl_offload.plan_menu import menu
+    from nemo_rl_offload.planning.plan_menu import menu
 
     candidates = menu(costs.layers.table, is_moe=False, dtensor=False)
     full_s = simulated.truth_of(planner.Candidate((), 1.0, None, full_recompute=True)).step_s
@@ -591,14 +589,46 @@ def test_a_plan_under_the_optimizer_steps_peak_says_so(monkeypatch):
     monkeypatch.setattr(planner, "_measure", measure)
     monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
     result = planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0, 31.0], steps=3, err=StringIO())
-    assert result["profile"].step_peak_gib == 30.5
+    assert result["profile"].optimizer_peak_gib == 30.5
+    # No offload ran out of memory here: the profile line claims no whole step for it.
+    assert result["profile"].step_peak_gib == 0.0
     out = StringIO()
     planner.format_plan(result, out)
     text = out.getvalue()
-    assert "the whole step, optimizer step included, peaked at 30.50 GiB" in text
+    assert "no offload: did not run" in text and "the whole step" not in text
     notes = [line for line in text.splitlines() if line.startswith("note: the optimizer step")]
-    assert len(notes) == 1 and "over 30.00 GiB" in notes[0]
+    assert len(notes) == 1 and "peaks at 30.50 GiB, over 30.00 GiB" in notes[0]
     assert "optimizer_cpu_offload" in notes[0]
+
+
+def test_the_optimizer_note_prints_the_optimizer_steps_peak(monkeypatch):
+    """Issue 45: a 3B recipe's plan said "the optimizer step peaks at 102.23 GiB", the plain
+    step's forward-backward peak, while the whole step peaked at ~65 GiB with activations
+    removed. The note's figure is the optimizer step's own peak (a profiled step that peaked
+    after its forward-backward), so a budget over it gets no note, whatever the plain step's
+    forward-backward peaks at; a budget under it gets the note with that figure."""
+    from io import StringIO
+
+    costs = small_costs()
+    simulated = Simulated(costs, capacity_gib=40.0)  # no offload fits: ~34.5 GiB
+
+    def measure(config, overrides, steps, err):
+        records = simulated(config, overrides, steps, err)
+        whole = [max(r["peak_fwd_bwd_gpu_memory_gib"], 26.0) for r in records]
+        return [{**r, "peak_gpu_memory_gib": w} for r, w in zip(records, whole, strict=True)]
+
+    monkeypatch.setattr(planner, "_measure", measure)
+    monkeypatch.setattr(planner, "_layer_costs", lambda *_: costs)
+    result = planner.plan(LONG, SMALL_STEP, budgets_gib=[30.0, 25.0], steps=3, err=StringIO())
+    profile = result["profile"]
+    assert profile.step_peak_gib == profile.peak_gib > 30.0  # no offload: its fwd-bwd peak
+    assert profile.optimizer_peak_gib == 26.0
+    out = StringIO()
+    planner.format_plan(result, out)
+    notes = [line for line in out.getvalue().splitlines() if line.startswith("note: the optim")]
+    assert len(notes) == 1 and "peaks at 26.00 GiB, over 25.00 GiB" in notes[0], notes
+    inside = {"peak_gpu_memory_gib": 9.0, "peak_fwd_bwd_gpu_memory_gib": 9.0}
+    assert planner.optimizer_peak([inside]) is None  # peaked in the fwd-bwd: unknown
 
 
 def test_every_measurement_of_a_plan_shares_one_ray_cluster(monkeypatch):
@@ -627,7 +657,7 @@ def test_the_offload_peak_is_fitted_from_offload_plans_and_applies_only_to_them(
     every offload plan, and nothing to the others; before, nothing."""
     from dataclasses import replace
 
-    from nemo_rl_offload.offload import cost_model
+    from nemo_rl_offload.planning import cost_model
 
     costs = small_costs()
     truth = replace(Simulated(costs, 32.0).truth, offload_peak_bytes=1.5 * 2**30)
@@ -757,12 +787,12 @@ def test_the_chunked_loss_candidates_bytes_are_validates_estimate_of_the_patched
     recipe with the candidate's patch applied, and keeps fewer bytes than the plain twin."""
     from support.policies import make_policy
 
+    from nemo_rl_offload.config import megatron_settings
     from nemo_rl_offload.config.loader import deep_merge
     from nemo_rl_offload.config.model_presets import architecture_for
-    from nemo_rl_offload.models.ledger_run import build_ledger
-    from nemo_rl_offload.offload import apply
-    from nemo_rl_offload.offload.activation_bytes import activations
-    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, Candidate
+    from nemo_rl_offload.planning.activation_bytes import activations
+    from nemo_rl_offload.planning.ledger_run import build_ledger
+    from nemo_rl_offload.planning.plan_menu import LEAN_LOSS_CHUNK, Candidate
 
     section = make_policy("tiny-dense")
     section["max_total_sequence_length"] = 64
@@ -773,7 +803,7 @@ def test_the_chunked_loss_candidates_bytes_are_validates_estimate_of_the_patched
     plain = Candidate(("core_attn",), 1.0, None)
     lean = Candidate(("core_attn",), 1.0, None, logprob_chunk=LEAN_LOSS_CHUNK)
     patched = deep_merge({"policy": section}, lean.patch())["policy"]
-    effective = apply.effective_settings(
+    effective = megatron_settings.effective_settings(
         patched, architecture_for("tiny-dense"), te_installed=False
     )
     expected = activations(effective, build_ledger(patched), activation_bytes=2).total
@@ -786,7 +816,7 @@ def test_the_menu_tries_one_module_of_a_set_at_a_fraction_of_its_own():
     attn_proj beside core_attn, which the rules refuse): its patch sets the per-module key, its
     overrides apply, and it keeps bytes between the whole set's and the set without it."""
     from nemo_rl_offload.config.loader import apply_overrides
-    from nemo_rl_offload.plan_menu import menu
+    from nemo_rl_offload.planning.plan_menu import menu
 
     costs = small_costs(layers=8)
     table = costs.layers.table
@@ -840,8 +870,8 @@ def test_each_chunked_loss_candidate_comes_with_the_output_layer_in_chunks_too()
     """Where the table knows the bytes with the output layer in the loss's chunks, every
     chunked-loss candidate has a twin that sets chunked_output_layer: it keeps the table's
     chunked model bytes (no logits) and runs the output layer's forward again in the backward."""
-    from nemo_rl_offload.offload import cost_model
-    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, menu
+    from nemo_rl_offload.planning import cost_model
+    from nemo_rl_offload.planning.plan_menu import LEAN_LOSS_CHUNK, menu
 
     costs = small_costs(layers=8)
     lean_only = dataclasses.replace(costs.layers.table, lean_model=0.25 * GIB)
@@ -872,12 +902,12 @@ def test_each_chunked_loss_candidate_comes_with_the_output_layer_in_chunks_too()
 def test_the_chunked_output_candidates_bytes_are_validates_estimate_of_the_patched_recipe():
     from support.policies import make_policy
 
+    from nemo_rl_offload.config import megatron_settings
     from nemo_rl_offload.config.loader import deep_merge
     from nemo_rl_offload.config.model_presets import architecture_for
-    from nemo_rl_offload.models.ledger_run import build_ledger
-    from nemo_rl_offload.offload import apply
-    from nemo_rl_offload.offload.activation_bytes import activations
-    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, Candidate
+    from nemo_rl_offload.planning.activation_bytes import activations
+    from nemo_rl_offload.planning.ledger_run import build_ledger
+    from nemo_rl_offload.planning.plan_menu import LEAN_LOSS_CHUNK, Candidate
 
     section = make_policy("tiny-dense")
     section["max_total_sequence_length"] = 64
@@ -888,7 +918,7 @@ def test_the_chunked_output_candidates_bytes_are_validates_estimate_of_the_patch
         ("core_attn",), 1.0, None, logprob_chunk=LEAN_LOSS_CHUNK, output_chunked=True
     )
     patched = deep_merge({"policy": section}, chunked.patch())["policy"]
-    effective = apply.effective_settings(
+    effective = megatron_settings.effective_settings(
         patched, architecture_for("tiny-dense"), te_installed=False
     )
     expected = activations(effective, build_ledger(patched), activation_bytes=2).total
@@ -901,7 +931,7 @@ def test_a_recipe_with_its_own_chunk_size_gets_the_chunked_output_layer_in_those
     already) but does get the output layer in its own chunks: the patch sets only the switch."""
     from support.policies import make_policy
 
-    from nemo_rl_offload.plan_menu import menu
+    from nemo_rl_offload.planning.plan_menu import menu
 
     section = make_policy("tiny-dense")
     section.update(max_total_sequence_length=64, logprob_chunk_size=16)
@@ -927,7 +957,7 @@ def test_a_budget_under_the_resident_state_gets_the_optimizer_state_on_the_host(
     that fits; its overrides turn the host optimizer on as the rules require."""
     from io import StringIO
 
-    from nemo_rl_offload.offload import memory_estimate
+    from nemo_rl_offload.planning import memory_estimate
 
     costs = small_costs()
     simulated = Simulated(costs, capacity_gib=32.0, host_state_gib=8.0, host_step_s=2.0)
@@ -986,7 +1016,7 @@ def test_without_the_distributed_optimizer_no_host_plan_is_offered(monkeypatch):
 
 
 def test_the_host_share_is_the_smallest_step_that_brings_a_plan_under_the_budget():
-    from nemo_rl_offload import plan_optimizer
+    from nemo_rl_offload.planning import plan_optimizer
 
     model = plan_optimizer.HostOptimizerModel(state_gib=10.0, step_s=2.0)
     # 3 GiB over a 20 GiB budget with 5% to spare (19 GiB): 0.3 of the state.
@@ -1024,7 +1054,7 @@ def test_the_host_share_is_the_smallest_step_that_brings_a_plan_under_the_budget
 
 
 def test_a_host_offer_is_a_fresh_candidate_of_its_plan_with_the_share():
-    from nemo_rl_offload import plan_optimizer
+    from nemo_rl_offload.planning import plan_optimizer
 
     model = plan_optimizer.HostOptimizerModel(state_gib=10.0, step_s=2.0)
     fast = planner.Candidate(

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.model_presets import architecture_for
-from nemo_rl_offload.offload import apply
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
@@ -27,7 +27,11 @@ EXEMPLARS = (
     "distillation_math",
     "distillation_math_megatron",
 )
-OFFLOAD_KEYS = (*apply.FGO_KEYS, *apply.CUDA_GRAPH_KEYS, "offload_host_memory_budget_gib")
+OFFLOAD_KEYS = (
+    *megatron_settings.FGO_KEYS,
+    *megatron_settings.CUDA_GRAPH_KEYS,
+    "offload_host_memory_budget_gib",
+)
 ALL_RECIPES = sorted(CONFIGS.glob("**/*.yaml"))
 
 

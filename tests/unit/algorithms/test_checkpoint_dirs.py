@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 from support.tiny_checkpoints import write_policy
 
-from nemo_rl_offload.algorithms.common import (
+from nemo_rl_offload.algorithms.common import Run
+from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.metrics_logger import MetricsLogger, read_metrics
+from nemo_rl_offload.policy.checkpoint_dirs import (
     STATE_FILE,
-    Run,
     checkpoint_dirs,
     checkpoint_problem,
     remove_incomplete,
     resolve_checkpoint,
 )
-from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.metrics_logger import MetricsLogger, read_metrics
 
 
 class WritingPolicy:

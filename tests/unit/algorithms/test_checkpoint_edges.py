@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 from support.tiny_checkpoints import write_policy
 
-from nemo_rl_offload.algorithms.common import (
+from nemo_rl_offload.algorithms.common import Run
+from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.policy.checkpoint_dirs import (
     STATE_FILE,
-    Run,
     check_writable,
     find_resume,
     latest_good,
     read_state,
     resolve_checkpoint,
 )
-from nemo_rl_offload.errors import UserInputError
 
 WHERE = "checkpointing.checkpoint_dir"
 

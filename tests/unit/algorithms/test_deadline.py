@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl_offload.algorithms.common import STATE_FILE, Deadline, Run
+from nemo_rl_offload.algorithms.common import Deadline, Run
 from nemo_rl_offload.config.checkpointing import parse_deadline
 from nemo_rl_offload.metrics_logger import MetricsLogger
+from nemo_rl_offload.policy.checkpoint_dirs import STATE_FILE
 
 
 class Clock:

@@ -15,9 +15,10 @@ import torch
 from nemo_rl_offload.algorithms import grpo, rewards
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import EpochSampler
+from nemo_rl_offload.config.generation_settings import GenerationSettings
 from nemo_rl_offload.data.tokenizer import ByteTokenizer
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.models.generation import Generated
+from nemo_rl_offload.policy.generation import Generated
 from nemo_rl_offload.progress import Progress
 
 TOKENIZER = ByteTokenizer()
@@ -108,6 +109,9 @@ def fake_run(grpo_cfg: dict, **generation) -> SimpleNamespace:
     return SimpleNamespace(
         recipe=recipe,
         policy_cfg=recipe["policy"],
+        policy_settings=SimpleNamespace(
+            generation=GenerationSettings.from_section(recipe["policy"])
+        ),
         tokenizer=TOKENIZER,
         max_len=64,
         progress=Progress(enabled=False),

@@ -30,7 +30,7 @@ ROW = {
 
 def test_requests_get_the_recipes_sampling_settings_and_the_smaller_token_limit():
     rows = [ROW, {**ROW, "responses_create_params": {"input": [], "max_output_tokens": 5}}]
-    prepared = gym_rollouts.request_rows(rows, {"max_new_tokens": 8}, temperature=0.7, top_p=0.9)
+    prepared = gym_rollouts.request_rows(rows, max_new_tokens=8, temperature=0.7, top_p=0.9)
     first, second = (row["responses_create_params"] for row in prepared)
     assert (first["temperature"], first["top_p"], first["max_output_tokens"]) == (0.7, 0.9, 8)
     assert second["max_output_tokens"] == 5  # the row's own limit is smaller

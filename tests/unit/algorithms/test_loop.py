@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 from nemo_rl_offload.algorithms import loop
-from nemo_rl_offload.algorithms.common import EpochSampler, Run, checkpoint_dirs
+from nemo_rl_offload.algorithms.common import EpochSampler, Run
 from nemo_rl_offload.metrics_logger import MetricsLogger, read_metrics
+from nemo_rl_offload.policy.checkpoint_dirs import checkpoint_dirs
 
 
 class StandInGroup:

@@ -11,7 +11,7 @@ import pytest
 
 from nemo_rl_offload.algorithms import batching, loss_inputs
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.models.policy_group import holds_reference
+from nemo_rl_offload.policy.policy_group import holds_reference
 
 
 def _sequences() -> list[TokenSequence]:

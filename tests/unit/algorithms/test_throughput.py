@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from nemo_rl_offload.algorithms.throughput import step_throughput
+from nemo_rl_offload.config.megatron_settings import effective_settings
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.models.flops import peak_bf16_flops, training_flops
-from nemo_rl_offload.offload.apply import effective_settings
 
 
 def _effective(model: str):

@@ -19,7 +19,7 @@ from nemo_rl_offload.config.dtensor_recipes import (
     to_megatron,
 )
 from nemo_rl_offload.config.loader import load_recipe
-from nemo_rl_offload.models.policy_worker import build_param_scheduler
+from nemo_rl_offload.policy.policy_worker import build_param_scheduler
 
 EXEMPLARS = Path(__file__).resolve().parents[1] / "reference_configs" / "nemo_rl"
 TINY_SFT = Path(__file__).resolve().parents[3] / "examples" / "configs" / "tiny" / "sft.yaml"
@@ -98,7 +98,7 @@ def test_sequence_parallel_maps_with_tensor_parallelism_and_is_a_no_op_without()
 
 
 def test_activation_checkpointing_off_stays_off_and_on_is_full_recompute():
-    from nemo_rl_offload.offload.apply import effective_settings
+    from nemo_rl_offload.config.megatron_settings import effective_settings
 
     for on in (False, True):
         section = _section()
@@ -215,7 +215,7 @@ def test_every_parameter_decays_as_under_torchs_adamw():
     norms decay too; megatron-core's standard groups exempt them, so the mapping opts out."""
     from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
 
-    from nemo_rl_offload.models.policy_worker import weight_decay_overrides
+    from nemo_rl_offload.policy.policy_worker import weight_decay_overrides
 
     optimizer = to_megatron({"policy": _section()}).recipe["policy"]["megatron_cfg"]["optimizer"]
     assert optimizer["weight_decay_all_params"] is True
@@ -273,7 +273,9 @@ def _megatron_lrs(section: dict[str, Any], steps: int) -> list[float]:
     megatron_cfg = to_megatron({"policy": section}).recipe["policy"]["megatron_cfg"]
     param = torch.zeros(1, requires_grad=True)
     optimizer = torch.optim.AdamW([param], lr=megatron_cfg["optimizer"]["lr"])
-    scheduler = build_param_scheduler(optimizer, megatron_cfg)
+    scheduler = build_param_scheduler(
+        optimizer, megatron_cfg["optimizer"], megatron_cfg.get("scheduler") or {}
+    )
     out = []
     for _ in range(steps):
         out.append(optimizer.param_groups[0]["lr"])
@@ -481,7 +483,7 @@ def test_the_grouped_expert_gemm_choice_stays_and_other_model_overrides_do_not()
 
 
 def test_the_planners_full_recompute_plan_sets_dtensor_cfgs_switch():
-    from nemo_rl_offload.planner import Candidate, render_overrides, retarget
+    from nemo_rl_offload.planning.planner import Candidate, render_overrides, retarget
 
     patch = Candidate((), 1.0, None, full_recompute=True).patch()
     assert retarget(patch, False) == patch

@@ -1,7 +1,7 @@
 """One rule for "the model has experts": more than one expert, from the effective settings."""
 
+from nemo_rl_offload.config.megatron_settings import effective_settings
 from nemo_rl_offload.config.model_presets import PRESETS, has_experts
-from nemo_rl_offload.offload.apply import effective_settings
 
 
 def test_more_than_one_expert_has_experts_and_one_or_none_does_not() -> None:

@@ -25,9 +25,10 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from nemo_rl_offload.config import ignored_keys
+from nemo_rl_offload.config.environment import Capabilities
 from nemo_rl_offload.config.loader import load_recipe
 from nemo_rl_offload.config.schema import MASTER_CONFIGS
-from nemo_rl_offload.offload.capabilities import Capabilities, detect
+from nemo_rl_offload.offload.capabilities import detect
 from nemo_rl_offload.preflight import check_recipe
 
 from .test_schema_walk import NOT_READERS, PACKAGE, string_literals

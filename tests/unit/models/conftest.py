@@ -14,8 +14,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from support.policies import make_policy  # noqa: E402
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.model_presets import architecture_for  # noqa: E402
-from nemo_rl_offload.offload import apply  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +38,16 @@ def megatron_cpu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _effective(model: str = "tiny-dense", **megatron_cfg: Any) -> apply.EffectiveSettings:
+def _effective(
+    model: str = "tiny-dense", **megatron_cfg: Any
+) -> megatron_settings.EffectiveSettings:
     policy = make_policy(model, **megatron_cfg)
     policy["precision"] = "float32"
-    return apply.effective_settings(policy, architecture_for(model), te_installed=False)
+    return megatron_settings.effective_settings(policy, architecture_for(model), te_installed=False)
 
 
 @pytest.fixture
-def effective_for() -> Callable[..., apply.EffectiveSettings]:
+def effective_for() -> Callable[..., megatron_settings.EffectiveSettings]:
     """effective_for(model, **megatron_cfg): settings of a float32 policy (no TE installed)."""
     return _effective
 

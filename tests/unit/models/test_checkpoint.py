@@ -1,4 +1,4 @@
-"""The workers' checkpoints (models.checkpoint) with real dist_checkpointing on gloo ranks.
+"""The workers' checkpoints (policy.checkpoint) with real dist_checkpointing on gloo ranks.
 
 Layout changes: a checkpoint saved on one layout is resumed on another and the next step must
 land where the saving run's next step did (within float rounding: another layout sums in
@@ -24,8 +24,8 @@ from support import worker_ranks
 from support.worker_ranks import run_ranks, section
 
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.models import checkpoint
-from nemo_rl_offload.models.checkpoint import Layout, SavedCheckpoint
+from nemo_rl_offload.policy import checkpoint
+from nemo_rl_offload.policy.checkpoint import Layout, SavedCheckpoint
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -157,10 +157,11 @@ def test_layout_descriptions_that_cannot_be_read_are_one_line(tmp_path):
 
 # ------------------------------------------------------------- the first format (one rank)
 def _worker(**kwargs):
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     worker = PolicyWorker(
-        section=section(), where="policy", rank=0, world_size=1, seed=7, on_gpu=False, **kwargs
+        settings=resolve_policy(section()), rank=0, world_size=1, seed=7, on_gpu=False, **kwargs
     )
     worker.setup(*worker.node_address())  # joins the fixture's process group
     return worker
@@ -242,14 +243,18 @@ def test_export_reads_both_formats_to_the_same_weights(megatron_cpu, tmp_path):
 def test_a_checkpoint_of_another_model_or_with_damaged_files_is_one_line(
     megatron_cpu, moe_globals_restored, tmp_path
 ):
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     dense = _worker()
     dense.save_checkpoint(str(tmp_path / "dense"))
     moe = PolicyWorker(
-        section={**section(), "model_name": "tiny-moe"},
-        where="policy", rank=0, world_size=1, seed=7, on_gpu=False,
-    )  # fmt: skip
+        settings=resolve_policy({**section(), "model_name": "tiny-moe"}),
+        rank=0,
+        world_size=1,
+        seed=7,
+        on_gpu=False,
+    )
     moe.setup(*moe.node_address())
     with pytest.raises(UserInputError) as caught:
         moe.load_checkpoint(str(tmp_path / "dense"), weights_only=True)

@@ -1,4 +1,4 @@
-"""Checkpoint files are read without running code from them (models.checkpoint_safety).
+"""Checkpoint files are read without running code from them (policy.checkpoint_safety).
 
 A crafted pickle payload (it would create a marker file) is refused in one line naming the
 file, for a first-format shard, for a distributed checkpoint's ``.metadata`` and for an object
@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.models import checkpoint, checkpoint_safety
+from nemo_rl_offload.policy import checkpoint, checkpoint_safety
 
 
 class Payload:

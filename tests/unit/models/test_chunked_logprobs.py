@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nemo_rl_offload.models import chunked_logprobs
-from nemo_rl_offload.models.train_step import run_microbatches
+from nemo_rl_offload.policy.train_step import run_microbatches
 
 
 def _logits_and_labels(seq=13, batch=3, vocab=50, seed=0):
@@ -134,7 +134,7 @@ def test_validate_refuses_a_chunk_size_that_is_not_a_positive_integer(chunk):
 
     from nemo_rl_offload.config.model_presets import architecture_for
     from nemo_rl_offload.offload.capabilities import detect
-    from nemo_rl_offload.offload.rules import check_policy
+    from nemo_rl_offload.preflight import check_policy
 
     policy = {**make_policy(), "logprob_chunk_size": chunk}
     findings = check_policy(
@@ -154,7 +154,7 @@ def test_validate_refuses_the_chunked_output_layer_with_a_deferred_embedding_gra
 
     from nemo_rl_offload.config.model_presets import architecture_for
     from nemo_rl_offload.offload.capabilities import detect
-    from nemo_rl_offload.offload.rules import check_policy
+    from nemo_rl_offload.preflight import check_policy
 
     policy = {
         **make_policy(
@@ -189,7 +189,7 @@ def test_validate_checks_the_chunked_output_layer_switch(value, chunk, expected)
 
     from nemo_rl_offload.config.model_presets import architecture_for
     from nemo_rl_offload.offload.capabilities import detect
-    from nemo_rl_offload.offload.rules import check_policy
+    from nemo_rl_offload.preflight import check_policy
 
     policy = {**make_policy(chunked_output_layer=value), "logprob_chunk_size": chunk}
     findings = check_policy(

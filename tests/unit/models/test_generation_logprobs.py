@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_rl_offload.models.chunked_logprobs import install
-from nemo_rl_offload.models.generation import Generated, SamplingSettings, sample
+from nemo_rl_offload.policy.generation import Generated, SamplingSettings, sample
 
 PROMPTS = [[5, 17, 3, 9], [8, 2], [30, 31, 32]]
 

@@ -329,12 +329,12 @@ def _build_real_states(spec_path: str) -> None:
     from support.policies import make_policy
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from nemo_rl_offload.config import megatron_settings
     from nemo_rl_offload.models.builder import build_gpt_model
     from nemo_rl_offload.models.parallel import (
         destroy_megatron_parallel,
         initialize_megatron_parallel,
     )
-    from nemo_rl_offload.offload import apply
 
     for spec in json.loads(Path(spec_path).read_text()):
         architecture = architecture_for(spec["directory"])
@@ -350,7 +350,9 @@ def _build_real_states(spec_path: str) -> None:
                     model_overrides=spec["overrides"],
                 )
                 policy["precision"] = "float32"
-                effective = apply.effective_settings(policy, architecture, te_installed=False)
+                effective = megatron_settings.effective_settings(
+                    policy, architecture, te_installed=False
+                )
                 model, _ = build_gpt_model(effective, architecture, on_gpu=False)
                 weights = {k: v for k, v in model.state_dict().items() if isinstance(v, Tensor)}
                 torch.save(weights, Path(spec["out"]) / f"tp{tp}_rank{rank}.pt")

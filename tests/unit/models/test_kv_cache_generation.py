@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nemo_rl_offload.config.generation_settings import GenerationSettings
 from nemo_rl_offload.models.cached_forward import CachedForward
-from nemo_rl_offload.models.decode_graphs import windows
-from nemo_rl_offload.models.generation import (
+from nemo_rl_offload.policy.decode_graphs import windows
+from nemo_rl_offload.policy.generation import (
     EngineSettings,
     SamplingSettings,
     rows_per_chunk,
@@ -72,7 +73,7 @@ def test_the_same_seed_draws_the_same_samples(build_tiny):
 
 
 def _one_row_of_cache_gib(model, max_new_tokens: int) -> float:
-    from nemo_rl_offload.models.generation import _cache_bytes
+    from nemo_rl_offload.policy.generation import _cache_bytes
 
     longest = max(len(p) for p in PROMPTS)
     return _cache_bytes(CachedForward(model, model.vocab_size), 1, longest + max_new_tokens) / 2**30
@@ -144,17 +145,18 @@ def test_a_cache_over_the_recipe_buffer_is_refused_in_one_line(build_tiny):
 
 
 def test_engine_settings_follow_nemo_rl_keys():
-    on = EngineSettings.from_recipe(
-        {"mcore_generation_config": {"cuda_graph_impl": "local", "num_cuda_graphs": 3}}
-    )
+    def engine(generation: dict) -> EngineSettings:
+        return GenerationSettings.from_section({"generation": generation}).engine
+
+    on = engine({"mcore_generation_config": {"cuda_graph_impl": "local", "num_cuda_graphs": 3}})
     assert on.cuda_graphs and on.num_cuda_graphs == 3
-    assert not EngineSettings.from_recipe(
+    assert not engine(
         {"mcore_generation_config": {"cuda_graph_impl": "none", "num_cuda_graphs": 3}}
     ).cuda_graphs
-    assert not EngineSettings.from_recipe({}).cuda_graphs
-    assert EngineSettings.from_recipe(
-        {"mcore_generation_config": {"buffer_size_gb": 10}}
-    ).buffer_size_gb == pytest.approx(10.0)
+    assert not engine({}).cuda_graphs
+    assert engine({"mcore_generation_config": {"buffer_size_gb": 10}}).buffer_size_gb == (
+        pytest.approx(10.0)
+    )
 
 
 def test_graph_windows_cover_every_step_with_few_shapes():
@@ -209,7 +211,7 @@ def test_finished_rows_leave_the_batch_and_the_rest_decode_as_before(build_tiny,
 
 
 def test_batch_sizes_after_a_move_are_few():
-    from nemo_rl_offload.models.generation import _slots_for
+    from nemo_rl_offload.policy.generation import _slots_for
 
     assert [_slots_for(n, 1) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
     assert [_slots_for(n, 2) for n in (1, 3)] == [2, 4]  # sequence parallel splits the rows

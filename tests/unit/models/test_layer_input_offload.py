@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models import builder
 from nemo_rl_offload.models.layer_input_block import LayerInputOffloadBlock, offload_layer_inputs
-from nemo_rl_offload.offload import apply, layer_input
+from nemo_rl_offload.models.transformer_config import make_transformer_config
+from nemo_rl_offload.offload import layer_input
 
 MODEL = "tiny-dense"
 LENGTH = 32
@@ -33,10 +35,10 @@ def _model(effective_for: Any, offload: bool, **recompute: Any) -> tuple[Any, An
     kwargs, _ = builder.transformer_config_for(effective, on_gpu=False)
     assert not kwargs.get("fine_grained_activation_offloading"), "Megatron's manager is unused"
     assert kwargs.get("offload_modules", []) == []
-    config = apply.make_transformer_config(kwargs)
+    config = make_transformer_config(kwargs)
     torch.manual_seed(0)
     model = builder.gpt_model_for(config, architecture_for(MODEL))
-    assert apply.offloads_layer_input(effective) is offload
+    assert megatron_settings.offloads_layer_input(effective) is offload
     return model, offload_layer_inputs(model) if offload else None
 
 

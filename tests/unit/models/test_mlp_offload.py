@@ -21,11 +21,16 @@ from megatron.core.pipeline_parallel import fine_grained_activation_offload as f
 from support.fake_streams import FakeCuda
 from support.policies import make_policy
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.models import builder
 from nemo_rl_offload.models.mlp_offload import OffloadingMLP, offloading_mlp_builder
-from nemo_rl_offload.offload import apply, capabilities, owned, runtime
-from nemo_rl_offload.offload.rules import check_policy
+from nemo_rl_offload.models.transformer_config import (
+    make_transformer_config,
+    transformer_config_kwargs,
+)
+from nemo_rl_offload.offload import capabilities, owned, runtime
+from nemo_rl_offload.preflight import check_policy
 
 MODEL = "tiny-dense"
 MLP = ["mlp_fc1", "mlp_act", "mlp_fc2"]
@@ -78,12 +83,15 @@ def _model(
     kwargs, _ = builder.transformer_config_for(effective, on_gpu=False)
     # transformer_config_for turns offloading off on CPU workers; here it runs on fakes.
     kwargs["fine_grained_activation_offloading"] = bool(modules)
-    kwargs["offload_modules"] = apply.transformer_config_kwargs(effective)["offload_modules"]
-    mlp_modules = apply.project_offload_modules(effective)
-    config = apply.make_transformer_config(kwargs, mlp_modules)
+    kwargs["offload_modules"] = transformer_config_kwargs(effective)["offload_modules"]
+    mlp_modules = megatron_settings.project_offload_modules(effective)
+    config = make_transformer_config(kwargs, mlp_modules)
     torch.manual_seed(0)
     model = builder.gpt_model_for(
-        config, architecture_for(MODEL), mlp_modules, apply.project_recompute_modules(effective)
+        config,
+        architecture_for(MODEL),
+        mlp_modules,
+        megatron_settings.project_recompute_modules(effective),
     )
     return model, config
 
@@ -145,7 +153,9 @@ def test_offloaded_mlp_trains_bitwise_like_no_offload(
     names = [name for name, _ in plain.named_parameters()]
     assert names == [name for name, _ in offloaded.named_parameters()], "same parameter names"
 
-    offload = runtime.OffloadRuntime(config, choices=apply.RuntimeChoices(lean_hooks=False))
+    offload = runtime.OffloadRuntime(
+        config, choices=megatron_settings.RuntimeChoices(lean_hooks=False)
+    )
     expected = _train(plain, None)
     got = _train(offloaded, offload)
 
@@ -180,7 +190,9 @@ def test_offload_with_cheap_recompute_trains_bitwise_like_neither(
     plain, _ = _model(effective_for, None)
     both, config = _model(effective_for, modules, recompute)
     assert with_cuda_rms_norms(plain) == with_cuda_rms_norms(both) > 0
-    offload = runtime.OffloadRuntime(config, choices=apply.RuntimeChoices(lean_hooks=False))
+    offload = runtime.OffloadRuntime(
+        config, choices=megatron_settings.RuntimeChoices(lean_hooks=False)
+    )
     for step, (want, have) in enumerate(
         zip(_train(plain, None), _train(both, offload), strict=True), start=1
     ):
@@ -195,7 +207,9 @@ def test_groups_follow_the_mlp_and_stay_closed(megatron_cpu, effective_for, cpu_
     """Each micro-batch records the three groups per layer in forward order, and no group's
     saved-tensor hooks stay on after the MLP (a tensor saved later is not offloaded)."""
     model, config = _model(effective_for, MLP)
-    offload = runtime.OffloadRuntime(config, choices=apply.RuntimeChoices(lean_hooks=False))
+    offload = runtime.OffloadRuntime(
+        config, choices=megatron_settings.RuntimeChoices(lean_hooks=False)
+    )
     offload.before_step(1, 32)
     ids = torch.randint(0, 64, (1, 32))
     model(ids, torch.arange(32).unsqueeze(0), None, labels=ids).sum().backward()
@@ -305,7 +319,9 @@ def test_every_bulk_reload_is_waited_for_before_its_use(
     monkeypatch.setattr(fgo.OffloadTensorGroup, "wait_reload_event", recording_wait)
     monkeypatch.setattr(owned.OwnedChunkHandler, "tensor_pop", checked_pop)
     model, config = _model(effective_for, modules, recompute)
-    offload = runtime.OffloadRuntime(config, choices=apply.RuntimeChoices(lean_hooks=False))
+    offload = runtime.OffloadRuntime(
+        config, choices=megatron_settings.RuntimeChoices(lean_hooks=False)
+    )
     for _ in range(2):  # the step recording the plan, then one replaying it
         offload.before_step(2, 32)
         for _ in range(2):

@@ -15,10 +15,10 @@ pytestmark = [
 def _build(model="tiny-dense", seed=0, precision="float32", **cfg):
     from support.policies import make_policy
 
+    from nemo_rl_offload.config.megatron_settings import effective_settings
     from nemo_rl_offload.config.model_presets import architecture_for
     from nemo_rl_offload.models.builder import build_gpt_model
     from nemo_rl_offload.models.parallel import initialize_megatron_parallel
-    from nemo_rl_offload.offload.apply import effective_settings
 
     policy = make_policy(model, **cfg)
     policy["precision"] = precision
@@ -79,7 +79,7 @@ def test_sdpa_equals_local_attention_on_gpu(megatron_gpu):
 
 
 def test_gradient_accumulation_is_exact_on_gpu(megatron_gpu):
-    from nemo_rl_offload.models.train_step import run_microbatches
+    from nemo_rl_offload.policy.train_step import run_microbatches
 
     model, warnings = _build()
     assert warnings == [] and next(model.parameters()).is_cuda
@@ -103,7 +103,7 @@ def test_fgo_model_trains_and_offloads_on_gpu(megatron_gpu, preset):
         PipelineOffloadManager,
     )
 
-    from nemo_rl_offload.models.train_step import run_microbatches
+    from nemo_rl_offload.policy.train_step import run_microbatches
 
     model, warnings = _build(
         preset,
@@ -129,7 +129,7 @@ def test_fgo_model_trains_and_offloads_on_gpu(megatron_gpu, preset):
 
 
 def _packed_params(bounds, device="cuda"):
-    from nemo_rl_offload.models.train_step import packed_seq_params
+    from nemo_rl_offload.policy.train_step import packed_seq_params
 
     return packed_seq_params({"cu_seqlens": torch.tensor(bounds, device=device)})
 
@@ -175,7 +175,7 @@ def test_a_packed_bf16_model_gives_the_padded_token_losses_on_gpu(megatron_gpu):
 
     from nemo_rl_offload.algorithms import packing
     from nemo_rl_offload.algorithms.batching import TokenSequence, make_microbatch
-    from nemo_rl_offload.models.train_step import forward_outputs
+    from nemo_rl_offload.policy.train_step import forward_outputs
 
     model, _ = _build(precision="bfloat16")
     model = Float16Module(model.config, model)
@@ -276,7 +276,7 @@ def test_microbatches_reach_the_gpu_without_waiting_for_queued_work():
 
     import numpy as np
 
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
 
     worker = SimpleNamespace(on_gpu=True, device=torch.device("cuda"))
     given = [

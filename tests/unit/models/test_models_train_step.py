@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_rl_offload.models.train_step import run_microbatches
+from nemo_rl_offload.policy.train_step import run_microbatches
 
 SEQ = 32
 

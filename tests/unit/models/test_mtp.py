@@ -11,8 +11,9 @@ import torch
 from support import worker_ranks
 from support.worker_ranks import section
 
+from nemo_rl_offload.config.generation_settings import SamplingSettings
 from nemo_rl_offload.models import mtp
-from nemo_rl_offload.models.train_step import run_microbatches
+from nemo_rl_offload.policy.train_step import run_microbatches
 
 
 def _batches(mask_from: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -138,7 +139,7 @@ def test_a_worker_reports_mtp_resumes_exactly_and_generates(megatron_cpu, tmp_pa
     resumed = worker_ranks.resumes_exactly(trained, policy, tmp_path / "ckpt", (3, 4))
     # Generation runs the decoder alone (models.cached_forward): MTP takes no part.
     (generated,) = resumed.generate(
-        [[1, 2, 3]], {"max_new_tokens": 4, "greedy": True}, seed=0, pad_id=0
+        [[1, 2, 3]], SamplingSettings(max_new_tokens=4, greedy=True), seed=0, pad_id=0
     )
     assert len(generated.ids) == 4
     for made in (trained, resumed):
@@ -148,12 +149,12 @@ def test_a_worker_reports_mtp_resumes_exactly_and_generates(megatron_cpu, tmp_pa
 def test_a_teachers_mtp_keys_build_no_block():
     from support.policies import make_policy
 
+    from nemo_rl_offload.config import megatron_settings
     from nemo_rl_offload.config.model_presets import architecture_for
-    from nemo_rl_offload.offload import apply
 
     cfg = {"mtp_num_layers": 2, "mtp_loss_scaling_factor": 0.3}
     settings = {
-        where: apply.effective_settings(
+        where: megatron_settings.effective_settings(
             make_policy(**cfg), architecture_for("tiny-dense"), where=where, te_installed=False
         )
         for where in ("policy", "teacher")

@@ -15,9 +15,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo_rl_offload import losses
 from nemo_rl_offload.algorithms import packing
 from nemo_rl_offload.algorithms.batching import TokenSequence, microbatches
+from nemo_rl_offload.config import batching_settings
 from nemo_rl_offload.models.attention import SDPACoreAttention
-from nemo_rl_offload.models.train_step import packed_seq_params, run_microbatches
 from nemo_rl_offload.offload import runtime
+from nemo_rl_offload.policy.train_step import packed_seq_params, run_microbatches
 
 HEADS, GROUPS, HEAD_DIM = 4, 2, 16
 PAD = 0
@@ -238,7 +239,7 @@ def test_packing_gives_the_offload_runtime_one_length_bucket():
         "make_sequence_length_divisible_by": 64,
         "sequence_packing": {"enabled": True, "train_mb_tokens": 6000},
     }
-    assert runtime.step_buckets(section) == ([6016], False)
+    assert batching_settings.step_buckets(section) == ([6016], False)
 
 
 def test_packed_steps_of_one_count_reuse_one_offload_plan(monkeypatch):

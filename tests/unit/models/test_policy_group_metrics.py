@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nemo_rl_offload.models.policy_group import combine_step_metrics
+from nemo_rl_offload.policy.policy_group import combine_step_metrics
 
 
 def test_sums_once_per_data_parallel_group_and_keeps_each_ranks_offloading():

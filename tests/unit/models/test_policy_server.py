@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from nemo_rl_offload.data.tokenizer import ByteTokenizer
-from nemo_rl_offload.models.generation import Generated, SamplingSettings, sample
+from nemo_rl_offload.policy.generation import Generated, SamplingSettings, sample
 from nemo_rl_offload.serving.http_server import PolicyServer
 from nemo_rl_offload.serving.sampler_client import SamplerClient
 

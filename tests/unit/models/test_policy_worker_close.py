@@ -12,7 +12,8 @@ import pytest
 
 @pytest.mark.parametrize("model", ["tiny-dense", "tiny-moe"])
 def test_close_frees_the_model(megatron_cpu, moe_globals_restored, model):
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     section = {
         "model_name": model,
@@ -24,7 +25,7 @@ def test_close_frees_the_model(megatron_cpu, moe_globals_restored, model):
         },
     }
     worker = PolicyWorker(
-        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=False
+        settings=resolve_policy(section), rank=0, world_size=1, seed=1, on_gpu=False
     )
     worker.setup(*worker.node_address())  # joins the fixture's process group
     ids = np.random.default_rng(0).integers(0, 300, (2, 32))
@@ -45,7 +46,8 @@ def test_a_deeper_moe_model_trains_after_another_in_the_same_process(
     """Megatron's MoE metrics tracker is process-wide and sized by the first model that
     records: a second, deeper MoE model in the process must still train (tests and benchmarks
     build several models in one process)."""
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     ids = np.random.default_rng(0).integers(0, 300, (2, 32))
     batch = [{"input_ids": ids, "labels": ids, "loss_mask": np.ones((2, 32), np.float32)}]
@@ -61,7 +63,7 @@ def test_a_deeper_moe_model_trains_after_another_in_the_same_process(
             },
         }
         worker = PolicyWorker(
-            section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=False
+            settings=resolve_policy(section), rank=0, world_size=1, seed=1, on_gpu=False
         )
         worker.setup(*worker.node_address())
         assert np.isfinite(worker.train(batch, {"name": "nll"})["loss"])

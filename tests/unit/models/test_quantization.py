@@ -15,6 +15,7 @@ import torch
 import yaml
 from support import worker_ranks
 
+from nemo_rl_offload.config.generation_settings import SamplingSettings
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models import quantization
 
@@ -189,7 +190,7 @@ def test_rollouts_run_without_the_quantizers_unless_generation_asks(
     policy = {**worker_ranks.section(), "quant_cfg": MLP_WEIGHTS, "generation": generation}
     quantized = _quantized_worker(policy, [])
     plain = worker_ranks.single_worker(worker_ranks.section())
-    settings = {"max_new_tokens": 6, "greedy": True}
+    settings = SamplingSettings(max_new_tokens=6, greedy=True)
     prompts = [[5, 9, 11, 3]]
     (got,) = quantized.generate(prompts, settings, seed=0, pad_id=0)
     (want,) = plain.generate(prompts, settings, seed=0, pad_id=0)

@@ -12,12 +12,12 @@ import pytest
 import torch
 from support.policies import make_policy
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.model_presets import architecture_for
 from nemo_rl_offload.models import router_replay
-from nemo_rl_offload.models.generation import SamplingSettings, sample
 from nemo_rl_offload.models.router_replay import NO_ROUTE, ROUTES_KEY
-from nemo_rl_offload.models.train_step import forward_outputs, run_microbatches
-from nemo_rl_offload.offload import apply
+from nemo_rl_offload.policy.generation import SamplingSettings, sample
+from nemo_rl_offload.policy.train_step import forward_outputs, run_microbatches
 
 CPU = torch.device("cpu")
 PROMPTS = [[5, 17, 3, 9, 40, 41, 7], [8, 2], [30, 31, 32], [11]]
@@ -33,7 +33,7 @@ def build(megatron_cpu: None, moe_globals_restored: None):
         policy["precision"] = "float32"
         if replay:
             policy["router_replay"] = {"enabled": True}
-        effective = apply.effective_settings(
+        effective = megatron_settings.effective_settings(
             policy, architecture_for("tiny-moe"), te_installed=False
         )
         torch.manual_seed(seed)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_rl_offload.models.step_graphs import StepGraphs, input_signature
+from nemo_rl_offload.policy.step_graphs import StepGraphs, input_signature
 
 
 def _double_plus_one(inputs: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:

@@ -6,17 +6,18 @@ import pytest
 import torch
 from support.policies import make_policy
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.model_presets import architecture_for
-from nemo_rl_offload.offload import apply
+from nemo_rl_offload.models.transformer_config import build_transformer_config
 
 pytest.importorskip("megatron.core")
 
 
 def _build(model="tiny-dense", te_installed=False, **cfg):
-    effective = apply.effective_settings(
+    effective = megatron_settings.effective_settings(
         make_policy(model, **cfg), architecture_for(model), te_installed=te_installed
     )
-    return effective, apply.build_transformer_config(effective)
+    return effective, build_transformer_config(effective)
 
 
 def test_fgo_settings_reach_transformer_config():
@@ -42,18 +43,18 @@ def test_the_mlp_offload_modules_reach_the_spec_not_transformer_config():
         fine_grained_activation_offloading=True, offload_modules=["core_attn", "mlp_act"]
     )
     assert config.offload_modules == ["core_attn"]
-    assert apply.project_offload_modules(effective) == frozenset({"mlp_act"})
+    assert megatron_settings.project_offload_modules(effective) == frozenset({"mlp_act"})
     # Only this package's modules: offloading stays on (the model opens offload chunks).
     effective, config = _build(
         fine_grained_activation_offloading=True, offload_modules=["mlp_fc1", "mlp_fc2"]
     )
     assert config.fine_grained_activation_offloading is True and config.offload_modules == []
-    assert apply.project_offload_modules(effective) == frozenset({"mlp_fc1", "mlp_fc2"})
+    assert megatron_settings.project_offload_modules(effective) == frozenset({"mlp_fc1", "mlp_fc2"})
     # Offloading off: none placed, whatever is listed.
     effective, config = _build(
         fine_grained_activation_offloading=False, offload_modules=["mlp_fc1"]
     )
-    assert apply.project_offload_modules(effective) == frozenset()
+    assert megatron_settings.project_offload_modules(effective) == frozenset()
     assert config.fine_grained_activation_offloading is False
 
 
@@ -64,12 +65,12 @@ def test_the_mlp_act_recompute_reaches_the_spec_not_transformer_config():
     selective = {"activation_checkpointing": True, "recompute_granularity": "selective"}
     effective, config = _build(**selective, recompute_modules=["layernorm", "mlp_act"])
     assert config.recompute_modules == ["layernorm"]
-    assert apply.project_recompute_modules(effective) == frozenset({"mlp_act"})
+    assert megatron_settings.project_recompute_modules(effective) == frozenset({"mlp_act"})
     effective, config = _build(**selective, recompute_modules=["mlp_act"])
     assert config.recompute_modules == []  # not Megatron's default, core_attn
     effective, config = _build(activation_checkpointing=True, recompute_modules=["mlp_act"])
     assert config.recompute_granularity == "full"
-    assert apply.project_recompute_modules(effective) == frozenset()
+    assert megatron_settings.project_recompute_modules(effective) == frozenset()
 
 
 def test_unset_knobs_keep_megatron_defaults():
@@ -163,7 +164,7 @@ def test_selective_recompute_drops_full_only_keys():
     ],
 )
 def test_transformer_impl_resolution(requested, te, expected):
-    assert apply.resolve_transformer_impl(requested, te) == expected
+    assert megatron_settings.resolve_transformer_impl(requested, te) == expected
 
 
 def test_runtime_choices_are_read_from_the_effective_settings():
@@ -178,11 +179,19 @@ def test_runtime_choices_are_read_from_the_effective_settings():
             "moe_pad_expert_input_to_capacity": True,
         },
     )
-    assert apply.runtime_choices(dense, {}, graphed=False) == apply.RuntimeChoices()
-    eager_moe = apply.runtime_choices(moe, {}, graphed=False)
+    assert (
+        megatron_settings.runtime_choices(dense, {}, graphed=False)
+        == megatron_settings.RuntimeChoices()
+    )
+    eager_moe = megatron_settings.runtime_choices(moe, {}, graphed=False)
     assert eager_moe.strided_copies is False and eager_moe.pool_expert_groups is False
-    assert apply.runtime_choices(moe, {}, graphed=True).strided_copies is True
-    assert apply.runtime_choices(padded, {}, graphed=True).pool_expert_groups is True
+    assert megatron_settings.runtime_choices(moe, {}, graphed=True).strided_copies is True
+    assert megatron_settings.runtime_choices(padded, {}, graphed=True).pool_expert_groups is True
     placed = {"activation_offload_fraction_placement": "earliest"}
-    assert apply.runtime_choices(dense, placed, graphed=False).fraction_placement == "earliest"
-    assert apply.runtime_choices(dense, {}, graphed=False).fraction_placement == "spread"
+    assert (
+        megatron_settings.runtime_choices(dense, placed, graphed=False).fraction_placement
+        == "earliest"
+    )
+    assert (
+        megatron_settings.runtime_choices(dense, {}, graphed=False).fraction_placement == "spread"
+    )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from nemo_rl_offload.config.environment import Capabilities
+from nemo_rl_offload.config.module_names import MLP_OFFLOAD_MODULES, OFFLOAD_MODULES_BY_VERSION
 from nemo_rl_offload.offload import capabilities
-from nemo_rl_offload.offload.capabilities import OFFLOAD_MODULES_BY_VERSION, Capabilities
 
 pytest.importorskip("megatron.core")
 
@@ -20,9 +21,9 @@ def test_module_names_asked_from_installed_megatron_match_the_table():
 def test_this_packages_module_names_are_not_megatrons():
     """The dense MLP's offload points (models.mlp_offload) keep names Megatron does not use, so
     neither can be mistaken for the other."""
-    assert capabilities.MLP_OFFLOAD_MODULES.isdisjoint(capabilities.detect().offload_module_names)
+    assert MLP_OFFLOAD_MODULES.isdisjoint(capabilities.detect().offload_module_names)
     for names in OFFLOAD_MODULES_BY_VERSION.values():
-        assert capabilities.MLP_OFFLOAD_MODULES.isdisjoint(names)
+        assert MLP_OFFLOAD_MODULES.isdisjoint(names)
 
 
 def test_table_fallback_when_megatron_cannot_answer(monkeypatch):

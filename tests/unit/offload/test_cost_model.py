@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 from support.fake_planner import layer_table
 
-from nemo_rl_offload.offload import cost_model as cm
-from nemo_rl_offload.offload.activation_bytes import BLOCK, UNIFORM, ActivationSettings
-from nemo_rl_offload.offload.cost_model import PassTimes, overhead_floor_s, step_floor_s
-from nemo_rl_offload.offload.ledger import DENSE
+from nemo_rl_offload.config.model_shape import DENSE
+from nemo_rl_offload.planning import cost_model as cm
+from nemo_rl_offload.planning.activation_bytes import BLOCK, UNIFORM, ActivationSettings
+from nemo_rl_offload.planning.cost_model import PassTimes, overhead_floor_s, step_floor_s
 
 GB = 1e9
 

@@ -1,6 +1,6 @@
 """The layer_input rule (offload.rules._layer_input), each way: rejected with the path and the
 fix, and the nearest recipe accepted; and its settings reach the decoder, not
-TransformerConfig (offload.apply)."""
+TransformerConfig (config.megatron_settings)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from support.policies import NO_TE, P, check, make_policy
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.model_presets import architecture_for
-from nemo_rl_offload.offload import apply
+from nemo_rl_offload.models.transformer_config import transformer_config_kwargs
 
 LAYER_INPUT: dict[str, Any] = {
     "fine_grained_activation_offloading": True,
@@ -90,17 +91,17 @@ def test_changed_checkpoint_code_is_refused_by_validate():
 
 
 def test_layer_input_reaches_the_decoder_not_transformer_config():
-    def effective(**cfg: Any) -> apply.EffectiveSettings:
-        return apply.effective_settings(
+    def effective(**cfg: Any) -> megatron_settings.EffectiveSettings:
+        return megatron_settings.effective_settings(
             make_policy("tiny-dense", **cfg), architecture_for("tiny-dense"), te_installed=False
         )
 
     alone = effective(**LAYER_INPUT)
-    kwargs = apply.transformer_config_kwargs(alone)
-    assert apply.offloads_layer_input(alone)
+    kwargs = transformer_config_kwargs(alone)
+    assert megatron_settings.offloads_layer_input(alone)
     assert kwargs["offload_modules"] == [] and kwargs["fine_grained_activation_offloading"] is False
     off = effective(**{**LAYER_INPUT, "fine_grained_activation_offloading": False})
-    assert not apply.offloads_layer_input(off)
+    assert not megatron_settings.offloads_layer_input(off)
     without = effective(fine_grained_activation_offloading=True, offload_modules=["attn_norm"])
-    assert not apply.offloads_layer_input(without)
-    assert apply.transformer_config_kwargs(without)["fine_grained_activation_offloading"] is True
+    assert not megatron_settings.offloads_layer_input(without)
+    assert transformer_config_kwargs(without)["fine_grained_activation_offloading"] is True

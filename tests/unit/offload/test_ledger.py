@@ -1,4 +1,4 @@
-"""The activation ledger (nemo_rl_offload/offload/ledger.py): measured per layer on the CPU,
+"""The activation ledger (nemo_rl_offload/planning/ledger.py): measured per layer on the CPU,
 it must add up to what a whole model's forward saves, and name the offload module or
 recompute option that removes each entry."""
 
@@ -14,12 +14,12 @@ pytest.importorskip("megatron.core")
 
 from support.policies import make_policy  # noqa: E402
 
-from nemo_rl_offload import cli, planner  # noqa: E402
+from nemo_rl_offload import cli
+from nemo_rl_offload.config import megatron_settings, model_shape
 from nemo_rl_offload.config.model_presets import architecture_for  # noqa: E402
-from nemo_rl_offload.models import ledger_run  # noqa: E402
+from nemo_rl_offload.config.module_names import MLP_OFFLOAD_MODULES
 from nemo_rl_offload.models.parallel import single_rank_megatron
-from nemo_rl_offload.offload import apply, ledger  # noqa: E402
-from nemo_rl_offload.offload.capabilities import MLP_OFFLOAD_MODULES
+from nemo_rl_offload.planning import ledger, ledger_run, planner
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -39,22 +39,22 @@ def test_a_layer_ledger_adds_up_to_a_whole_model_forward(dense):
     """Four layers at 96 tokens (neither measured length) against the ledger's total there."""
     section = _section("tiny-dense")
     architecture = architecture_for("tiny-dense")
-    effective = apply.effective_settings(section, architecture, te_installed=False)
+    effective = megatron_settings.effective_settings(section, architecture, te_installed=False)
     whole = ledger.one_layer_settings(effective, {"num_layers": 4})
     with single_rank_megatron():
         model = ledger_run.build_model(whole, architecture, section)
         measured = ledger_run.measure(model, 96, architecture.vocab_size).total_bytes
-    assert [(k.kind, k.layers) for k in dense.kinds] == [(ledger.DENSE, 4), (ledger.MODEL, 1)]
+    assert [(k.kind, k.layers) for k in dense.kinds] == [(model_shape.DENSE, 4), (ledger.MODEL, 1)]
     assert dense.total_bytes(96) == pytest.approx(measured, rel=0.05)
     assert dense.tokens_per_microbatch == 2 * 64
 
 
 def test_every_dense_offload_module_covers_a_measured_entry(dense):
-    (layer,) = [k for k in dense.kinds if k.kind == ledger.DENSE]
+    (layer,) = [k for k in dense.kinds if k.kind == model_shape.DENSE]
     by_offload = {e.offload: e for e in layer.entries if e.offload}
     # linear_proj saves the attention's output, which the core attention saved first.
     shared = {
-        ledger.removal(o, ledger.DENSE, True)[0] for e in layer.entries for o in e.shared_with
+        ledger.removal(o, model_shape.DENSE, True)[0] for e in layer.entries for o in e.shared_with
     }
     assert set(by_offload) | shared == set(planner.DENSE_MODULES) | MLP_OFFLOAD_MODULES
     assert "attn_proj" in shared
@@ -108,19 +108,19 @@ def test_an_unfused_attentions_probabilities_go_with_core_attn_recompute():
     [
         # A norm's own saved tensors (its input) stay under selective recompute; its output,
         # saved by the next linear, goes with layernorm recompute; fc2's input with mlp_act.
-        ("input_layernorm", ledger.DENSE, ("attn_norm", "full")),
-        ("self_attention.linear_qkv", ledger.DENSE, ("qkv_linear", "layernorm")),
-        ("self_attention.core_attention", ledger.DENSE, ("core_attn", "core_attn")),
-        ("self_attention.linear_proj", ledger.DENSE, ("attn_proj", "full")),
-        ("pre_mlp_layernorm", ledger.DENSE, ("mlp_norm", "full")),
-        ("mlp.linear_fc1", ledger.DENSE, ("mlp_fc1", "layernorm")),
-        ("mlp", ledger.DENSE, ("mlp_act", "mlp")),
-        ("mlp.linear_fc2", ledger.DENSE, ("mlp_fc2", "mlp_act")),
-        ("self_attention", ledger.DENSE, (None, "full")),
-        ("mlp.experts.linear_fc1", ledger.MOE, ("expert_fc1", "moe")),
-        ("mlp.experts", ledger.MOE, ("moe_act", "moe_act")),
-        ("mlp.experts.linear_fc2", ledger.MOE, (None, "moe_act")),
-        ("mlp.router", ledger.MOE, (None, "moe")),
+        ("input_layernorm", model_shape.DENSE, ("attn_norm", "full")),
+        ("self_attention.linear_qkv", model_shape.DENSE, ("qkv_linear", "layernorm")),
+        ("self_attention.core_attention", model_shape.DENSE, ("core_attn", "core_attn")),
+        ("self_attention.linear_proj", model_shape.DENSE, ("attn_proj", "full")),
+        ("pre_mlp_layernorm", model_shape.DENSE, ("mlp_norm", "full")),
+        ("mlp.linear_fc1", model_shape.DENSE, ("mlp_fc1", "layernorm")),
+        ("mlp", model_shape.DENSE, ("mlp_act", "mlp")),
+        ("mlp.linear_fc2", model_shape.DENSE, ("mlp_fc2", "mlp_act")),
+        ("self_attention", model_shape.DENSE, (None, "full")),
+        ("mlp.experts.linear_fc1", model_shape.MOE, ("expert_fc1", "moe")),
+        ("mlp.experts", model_shape.MOE, ("moe_act", "moe_act")),
+        ("mlp.experts.linear_fc2", model_shape.MOE, (None, "moe_act")),
+        ("mlp.router", model_shape.MOE, (None, "moe")),
         ("output_layer", ledger.MODEL, (None, None)),
     ],
 )
@@ -134,10 +134,10 @@ def test_the_cheap_recompute_options_cost_elementwise_flops():
     """layernorm and mlp_act re-run elementwise passes: far cheaper than the whole MLP."""
     from support.policies import make_policy
 
+    from nemo_rl_offload.config import megatron_settings
     from nemo_rl_offload.config.model_presets import architecture_for
-    from nemo_rl_offload.offload import apply
 
-    effective = apply.effective_settings(
+    effective = megatron_settings.effective_settings(
         make_policy("llama-1b"), architecture_for("llama-1b"), te_installed=False
     )
     cost = {
@@ -159,13 +159,13 @@ def test_the_unchunked_loss_names_logprob_chunk_size():
 def test_moe_layers_reach_the_expert_offload_modules():
     section = _section("tiny-moe", model_overrides={"moe_grouped_gemm": True})
     moe = ledger_run.build_ledger(section)
-    (layer,) = [k for k in moe.kinds if k.kind == ledger.MOE]
+    (layer,) = [k for k in moe.kinds if k.kind == model_shape.MOE]
     assert {"expert_fc1", "moe_act"} <= {e.offload for e in layer.entries}
 
 
 def test_bf16_recipes_report_bf16_sizes():
     bf16 = ledger_run.build_ledger(_section("tiny-dense", precision="bfloat16"))
-    (layer,) = [k for k in bf16.kinds if k.kind == ledger.DENSE]
+    (layer,) = [k for k in bf16.kinds if k.kind == model_shape.DENSE]
     qkv = next(e for e in layer.entries if e.offload == "qkv_linear")
     assert qkv.dtype == "bfloat16"
     hidden = architecture_for("tiny-dense").transformer["hidden_size"]
@@ -205,7 +205,7 @@ def test_parallel_sizes_are_named_not_measured():
     section = _section(
         "tiny-dense", tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2
     )
-    effective = apply.effective_settings(
+    effective = megatron_settings.effective_settings(
         section, architecture_for("tiny-dense"), te_installed=False
     )
     (note,) = ledger.parallel_notes(effective)
@@ -215,7 +215,7 @@ def test_parallel_sizes_are_named_not_measured():
     assert tokens == 2 * 64 // 2 and source.endswith("context_parallel_size 2")
     assert (
         ledger.parallel_notes(
-            apply.effective_settings(
+            megatron_settings.effective_settings(
                 _section("tiny-dense"), architecture_for("tiny-dense"), te_installed=False
             )
         )

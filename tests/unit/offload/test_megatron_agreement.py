@@ -13,9 +13,10 @@ import pytest
 from support.offload_cases import ACCEPTED, REJECTED
 from support.policies import make_policy
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.model_presets import architecture_for
-from nemo_rl_offload.offload import apply
-from nemo_rl_offload.offload.rules import check_policy
+from nemo_rl_offload.models.transformer_config import build_transformer_config
+from nemo_rl_offload.preflight import check_policy
 
 pytest.importorskip("megatron.core")
 
@@ -44,7 +45,8 @@ STRICTER_BY_DESIGN = {
     "full_iteration_moe",  # capture fails at run time (host sync in the token dispatch)
     "full_iteration_moe_capacity_without_padding",  # dropping alone still syncs
     "full_iteration_moe_allgather",  # the allgather dispatcher syncs always
-    # This package's dense-MLP offload modules never reach TransformerConfig (offload.apply).
+    # This package's dense-MLP offload modules never reach TransformerConfig
+    # (config.megatron_settings).
     "mlp_on_moe",
     "mlp_with_te_spec",
     "mlp_with_full_iteration_graphs",
@@ -65,11 +67,11 @@ STRICTER_BY_DESIGN = {
 def _megatron_verdict(model, settings) -> str | None:
     """None when megatron-core accepts the settings, else its error message."""
     policy = make_policy(model, **settings)
-    effective = apply.effective_settings(
+    effective = megatron_settings.effective_settings(
         policy, architecture_for(model), where="policy", te_installed=False
     )
     try:
-        apply.build_transformer_config(effective)
+        build_transformer_config(effective)
     except Exception as exc:  # AssertionError, ValueError, TypeError: all are rejections
         return f"{type(exc).__name__}: {exc}"
     return None

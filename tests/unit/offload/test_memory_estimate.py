@@ -1,9 +1,9 @@
-"""The pre-launch memory estimate (nemo_rl_offload/offload/memory_estimate.py): its arithmetic
+"""The pre-launch memory estimate (nemo_rl_offload/planning/memory_estimate.py): its arithmetic
 against the H100 measurements of issue 20, and each setting's effect both ways.
 
 The ledger is the 3B-shaped Llama's (llama-1b with 28 layers, hidden 3072, ffn 8192, 24 heads,
 8 query groups), as ``nemo-rl-offload plan --ledger`` measured it on the CPU and
-:mod:`nemo_rl_offload.models.ledger_cache` stores it (``ledger_llama3b_shape.json``): the
+:mod:`nemo_rl_offload.planning.ledger_cache` stores it (``ledger_llama3b_shape.json``): the
 arithmetic is tested on its own, without measuring a layer.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from support.policies import make_policy
 
+from nemo_rl_offload.config import megatron_settings
 from nemo_rl_offload.config.model_presets import architecture_for
-from nemo_rl_offload.models.ledger_cache import ledger_from_stored
-from nemo_rl_offload.offload import apply
-from nemo_rl_offload.offload.memory_estimate import (
+from nemo_rl_offload.planning.ledger_cache import ledger_from_stored
+from nemo_rl_offload.planning.memory_estimate import (
     GIB,
     MemoryEstimate,
     estimate_peak,
@@ -51,7 +51,7 @@ def _section(tokens: int = 8192, distributed: bool = True, **cfg: Any) -> dict[s
 
 def _estimate(section: dict[str, Any], **kwargs: Any) -> MemoryEstimate:
     architecture = architecture_for("llama-1b")
-    effective = apply.effective_settings(section, architecture, te_installed=False)
+    effective = megatron_settings.effective_settings(section, architecture, te_installed=False)
     ledger = ledger_from_stored(STORED, effective, section, "policy", (32, 64))
     return estimate_peak(effective, architecture, section, ledger, **kwargs)
 
@@ -142,7 +142,7 @@ def test_the_planners_host_optimizer_line_is_the_estimates_resident_state_at_eac
     architecture = architecture_for("llama-1b")
     for workers in (1, 2):
         section = _section()
-        effective = apply.effective_settings(section, architecture, te_installed=False)
+        effective = megatron_settings.effective_settings(section, architecture, te_installed=False)
         per_share, at_none, parameters = host_optimizer_state(
             effective, architecture, section, workers=workers
         )
@@ -169,7 +169,9 @@ def test_offload_modules_remove_their_entries_but_the_last_layers():
     # manager keeps, and tensors under min_offloaded_tensor_size (the norms' float32
     # statistics, a few KiB).
     section = _section(**OFFLOAD_FIVE)
-    effective = apply.effective_settings(section, architecture_for("llama-1b"), te_installed=False)
+    effective = megatron_settings.effective_settings(
+        section, architecture_for("llama-1b"), te_installed=False
+    )
     ledger = ledger_from_stored(STORED, effective, section, "policy", (32, 64))
     reach = sum(
         k.layers * e.bytes_at(8192) for k in ledger.kinds for e in k.entries if e.offload in FIVE
@@ -312,14 +314,14 @@ def test_the_planners_prediction_for_a_candidate_is_validates_estimate_of_its_se
     """The planner predicts a candidate's kept and moved bytes from the recipe's table; the
     estimate of the recipe with the candidate's patch applied must say the same."""
     from nemo_rl_offload.config.loader import deep_merge
-    from nemo_rl_offload.offload import cost_model
-    from nemo_rl_offload.plan_menu import Candidate, layer_costs
+    from nemo_rl_offload.planning import cost_model
+    from nemo_rl_offload.planning.plan_menu import Candidate, layer_costs
 
     fields = dict(fields)
     candidate = Candidate(fields.pop("modules", ()), fields.pop("fraction", 1.0), None, **fields)
     section = _section(**parallel)
     architecture = architecture_for("llama-1b")
-    effective = apply.effective_settings(section, architecture, te_installed=False)
+    effective = megatron_settings.effective_settings(section, architecture, te_installed=False)
     ledger = ledger_from_stored(STORED, effective, section, "policy", (32, 64))
     costs = layer_costs(effective, ledger, lambda kind, option: 0.0, 2)
     predicted = cost_model.removal(costs, candidate.settings())
@@ -335,7 +337,7 @@ def test_multi_token_prediction_adds_a_layer_and_its_projection_per_depth():
     architecture = architecture_for("llama-1b")
 
     def params(**cfg: Any) -> float:
-        effective = apply.effective_settings(
+        effective = megatron_settings.effective_settings(
             make_policy("llama-1b", **cfg), architecture, te_installed=False
         )
         counts = parameter_counts(effective, architecture)

@@ -1,4 +1,4 @@
-"""The optimizer-state offload rule (offload.rules._optimizer_offload), each way: NeMo-RL's
+"""The optimizer-state offload rule (config.megatron_rules._optimizer_offload), each way: NeMo-RL's
 optimizer_cpu_offload / optimizer_offload_fraction refused in one line where megatron-core's
 hybrid CPU optimizer cannot run, accepted where it can."""
 
@@ -10,7 +10,7 @@ import pytest
 from support.policies import NO_TE, TE_2_10, P, check, make_policy
 
 from nemo_rl_offload.config.model_presets import architecture_for
-from nemo_rl_offload.offload.rules import check_policy
+from nemo_rl_offload.preflight import check_policy
 
 GOOD: dict[str, Any] = {
     "optimizer": "adam",
@@ -99,9 +99,9 @@ def test_the_precision_aware_optimizer_without_its_fused_adam_is_a_warning(
 ):
     """NeMo-RL's base recipes set use_precision_aware_optimizer: true; megatron-core refuses it
     at the optimizer's construction without Transformer Engine's FusedAdam (unless the hybrid
-    CPU optimizer runs it), so the workers run the distributed optimizer (apply.
+    CPU optimizer runs it), so the workers run the distributed optimizer (megatron_settings.
     precision_aware_optimizer) and validate says so."""
-    from nemo_rl_offload.offload import apply
+    from nemo_rl_offload.config import megatron_settings
 
     opt = {
         "use_distributed_optimizer": True,
@@ -114,7 +114,7 @@ def test_the_precision_aware_optimizer_without_its_fused_adam_is_a_warning(
     assert findings.errors == []
     lines = [w for w in findings.warnings if "use_precision_aware_optimizer: ignored" in w]
     assert bool(lines) == warned
-    runs = apply.precision_aware_optimizer(
+    runs = megatron_settings.precision_aware_optimizer(
         opt, te_installed=caps.has_transformer_engine, on_gpu=gpus > 0
     )
     assert runs == (not warned and gpus > 0)

@@ -277,6 +277,17 @@ def test_spread_placement_offloads_evenly_spaced_groups(printed):
     assert not manager._is_warmup and not chunk.is_warmup
 
 
+@pytest.mark.parametrize("placement", ["earliest", "spread"])
+def test_the_summary_table_stays_off_stdout(monkeypatch, capsys, placement):
+    """Megatron prints the plan's bytes as a table after the warm-up step; the runtime reports
+    them per step instead, so neither placement leaves the table on the user's output."""
+    monkeypatch.setattr(fgo, "print_offload_summary_table", lambda table: print("TABLE", table))
+    manager, _ = _warmed_up_manager(owned.PlanChoices(fraction_placement=placement), 0.5)
+    manager.post_warmup_callback()
+    assert capsys.readouterr().out == ""
+    assert manager._offload_summary_total_bytes == 400
+
+
 @pytest.mark.parametrize("placement", ["earliest", None])
 def test_earliest_placement_is_megatrons_own(printed, placement):
     choices = (

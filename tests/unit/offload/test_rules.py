@@ -8,6 +8,10 @@ from support.offload_cases import ACCEPTED, FGO, MOE_TE, REJECTED
 from support.policies import NO_TE, TE_2_9, TE_2_10, P, check, make_policy
 
 from nemo_rl_offload.config.model_presets import architecture_for
+from nemo_rl_offload.models.transformer_config import (
+    build_transformer_config,
+    transformer_config_kwargs,
+)
 
 
 @pytest.mark.parametrize(
@@ -239,7 +243,7 @@ def test_wrongly_typed_values_are_left_to_the_schema():
 
 
 def _bucket_findings(buckets, divisible_by, fgo=True):
-    from nemo_rl_offload.offload.rules import check_policy
+    from nemo_rl_offload.preflight import check_policy
 
     policy = make_policy(
         "tiny-dense",
@@ -445,7 +449,7 @@ def test_parallel_layouts_every_pass_runs_are_accepted(model, workers, settings)
 
 
 def test_sequence_parallel_without_tensor_parallelism_is_a_one_line_warning():
-    from nemo_rl_offload.offload import apply
+    from nemo_rl_offload.config import megatron_settings
 
     findings = check("tiny-dense", NO_TE, workers=1, sequence_parallel=True)
     assert findings.errors == []
@@ -454,13 +458,13 @@ def test_sequence_parallel_without_tensor_parallelism_is_a_one_line_warning():
         "nothing to split the sequence over); set it to false"
     ]
     # ... and Megatron, which refuses it without tensor parallelism, gets it off.
-    effective = apply.effective_settings(
+    effective = megatron_settings.effective_settings(
         make_policy("tiny-dense", sequence_parallel=True),
         architecture_for("tiny-dense"),
         te_installed=False,
     )
-    assert apply.transformer_config_kwargs(effective)["sequence_parallel"] is False
-    assert apply.build_transformer_config(effective).sequence_parallel is False
+    assert transformer_config_kwargs(effective)["sequence_parallel"] is False
+    assert build_transformer_config(effective).sequence_parallel is False
 
 
 DRIFT = (
@@ -553,13 +557,13 @@ def test_multi_token_prediction_settings_that_run_are_accepted(settings):
 def test_fusions_whose_kernels_need_transformer_engine_run_unfused_without_it(
     model, caps, settings, warned
 ):
-    from nemo_rl_offload.offload import apply
+    from nemo_rl_offload.config import megatron_settings
 
     findings = check(model, caps, **settings)
     assert findings.errors == []
     said = [w for w in findings.warnings if "fused kernel comes from Transformer Engine" in w]
     assert [w.split(": ")[1].rsplit(".", 1)[-1] for w in said] == warned
-    effective = apply.effective_settings(
+    effective = megatron_settings.effective_settings(
         make_policy(model, **settings),
         architecture_for(model),
         te_installed=caps.has_transformer_engine,
@@ -617,8 +621,8 @@ def test_fraction_by_module_is_refused_with_the_fix(by_module, extra, path, frag
 def test_fraction_by_module_is_accepted_and_reaches_the_runtime_and_the_estimate():
     from support.policies import make_policy
 
-    from nemo_rl_offload.offload import apply
-    from nemo_rl_offload.offload.activation_bytes import ActivationSettings
+    from nemo_rl_offload.config import megatron_settings
+    from nemo_rl_offload.planning.activation_bytes import ActivationSettings
 
     settings = {
         **FGO,
@@ -629,9 +633,9 @@ def test_fraction_by_module_is_accepted_and_reaches_the_runtime_and_the_estimate
     findings = check("llama-1b", NO_TE, **settings)
     assert findings.errors == [] and findings.warnings == []
     policy = make_policy(**settings)
-    effective = apply.effective_settings(policy, None, te_installed=False)
+    effective = megatron_settings.effective_settings(policy, None, te_installed=False)
     assert effective.fraction_by_module == (("mlp_norm", 0.5),)
-    choices = apply.runtime_choices(effective, policy["megatron_cfg"], graphed=False)
+    choices = megatron_settings.runtime_choices(effective, policy["megatron_cfg"], graphed=False)
     assert choices.fraction_by_module == (("mlp_norm", 0.5),)
     plan = ActivationSettings.of(effective)
     assert (plan.fraction_of("mlp_norm"), plan.fraction_of("core_attn")) == (0.5, 1.0)

@@ -10,7 +10,8 @@ import torch
 from support.fake_offload import FakeManager as _FakeManager
 from support.fake_offload import fake_plans as _fake_plans
 
-from nemo_rl_offload.offload import apply, owned, runtime
+from nemo_rl_offload.config import batching_settings, megatron_settings
+from nemo_rl_offload.offload import owned, runtime
 
 
 def _group(name: str, nbytes: int, offload: bool = True) -> SimpleNamespace:
@@ -247,14 +248,14 @@ def test_default_budget_is_half_the_ram_at_most():
 
 
 def test_default_buckets_are_powers_of_two_and_midpoints_up_to_the_longest():
-    assert runtime.sequence_length_buckets(4096) == [
+    assert batching_settings.sequence_length_buckets(4096) == [
         32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096
     ]  # fmt: skip
     # Rounded to the padding multiple, without duplicates; the longest length closes the list.
-    assert runtime.sequence_length_buckets(3000, 64) == [
+    assert batching_settings.sequence_length_buckets(3000, 64) == [
         64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3008
     ]  # fmt: skip
-    assert runtime.sequence_length_buckets(40) == [32, 40]
+    assert batching_settings.sequence_length_buckets(40) == [32, 40]
 
 
 @pytest.mark.parametrize(
@@ -306,9 +307,12 @@ def test_prepare_step_is_a_no_op_without_offloading(monkeypatch):
 
 def test_step_buckets_come_from_the_recipe_or_its_length():
     section = {"max_total_sequence_length": 3000, "make_sequence_length_divisible_by": 64}
-    assert runtime.step_buckets(section) == (runtime.sequence_length_buckets(3000, 64), True)
+    assert batching_settings.step_buckets(section) == (
+        batching_settings.sequence_length_buckets(3000, 64),
+        True,
+    )
     section["megatron_cfg"] = {"offload_sequence_length_buckets": [1024, 3072]}
-    assert runtime.step_buckets(section) == ([1024, 3072], False)
+    assert batching_settings.step_buckets(section) == ([1024, 3072], False)
 
 
 def test_pad_steps_pads_without_offloading_and_records_no_plan(monkeypatch):
@@ -360,7 +364,7 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
     drop_and_pad = SimpleNamespace(**vars(config), moe_pad_expert_input_to_capacity=True)
     rt = runtime.OffloadRuntime(
         drop_and_pad,
-        choices=apply.RuntimeChoices(
+        choices=megatron_settings.RuntimeChoices(
             fraction_placement="earliest",
             strided_copies=False,
             pool_expert_groups=True,
@@ -378,6 +382,6 @@ def test_every_plan_carries_the_runtimes_copy_and_fraction_choices(monkeypatch):
     unset = runtime.OffloadRuntime(config)  # the defaults
     unset.before_step(1, 1024)
     choices = _FakeManager.OFFLOAD_MGR.choices
-    assert choices.fraction_placement == apply.DEFAULT_FRACTION_PLACEMENT
+    assert choices.fraction_placement == megatron_settings.DEFAULT_FRACTION_PLACEMENT
     assert choices.lean_hooks is True  # the default
     assert choices.pool_expert_groups is False  # routed shapes: Megatron's

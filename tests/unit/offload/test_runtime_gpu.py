@@ -28,7 +28,8 @@ def _microbatches(count: int, length: int, rng: np.random.Generator) -> list[dic
 
 @pytest.fixture(scope="module")
 def worker():
-    from nemo_rl_offload.models.policy_worker import PolicyWorker
+    from nemo_rl_offload.policy.policy_worker import PolicyWorker
+    from nemo_rl_offload.preflight import resolve_policy
 
     section = {
         "model_name": "llama-1b",
@@ -42,7 +43,7 @@ def worker():
         },
     }
     policy = PolicyWorker(
-        section=section, where="policy", rank=0, world_size=1, seed=1, on_gpu=True
+        settings=resolve_policy(section), rank=0, world_size=1, seed=1, on_gpu=True
     )
     address, port = policy.node_address()
     policy.setup(address, port)

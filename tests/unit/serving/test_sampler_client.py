@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from megatron.core.inference.sampling_params import SamplingParams
 
-from nemo_rl_offload.models.generation import SamplingSettings
+from nemo_rl_offload.policy.generation import SamplingSettings
 from nemo_rl_offload.serving.sampler_client import SamplerClient
 
 EOS = 9
@@ -81,7 +81,7 @@ def test_a_burst_is_gathered_into_one_call_until_it_goes_quiet():
     pause longer than the window goes into the next."""
     import asyncio
 
-    from nemo_rl_offload.models.generation import Generated
+    from nemo_rl_offload.policy.generation import Generated
 
     calls: list[int] = []
 
@@ -114,7 +114,7 @@ def test_a_completion_carries_its_routes_for_router_replay():
 
     import numpy as np
 
-    from nemo_rl_offload.models.generation import Generated
+    from nemo_rl_offload.policy.generation import Generated
 
     routes = np.arange(6 * 2 * 1).reshape(6, 2, 1)  # prompt 2 + 4 sampled, 2 layers, top-1
 
@@ -133,7 +133,7 @@ def test_a_failing_call_is_retried_request_by_request_so_only_its_culprit_fails(
     one by one, so the request the policy cannot take fails alone, with a generic message."""
     import asyncio
 
-    from nemo_rl_offload.models.generation import Generated
+    from nemo_rl_offload.policy.generation import Generated
 
     calls: list[int] = []
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.models.generation import Generated
+from nemo_rl_offload.policy.generation import Generated
 from nemo_rl_offload.serving import serve as serve_module
 
 RECIPE = Path(__file__).resolve().parents[3] / "examples" / "configs" / "tiny" / "grpo.yaml"

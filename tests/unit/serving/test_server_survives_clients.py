@@ -15,10 +15,13 @@ import urllib.request
 from typing import Any
 
 import pytest
+from support.policies import make_policy
 
 from nemo_rl_offload.config import http_server
+from nemo_rl_offload.config.generation_settings import SamplingSettings
 from nemo_rl_offload.data.tokenizer import ByteTokenizer
-from nemo_rl_offload.models.generation import Generated, SamplingSettings
+from nemo_rl_offload.policy.generation import Generated
+from nemo_rl_offload.preflight import resolve_policy
 from nemo_rl_offload.serving.http_server import PolicyServer
 from nemo_rl_offload.serving.policy_endpoint import serve_policy
 from nemo_rl_offload.serving.request_guard import SERVER_ERROR_MESSAGE
@@ -310,14 +313,15 @@ class _Policy:
         return [Generated([TOKENIZER.eos_id], [-0.5]) for _ in prompts]
 
 
-POLICY_CFG = {"model_name": "stub", "max_total_sequence_length": MAX_LEN, "generation": {}}
+POLICY_CFG = {**make_policy("tiny-dense"), "max_total_sequence_length": MAX_LEN}
 
 
 def test_a_recipe_s_server_listens_on_loopback_with_the_key_of_its_environment(monkeypatch):
-    assert http_server.serving_settings(POLICY_CFG).host == "127.0.0.1"
+    settings = resolve_policy(POLICY_CFG)
+    assert settings.serving.host == "127.0.0.1"
     monkeypatch.setenv(http_server.API_KEY_ENV, "from-env")
     policy = _Policy()
-    server = serve_policy(POLICY_CFG, policy, TOKENIZER, seed=0, force=True)
+    server = serve_policy(settings, policy, TOKENIZER, seed=0, force=True)
     try:
         assert server.base_url.startswith("http://127.0.0.1:")
         assert server.api_key == "from-env"

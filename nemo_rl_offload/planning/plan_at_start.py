@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload import planner
 from nemo_rl_offload.config.loader import deep_merge, load_recipe
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.planning import planner
 from nemo_rl_offload.preflight import Report, check_recipe
 
 BUDGET_KEY = "policy.megatron_cfg.offload_plan_budget_gib"

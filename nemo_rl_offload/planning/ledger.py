@@ -1,25 +1,10 @@
 """The activation ledger: every tensor autograd saves in a training step, per layer, and the
 ways to remove it.
 
-Why: a plan that must fit long sequences has to know where the bytes are before it picks
-what to offload or recompute, and which bytes no offload module reaches today. The ledger is
-measured, not modelled: one layer of each kind in the recipe's model (dense, MoE), built the
-way the workers build it (:func:`models.builder.build_gpt_model` from the recipe's effective
-settings, in its precision, with its log-probability chunking) runs a forward on the CPU, and
-:mod:`.saved_tensors` attributes each saved storage to the module that saved it. Two sequence
-lengths separate the bytes that grow with tokens from those that do not. The embedding, the
-final norm, the output layer and the loss are measured once for the model.
-
-Every entry says which offload module covers it today (the module whose offload region in
-megatron-core saves it), which recompute option removes it and what that costs in forward
-FLOPs, or that nothing does. The ledger is of a layer's full width (tensor, context and
-pipeline parallel sizes 1; those divide it by rank) and of the local layer spec without
-offloading or recompute: the bytes a plan starts from.
-
-This module is the ledger's data (:class:`Ledger`), what removes each entry, how entries come
-from two measurements (:func:`entries`) and the table (:func:`format_ledger`);
-:mod:`nemo_rl_offload.models.ledger_run` builds the layers and measures them (it needs the
-models, a layer above this one).
+A plan has to know where the bytes are before it picks what to offload or recompute. This
+module is the ledger's data (:class:`Ledger`), what removes each entry, how entries come from
+two measurements (:func:`entries`) and the table (:func:`format_ledger`);
+:mod:`nemo_rl_offload.planning.ledger_run` measures. How: docs/design/planner.md.
 """
 
 from __future__ import annotations
@@ -28,11 +13,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
-from nemo_rl_offload.offload import apply
-from nemo_rl_offload.offload.apply import EffectiveSettings, Setting
+from nemo_rl_offload.config import megatron_settings
+from nemo_rl_offload.config.megatron_settings import EffectiveSettings, Setting
+from nemo_rl_offload.config.model_shape import MOE
 
-DENSE = "dense layer"
-MOE = "MoE layer"
 MODEL = "embedding, output, loss (once per model)"
 DEFAULT_LENGTHS = (32, 64)
 LAYER_PREFIX = re.compile(r"^decoder\.layers\.\d+(?:\.|$)")
@@ -251,24 +235,8 @@ def tokens_per_microbatch(section: dict[str, Any], where: str = "policy") -> tup
     return tokens // cp, source
 
 
-def layer_kinds(effective: EffectiveSettings) -> list[tuple[str, int, dict[str, Any]]]:
-    """(kind, how many layers of it, settings that build one layer of it)."""
-    layers = int(effective.value("num_layers"))
-    if not effective.is_moe:
-        return [(DENSE, layers, {})]
-    freq = effective.value("moe_layer_freq", 1)
-    if isinstance(freq, int):
-        moe = sum(1 for index in range(layers) if index % freq == 0)
-    else:
-        moe = sum(1 for flag in freq if flag)
-    kinds = [(MOE, moe, {"moe_layer_freq": 1})]
-    if layers > moe:
-        kinds.append((DENSE, layers - moe, {"num_moe_experts": None, "moe_layer_freq": 1}))
-    return kinds
-
-
 # Settings a ledger layer is built without: it measures what a plan starts from.
-_NOT_MEASURED = (*apply.RECOMPUTE_KEYS, *apply.FGO_KEYS)
+_NOT_MEASURED = (*megatron_settings.RECOMPUTE_KEYS, *megatron_settings.FGO_KEYS)
 
 
 def one_layer_settings(
@@ -277,7 +245,11 @@ def one_layer_settings(
     """``effective`` for a one-layer model of one layer kind, on one rank, without offloading
     or recompute."""
     settings = {k: s for k, s in effective.settings.items() if k not in _NOT_MEASURED}
-    for name, value in {**apply.SINGLE_RANK_LAYOUT, "num_layers": 1, **overrides}.items():
+    for name, value in {
+        **megatron_settings.SINGLE_RANK_LAYOUT,
+        "num_layers": 1,
+        **overrides,
+    }.items():
         settings[name] = Setting(value, "ledger")
     return EffectiveSettings(settings, [], [])
 
@@ -321,9 +293,8 @@ def _kept_by_attention_checkpoint(
     length), only its inputs (q, k, v: [batch, heads, s, head dim]), which the checkpoint
     keeps, its output, which the output projection saves, and its softmax statistics (3-D),
     which go. Tensors that cannot be paired across the lengths count as kept (the estimate
-    then errs high, not low). Measured: plans with core_attn recompute held all of it
-    (benchmarks/results/2026-11-25_h100x2_long_context_3b.md, the two 8k plans with core_attn
-    in their recompute_modules)."""
+    then errs high, not low). Measured on two H100s: plans with core_attn recompute held all
+    of it (see docs/design/planner.md)."""
     if len(short) != len(long) or any(
         len(a.shape) != len(b.shape) for a, b in zip(short, long, strict=True)
     ):

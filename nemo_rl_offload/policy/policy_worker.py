@@ -18,13 +18,15 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from nemo_rl_offload import known_warnings
+from nemo_rl_offload.config.generation_settings import SamplingSettings
+from nemo_rl_offload.config.policy_settings import PolicySettings
 from nemo_rl_offload.config.router_replay import ROUTES_KEY
 from nemo_rl_offload.progress import Progress
 
@@ -53,14 +55,14 @@ def weight_decay_overrides(opt_cfg: dict[str, Any]) -> dict[Any, Any] | None:
     return {} if opt_cfg.get("weight_decay_all_params") is True else None
 
 
-def build_param_scheduler(optimizer: Any, megatron_cfg: dict[str, Any]) -> Any:
-    """megatron-core's OptimizerParamScheduler for ``megatron_cfg``'s optimizer and scheduler
-    sections: one function, so that the schedule a DTensor recipe is mapped onto can be tested
-    against torch's schedulers exactly as the worker builds it."""
+def build_param_scheduler(
+    optimizer: Any, opt_cfg: Mapping[str, Any], sched: Mapping[str, Any]
+) -> Any:
+    """megatron-core's OptimizerParamScheduler for a section's optimizer and scheduler settings:
+    one function, so that the schedule a DTensor recipe is mapped onto can be tested against
+    torch's schedulers exactly as the worker builds it."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    opt_cfg = dict(megatron_cfg.get("optimizer") or {})
-    sched = dict(megatron_cfg.get("scheduler") or {})
     lr = float(opt_cfg["lr"])
     weight_decay = float(opt_cfg.get("weight_decay", 0.01))
     decay_steps = max(2, int(sched.get("lr_decay_iters") or 10**9))
@@ -155,8 +157,7 @@ class PolicyWorker:
     def __init__(
         self,
         *,
-        section: dict[str, Any],
-        where: str,
+        settings: PolicySettings,
         rank: int,
         world_size: int,
         seed: int,
@@ -168,7 +169,7 @@ class PolicyWorker:
         # Before this process imports megatron-core (setup does), in case Ray's worker setup
         # hook did not run (a Ray started by someone else, or the worker used in-process).
         known_warnings.install()
-        self.section, self.where = section, where
+        self.settings, self.where = settings, settings.where
         # GRPO's sampling temperature: its log-probabilities (training, old, reference) are
         # those of logits / temperature, as the sampler's (chunked_logprobs.install).
         self.logits_temperature = logits_temperature
@@ -191,22 +192,15 @@ class PolicyWorker:
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any]:
         import torch
 
-        from nemo_rl_offload.config.model_presets import section_architecture
+        from nemo_rl_offload.errors import UserInputError
         from nemo_rl_offload.models.builder import build_gpt_model
-        from nemo_rl_offload.models.chunked_logprobs import chunk_settings
         from nemo_rl_offload.models.chunked_logprobs import install as install_chunked_logprobs
         from nemo_rl_offload.models.layer_input_block import layer_input_offloader
         from nemo_rl_offload.models.parallel import initialize_megatron_parallel
-        from nemo_rl_offload.models.step_graphs import (
+        from nemo_rl_offload.offload.runtime import OffloadRuntime, default_host_budget_bytes
+        from nemo_rl_offload.policy.step_graphs import (
             StepGraphs,
             allow_reuse_of_offloaded_memory_in_capture,
-        )
-        from nemo_rl_offload.offload import apply
-        from nemo_rl_offload.offload.capabilities import detect
-        from nemo_rl_offload.offload.runtime import (
-            OffloadRuntime,
-            default_host_budget_bytes,
-            step_buckets,
         )
 
         numa: dict[str, Any] = {}
@@ -223,21 +217,17 @@ class PolicyWorker:
                 rank=self.rank,
                 world_size=self.world_size,
             )
-        megatron_cfg = self.section["megatron_cfg"]
-        self.architecture = section_architecture(
-            self.section, where=self.where, base_dir=Path.cwd()
-        )
-        effective = apply.effective_settings(
-            self.section,
-            self.architecture,
-            where=self.where,
-            te_installed=detect().has_transformer_engine,
-        )
-        _refuse_fp8_problems(self.section, self.where, effective)
+        settings = self.settings
+        self.architecture = settings.architecture
+        effective = settings.effective
+        if settings.fp8_errors:
+            # A worker started without validate (a benchmark, a script) refuses an fp8_cfg
+            # that validate would refuse, rather than train in the training dtype silently.
+            raise UserInputError(settings.fp8_errors[0])
         # The offload rules refuse CUDA graphs on CPU workers; this guards in-process use.
         graphed = self.on_gpu and effective.value("cuda_graph_impl") == "full_iteration"
         initialize_megatron_parallel(
-            megatron_cfg, seed=self.seed, on_gpu=self.on_gpu, cudagraphable_rng=graphed
+            settings.parallel_sizes(), seed=self.seed, on_gpu=self.on_gpu, cudagraphable_rng=graphed
         )
         _forget_other_models_moe_metrics()
         model, warnings = build_gpt_model(effective, self.architecture, on_gpu=self.on_gpu)
@@ -249,7 +239,7 @@ class PolicyWorker:
             self.graphs = StepGraphs(warmup_steps=model.config.cuda_graph_warmup_steps)
         if model.config.deterministic_mode:
             _use_deterministic_algorithms()
-        if self.architecture.hf_directory and not self.section.get("init_checkpoint"):
+        if self.architecture.hf_directory and not settings.init_checkpoint:
             # Before the reference copy and the optimizer, which copy the weights.
             from nemo_rl_offload.models.hf_checkpoint import load_into_model
 
@@ -259,19 +249,19 @@ class PolicyWorker:
             if self.on_gpu
             else torch.device("cpu")
         )
-        budget_gib = megatron_cfg.get("offload_host_memory_budget_gib")
+        budget_gib = settings.offload.host_budget_gib
         self.runtime = OffloadRuntime(
             model.config,
             host_budget_bytes=int(budget_gib * 2**30)
             if budget_gib
             else default_host_budget_bytes(),
-            sequence_buckets=step_buckets(self.section)[0],
+            sequence_buckets=list(settings.offload.sequence_buckets),
             graphed=self.graphs is not None,
             on_release=self._release_graphs,
-            choices=apply.runtime_choices(effective, megatron_cfg, graphed=self.graphs is not None),
+            choices=settings.offload.choices(graphed=self.graphs is not None),
         )
         # policy.logprob_chunk_size: the labels' log-probabilities in chunks of the sequence.
-        chunk, chunked_output_layer = chunk_settings(self.section)
+        chunk, chunked_output_layer = settings.logprob_chunk, settings.chunked_output_layer
         install_chunked_logprobs(
             model, chunk, self.logits_temperature, chunked_output_layer=chunked_output_layer
         )
@@ -288,7 +278,7 @@ class PolicyWorker:
             self.reference = self._precision_wrap(reference).eval()
         self.model = self._precision_wrap(model)
         if self.trainable:
-            self._setup_training(model.config, megatron_cfg)
+            self._setup_training(model.config)
         params = sum(p.numel() for p in model.parameters())
         from nemo_rl_offload.models.fp8_linear import count_fp8_linears
 
@@ -335,9 +325,7 @@ class PolicyWorker:
     def _rollout_quantizers(self) -> contextlib.AbstractContextManager[None]:
         """Rollouts of a quantized policy run without its quantizers unless
         ``generation.quant_cfg`` asks for them (``config.quantization``)."""
-        from nemo_rl_offload.config.quantization import rollouts_quantized
-
-        if not self.quantized or rollouts_quantized(self.section):
+        if not self.quantized or self.settings.rollouts_quantized:
             return contextlib.nullcontext()
         from nemo_rl_offload.models.quantization import quantizers_off
 
@@ -371,7 +359,7 @@ class PolicyWorker:
             return Float16Module(model.config, model)
         return model
 
-    def _setup_training(self, config: Any, megatron_cfg: dict[str, Any]) -> None:
+    def _setup_training(self, config: Any) -> None:
         import torch
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -380,11 +368,11 @@ class PolicyWorker:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from nemo_rl_offload.offload import apply
+        from nemo_rl_offload.config import megatron_settings
         from nemo_rl_offload.offload.capabilities import detect
 
-        opt_cfg = dict(megatron_cfg.get("optimizer") or {})
-        ddp_cfg = dict(megatron_cfg.get("distributed_data_parallel_config") or {})
+        opt_cfg = dict(self.settings.optimizer)
+        ddp_cfg = dict(self.settings.ddp)
         # On CPU workers too: its reduce-scatter and all-gather run on gloo.
         use_distributed = bool(opt_cfg.get("use_distributed_optimizer", False))
         ddp_cfg.pop("use_custom_fsdp", None)
@@ -414,10 +402,10 @@ class PolicyWorker:
             torch.cuda.current_stream().wait_stream(stream)
         config.finalize_model_grads_func = finalize_model_grads
         config.no_sync_func = self.model.no_sync
-        precision = self.section.get("precision", "float32")
+        precision = self.settings.precision
         kwargs = {k: opt_cfg[k] for k in OPTIMIZER_KEYS_FROM_RECIPE if k in opt_cfg}
         kwargs["use_distributed_optimizer"] = use_distributed
-        kwargs["use_precision_aware_optimizer"] = apply.precision_aware_optimizer(
+        kwargs["use_precision_aware_optimizer"] = megatron_settings.precision_aware_optimizer(
             opt_cfg, te_installed=detect().has_transformer_engine, on_gpu=self.on_gpu
         )
         kwargs["clip_grad"] = float(kwargs.get("clip_grad") or 0.0)
@@ -432,7 +420,9 @@ class PolicyWorker:
                 [self.model],
                 config_overrides=weight_decay_overrides(opt_cfg),
             )
-        self.scheduler = build_param_scheduler(self.optimizer, megatron_cfg)
+        self.scheduler = build_param_scheduler(
+            self.optimizer, self.settings.optimizer, self.settings.scheduler
+        )
 
     def _optimizer_construction(self) -> contextlib.AbstractContextManager[None]:
         """On CPU workers, the distributed optimizer is built with its parameters answering
@@ -468,9 +458,9 @@ class PolicyWorker:
         import torch
 
         from nemo_rl_offload import losses
-        from nemo_rl_offload.models import mtp, router_replay
-        from nemo_rl_offload.models.train_step import run_microbatches
         from nemo_rl_offload.offload.runtime import pad_microbatches
+        from nemo_rl_offload.policy.step_features import STEP_FEATURES
+        from nemo_rl_offload.policy.train_step import run_microbatches
 
         start = time.perf_counter()
         self.model.zero_grad_buffer()
@@ -488,8 +478,8 @@ class PolicyWorker:
             microbatches = pad_microbatches(microbatches, longest)
         microbatches = self.runtime.prepare_step(microbatches, sync_length=self._dp_max)
         loss_fn = losses.make_loss_fn(loss)
-        mtp.start_step(self.model, self.device)
-        router_replay.start_step(self.model, self.device)
+        for feature in STEP_FEATURES:
+            feature.start_step(self.model, self.device)
 
         # Rank 0 says how far its micro-batches are when the step is slow (the driver said
         # the phase started).
@@ -519,8 +509,8 @@ class PolicyWorker:
             # captured step's peak, which every replay of it reaches again.
             fwd_bwd_peak = at_start + self.graphs.activation_peak_bytes(key) / 2**30
         metrics = self._sum_outputs(outputs)  # read before any other step reuses the buffers
-        metrics.update(mtp.step_metrics(self.model, len(microbatches)))
-        metrics.update(router_replay.step_metrics(self.model, self.device))
+        for feature in STEP_FEATURES:
+            metrics.update(feature.step_metrics(self.model, self.device, len(microbatches)))
         updated, grad_norm, _ = self.optimizer.step()
         if updated:
             self.scheduler.step(increment=1)
@@ -552,7 +542,7 @@ class PolicyWorker:
         """A training step's graph key: its offload plan's shape (which the runtime's budget
         may release), every input tensor's shape and dtype, and the loss settings, which the
         graph bakes in as constants."""
-        from nemo_rl_offload.models.step_graphs import input_signature
+        from nemo_rl_offload.policy.step_graphs import input_signature
 
         return (self.runtime.step_shape, input_signature(tensors), repr(sorted(loss.items())))
 
@@ -612,7 +602,7 @@ class PolicyWorker:
         from nemo_rl_offload.models.chunked_logprobs import topk_logprobs
 
         vocab = self.architecture.vocab_size
-        chunk = self.section.get("logprob_chunk_size")
+        chunk = self.settings.logprob_chunk
 
         def top_k(batch: dict[str, Any], logits: Any) -> dict[str, Any]:
             return topk_logprobs(full_vocab(logits)[..., :vocab], k, chunk)
@@ -632,7 +622,7 @@ class PolicyWorker:
         """Forward-only pass through Megatron's schedule (``train_step.forward_outputs``),
         outside the offload plan: ``output_fn`` gets per-token losses (minus the labels'
         log-probabilities) with labels, else logits."""
-        from nemo_rl_offload.models.train_step import FORWARD_INPUTS, forward_outputs
+        from nemo_rl_offload.policy.train_step import FORWARD_INPUTS, forward_outputs
 
         if not microbatches:
             # A data-parallel rank with no share of the pass (fewer packs than ranks): the
@@ -650,7 +640,7 @@ class PolicyWorker:
     def generate(
         self,
         prompts: list[list[int]],
-        settings: dict[str, Any],
+        settings: SamplingSettings,
         *,
         seed: int,
         pad_id: int,
@@ -659,20 +649,20 @@ class PolicyWorker:
         """Sampled continuations of ``prompts`` (``generation.Generated``: token ids without
         the prompt, and their log-probabilities; with ``record_routes`` each position's experts,
         which needs a model built for ``policy.router_replay``)."""
-        from nemo_rl_offload.models.generation import EngineSettings, SamplingSettings, sample
         from nemo_rl_offload.models.router_replay import replays_routes
+        from nemo_rl_offload.policy.generation import sample
 
         # The KV cache lives only inside this block: allocated for the call, freed after it.
         with self.runtime.forward_only(), self._rollout_quantizers():
             return sample(
                 self.model,
                 prompts,
-                SamplingSettings(**settings),
+                settings,
                 pad_id=pad_id,
                 vocab_size=self.architecture.vocab_size,
                 seed=seed,
                 device=self.device,
-                engine=EngineSettings.from_recipe(self.section.get("generation")),
+                engine=self.settings.generation.engine,
                 record_routes=record_routes and replays_routes(self.model),
             )
 
@@ -705,8 +695,8 @@ class PolicyWorker:
 
     def save_checkpoint(self, directory: str) -> None:
         """Write this rank's part of the checkpoint in ``directory`` (every rank together):
-        weights, optimizer, scheduler, generators and step (``models.checkpoint``)."""
-        from nemo_rl_offload.models import checkpoint
+        weights, optimizer, scheduler, generators and step (``policy.checkpoint``)."""
+        from nemo_rl_offload.policy import checkpoint
 
         with self._parameters_gathered():
             checkpoint.save(
@@ -717,7 +707,7 @@ class PolicyWorker:
                 step=self.step,
                 distributed_optimizer=self._distributed_optimizer,
                 on_gpu=self.on_gpu,
-                quant_cfg=self.section.get("quant_cfg") if self.quantized else None,
+                quant_cfg=self.settings.quant_cfg if self.quantized else None,
             )
 
     @contextlib.contextmanager
@@ -745,7 +735,7 @@ class PolicyWorker:
         """Load a checkpoint (either format). ``weights_only`` (``init_checkpoint``): the
         weights, into the reference model too; otherwise (resume) the full training state
         into the policy, while the reference keeps the weights it started with."""
-        from nemo_rl_offload.models import checkpoint
+        from nemo_rl_offload.policy import checkpoint
 
         if checkpoint.is_legacy(directory):
             return self._load_legacy(directory, weights_only=weights_only)
@@ -767,7 +757,7 @@ class PolicyWorker:
     def _load_legacy(self, directory: str, *, weights_only: bool) -> int:
         """A checkpoint of the first format: weights, and for a resume the step, the scheduler
         and the plain optimizer's state it holds (it held none for the distributed one)."""
-        from nemo_rl_offload.models import checkpoint
+        from nemo_rl_offload.policy import checkpoint
 
         state = checkpoint.read_legacy_shard(checkpoint.legacy_shard_path(directory))
         self._unwrapped().load_state_dict(state["model"])
@@ -832,14 +822,3 @@ class PolicyWorker:
         from megatron.core.utils import unwrap_model
 
         return unwrap_model(self.model)
-
-
-def _refuse_fp8_problems(section: dict[str, Any], where: str, effective: Any) -> None:
-    """A worker started without validate (a benchmark, a script) refuses an ``fp8_cfg`` that
-    validate would refuse, rather than train in the training dtype without saying so."""
-    from nemo_rl_offload.config import fp8
-    from nemo_rl_offload.errors import UserInputError
-
-    errors, _ = fp8.problems(section, where, transformer_impl=effective.value("transformer_impl"))
-    if errors:
-        raise UserInputError(errors[0])

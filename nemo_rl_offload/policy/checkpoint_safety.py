@@ -1,23 +1,8 @@
 """Checkpoint files read without running code from them, and checked complete before a load.
 
-A checkpoint is a directory a user hands in (``policy.init_checkpoint``, ``export-hf
---checkpoint``, ``serve --checkpoint``, a resumed ``checkpoint_dir``), and Python's pickle runs
-whatever a file names. So nothing of one is unpickled without an allowlist:
-
-- the first format's shard files (``model_tp<t>_pp<p>.pt``): ``torch.load(weights_only=True)``,
-  whose allowlist (tensors, storages, plain containers and numbers) is all they hold;
-- the current format's ``.metadata`` (PyTorch's distributed checkpoint, unpickled by torch's
-  reader): read first through :class:`MetadataUnpickler`, which admits only the classes that
-  metadata is made of (:data:`METADATA_GLOBALS`), before the directory goes to megatron/torch,
-  and torch's reader itself unpickles it through the same allowlist while a load runs;
-- the objects stored as bytes inside the ``.distcp`` files (megatron's non-tensor state: the
-  step, the scheduler, each rank's generator states), which torch's planner unpickles with
-  ``weights_only=False``: :func:`restricted_bytes` makes it ``weights_only=True`` with only
-  numpy's array classes (the generator states) added.
-
-:func:`problem` also says whether a checkpoint is complete without reading its tensors (every
-file its metadata points into is there and long enough), so a run resumes from the last
-complete checkpoint rather than failing on a damaged latest one.
+A checkpoint is a directory a user hands in, and Python's pickle runs whatever a file names, so
+nothing of one is unpickled without an allowlist. :func:`problem` also says whether a
+checkpoint is complete without reading its tensors. What is read how: docs/training.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """The activation ledger of a recipe, measured once per model and kept on disk.
 
-Why: ``validate`` prints a memory estimate from the ledger, and measuring it builds one layer
-of each kind and the model's embedding and output layer on the CPU, seconds for a
-billion-parameter model. What a layer saves per token depends only on what builds and runs it
-(the model, its precision and fusions, the log-probability chunking, the installed
-megatron-core and this package's measuring code), not on the recipe's lengths, batch sizes,
-parallel layout or offload settings, so one measurement serves every recipe of that model.
-
-The key hashes exactly those inputs: the one-layer settings of every layer kind
-(:func:`.ledger.one_layer_settings`, which leave out offloading and recompute), the
-architecture, ``logprob_chunk_size``, the measuring lengths, the megatron-core version and the
-source of the modules that build and measure the layer. The entries are stored without what
-depends on the recipe (tokens per micro-batch, layer counts, core attention's recompute FLOPs
-at ``max_total_sequence_length``, the parallel notes), which are filled in at load.
-
-Location: ``$NEMO_RL_OFFLOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/nemo_rl_offload``, else
-``~/.cache/nemo_rl_offload``. A directory that cannot be written only costs the measurement.
+Measuring the ledger takes seconds for a billion-parameter model, and what a layer saves per
+token does not depend on the recipe's lengths, batch sizes, parallel layout or offload
+settings, so one measurement serves every recipe of that model. The key and the cache's
+location: docs/design/planner.md.
 """
 
 from __future__ import annotations
@@ -27,14 +15,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.offload import apply
-from nemo_rl_offload.offload.ledger import (
+from nemo_rl_offload.config import megatron_settings
+from nemo_rl_offload.config.model_shape import layer_kinds
+from nemo_rl_offload.planning.ledger import (
     DEFAULT_LENGTHS,
     MODEL,
     Entry,
     LayerKind,
     Ledger,
-    layer_kinds,
     one_layer_settings,
     parallel_notes,
     recompute_flops_per_token,
@@ -44,10 +32,10 @@ from nemo_rl_offload.offload.ledger import (
 CACHE_ENV = "NEMO_RL_OFFLOAD_CACHE_DIR"
 # The modules whose code decides what a measured layer saves.
 _MEASURING_MODULES = (
-    "nemo_rl_offload.offload.ledger",
+    "nemo_rl_offload.planning.ledger",
     "nemo_rl_offload.offload.saved_tensors",
     "nemo_rl_offload.offload.cuda_norms",
-    "nemo_rl_offload.models.ledger_run",
+    "nemo_rl_offload.planning.ledger_run",
     "nemo_rl_offload.models.builder",
     "nemo_rl_offload.models.attention",
     "nemo_rl_offload.models.self_attention",
@@ -87,12 +75,12 @@ def _megatron_version() -> str:
 
 
 def ledger_key(
-    effective: apply.EffectiveSettings,
+    effective: megatron_settings.EffectiveSettings,
     architecture: Any,
     section: dict[str, Any],
     lengths: tuple[int, int],
 ) -> str:
-    """The hash of everything the measured entries depend on (see the module docstring)."""
+    """The hash of everything the measured entries depend on (see docs/design/planner.md)."""
     from nemo_rl_offload.models.chunked_logprobs import chunk_settings
 
     kinds = [
@@ -158,13 +146,15 @@ def cached_ledger(
     from nemo_rl_offload.config.model_presets import section_architecture
 
     architecture = section_architecture(section, where=where, base_dir=base_dir)
-    effective = apply.effective_settings(section, architecture, where=where, te_installed=False)
+    effective = megatron_settings.effective_settings(
+        section, architecture, where=where, te_installed=False
+    )
     key = ledger_key(effective, architecture, section, lengths)
     path = cache_dir() / f"ledger-{key}.json"
     stored = _MEMO.get(key) or _read(path)
     hit = stored is not None
     if stored is None:
-        from nemo_rl_offload.models.ledger_run import build_ledger
+        from nemo_rl_offload.planning.ledger_run import build_ledger
 
         stored = stored_entries(
             build_ledger(section, where=where, base_dir=base_dir, lengths=lengths)
@@ -176,7 +166,7 @@ def cached_ledger(
 
 def ledger_from_stored(
     stored: dict[str, Any],
-    effective: apply.EffectiveSettings,
+    effective: megatron_settings.EffectiveSettings,
     section: dict[str, Any],
     where: str,
     lengths: tuple[int, int],

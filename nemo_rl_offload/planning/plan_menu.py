@@ -1,10 +1,10 @@
 """The planner's menu: every activation-memory setting the rules allow for a recipe, as
 candidates, and the cost model's view of the recipe's layers.
 
-Why apart from :mod:`nemo_rl_offload.planner`: what can be tried (offload sets, fractions,
+Why apart from :mod:`nemo_rl_offload.planning.planner`: what can be tried (offload sets, fractions,
 selective recompute sets, full recompute of all or some layers, with or without the layer
 inputs offloaded) is one job; measuring and choosing is another. Each candidate is checked by
-:func:`nemo_rl_offload.offload.rules.check_policy`, the rules every recipe passes, so the
+:func:`nemo_rl_offload.preflight.check_policy`, the rules every recipe passes, so the
 planner never proposes settings a job would refuse. Checking is lazy (:func:`frontier`):
 only candidates that could be chosen (faster than every valid one with a lower predicted
 peak) are checked.
@@ -19,16 +19,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl_offload.offload import cost_model
-from nemo_rl_offload.offload.activation_bytes import (
+from nemo_rl_offload.config.module_names import LAYER_INPUT
+from nemo_rl_offload.planning import cost_model
+from nemo_rl_offload.planning.activation_bytes import (
     BLOCK,
     UNIFORM,
     ActivationSettings,
     ActivationTable,
     covered,
 )
-from nemo_rl_offload.offload.capabilities import LAYER_INPUT
-from nemo_rl_offload.offload.cost_model import LayerCosts
+from nemo_rl_offload.planning.cost_model import LayerCosts
 
 # A settings patch: recipe keys nested as in the recipe, merged onto a loaded recipe.
 Patch = dict[str, Any]
@@ -47,8 +47,8 @@ BLOCK_STEPS = 8
 # The recompute options whose FLOPs the cost model needs per layer kind.
 FLOP_OPTIONS = ("layernorm", "core_attn", "mlp", "mlp_act", "moe", "moe_act", "full")
 # The policy.logprob_chunk_size the planner proposes for a recipe without one (the loss keeps
-# its logits in their precision, no float32 copy: what it saves and costs at 8k,
-# benchmarks/results/2026-11-27_h100_long_context_3b_seq8192_lean_loss.md).
+# its logits in their precision, no float32 copy: what it saves and costs at 8k was measured
+# on an H100, see docs/design/planner.md).
 LEAN_LOSS_CHUNK = 1024
 
 
@@ -84,7 +84,7 @@ class Candidate:
     # the output layer in the loss's chunks too (policy.megatron_cfg.chunked_output_layer)
     output_chunked: bool = False
     # the share of the optimizer state on the host (optimizer_cpu_offload with this
-    # optimizer_offload_fraction: :mod:`nemo_rl_offload.plan_optimizer`), None: on the GPU
+    # optimizer_offload_fraction: :mod:`nemo_rl_offload.planning.plan_optimizer`), None: on the GPU
     host_optimizer: float | None = None
     # what the host optimizer added to the step (measured, and predicted), seconds
     optimizer_extra_s: float | None = None
@@ -108,7 +108,7 @@ class Candidate:
     @property
     def failed(self) -> str | None:
         """The failure as one line, or None."""
-        from nemo_rl_offload.failures import Failure
+        from nemo_rl_offload.planning.failures import Failure
 
         return Failure.from_dict(self.failure).summary() if self.failure else None
 
@@ -332,8 +332,8 @@ def layer_costs(
     output_flops: float = 0.0,
 ) -> LayerCosts:
     """The cost model's view of a recipe from its effective settings and activation ledger
-    (:class:`offload.ledger.Ledger`) at its tokens per micro-batch: the activation table
-    (:class:`offload.activation_bytes.ActivationTable`, the bytes ``validate``'s estimate
+    (:class:`planning.ledger.Ledger`) at its tokens per micro-batch: the activation table
+    (:class:`planning.activation_bytes.ActivationTable`, the bytes ``validate``'s estimate
     counts too) and each layer kind's recompute FLOPs. ``flops_per_token(kind, option)``:
     forward FLOPs per token of a recompute option in a layer of that kind. ``lean_ledger``:
     the same recipe's ledger with a ``logprob_chunk_size`` (its loss's bytes), for the

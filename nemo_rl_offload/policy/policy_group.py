@@ -11,11 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.generation_settings import SamplingSettings
+from nemo_rl_offload.config.policy_settings import PolicySettings
 from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.distributed.sharding import split
 from nemo_rl_offload.distributed.worker_group import WorkerGroup
-from nemo_rl_offload.models import checkpoint
-from nemo_rl_offload.models.policy_worker import PolicyWorker
+from nemo_rl_offload.policy import checkpoint
+from nemo_rl_offload.policy.policy_worker import PolicyWorker
 
 # Metrics that describe one rank (its memory, time, learning rate), or that every rank already
 # holds reduced over the data-parallel ranks (the multi-token prediction losses, models.mtp;
@@ -86,9 +88,8 @@ def holds_reference(recipe: dict[str, Any], algorithm: str) -> bool:
 class PolicyGroup:
     def __init__(
         self,
-        section: dict[str, Any],
+        settings: PolicySettings,
         *,
-        where: str,
         cluster_cfg: dict[str, Any],
         seed: int,
         trainable: bool,
@@ -98,6 +99,8 @@ class PolicyGroup:
         logits_temperature: float = 1.0,
     ) -> None:
         num_workers, self.on_gpu = worker_count(cluster_cfg)
+        where = settings.where
+        self.settings = settings
         self.where, self.holds_reference = where, with_reference
         self.group = WorkerGroup(
             PolicyWorker,
@@ -107,8 +110,7 @@ class PolicyGroup:
             cpus_per_worker=1 if self.on_gpu else 0.5,
             env_vars=env_vars,
             init_kwargs=lambda rank, world: {
-                "section": section,
-                "where": where,
+                "settings": settings,
                 "rank": rank,
                 "world_size": world,
                 "seed": seed,
@@ -196,7 +198,7 @@ class PolicyGroup:
     def generate(
         self,
         prompts: list[list[int]],
-        settings: dict[str, Any],
+        settings: SamplingSettings,
         *,
         seed: int,
         pad_id: int,

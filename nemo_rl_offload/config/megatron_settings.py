@@ -1,19 +1,8 @@
 """Apply a validated ``policy.megatron_cfg`` to Megatron-core's TransformerConfig.
 
-One function decides what every TransformerConfig field ends up as, and where that value came
-from (:func:`effective_settings`); the offload rules read the same answer, so what is checked is
-exactly what is applied. Layers, later winning:
-
-1. the model's architecture (a preset or a local HF directory: ``<where>.model_name``);
-2. ``<where>.precision`` (bf16 / fp16 / params_dtype);
-3. NeMo-RL's ``activation_checkpointing`` switch, which turns the ``recompute_*`` keys on;
-4. ``megatron_cfg.model_overrides`` (any TransformerConfig field);
-5. the named ``megatron_cfg`` keys (a named key that disagrees with model_overrides is a
-   conflict, reported by the rules).
-
-Unset offload knobs are not passed, so Megatron's defaults stay in force; an explicit
-``fine_grained_activation_offloading: false`` clears the module list too, so nothing enabled
-elsewhere (model_overrides) survives it.
+The one owner of what every TransformerConfig field ends up as and where that value came from
+(:func:`effective_settings`); the offload rules read the same answer, so what is checked is
+exactly what is applied. The layers, later winning: docs/offloading.md.
 """
 
 from __future__ import annotations
@@ -24,12 +13,12 @@ from typing import Any
 from nemo_rl_offload.config import fp8, multi_token_prediction, peft, router_replay
 from nemo_rl_offload.config.fp8 import Fp8Settings
 from nemo_rl_offload.config.model_presets import Architecture, has_experts
-from nemo_rl_offload.config.peft import LoraSettings
-from nemo_rl_offload.offload.capabilities import (
+from nemo_rl_offload.config.module_names import (
     LAYER_INPUT,
     MLP_OFFLOAD_MODULES,
     PROJECT_RECOMPUTE_MODULES,
 )
+from nemo_rl_offload.config.peft import LoraSettings
 
 # megatron_cfg keys that are TransformerConfig fields of the same name.
 FGO_KEYS = (
@@ -86,9 +75,6 @@ RECOMPUTE_DEFAULTS: dict[str, Any] = {
     "recompute_num_layers": 1,
 }
 FULL_RECOMPUTE_ONLY_KEYS = ("recompute_method", "recompute_num_layers")
-_DTYPE_FIELDS = ("params_dtype", "pipeline_dtype")
-# Architecture entries that are not TransformerConfig fields.
-_NOT_TRANSFORMER_FIELDS = ("activation",)
 
 
 @dataclass(frozen=True)
@@ -131,6 +117,22 @@ class EffectiveSettings:
     def is_moe(self) -> bool:
         """The model has experts (:func:`.model_presets.has_experts`)."""
         return has_experts(self.value("num_moe_experts"))
+
+    @property
+    def listed_offload_modules(self) -> tuple[str, ...]:
+        """``offload_modules`` as resolved, whether offloading is on or not (the one reader of
+        the key; () when it is not a list of names, which the schema reports)."""
+        modules = self.value("offload_modules")
+        if isinstance(modules, list) and all(isinstance(name, str) for name in modules):
+            return tuple(modules)
+        return ()
+
+    @property
+    def offload_modules(self) -> tuple[str, ...]:
+        """The offload modules that run: none while fine-grained offloading is off."""
+        if self.value("fine_grained_activation_offloading") is not True:
+            return ()
+        return self.listed_offload_modules
 
 
 # The layout of a model built on one rank (export-hf's reader, the activation ledger): no
@@ -186,7 +188,7 @@ def runtime_choices(
         or DEFAULT_FRACTION_PLACEMENT,
         fraction_by_module=effective.fraction_by_module,
         # Faster on dense models and on graphed MoE steps, slower on eager MoE steps (host
-        # bound): benchmarks/results/2026-11-22_h100_benchmark_copies_ab_*_seq4096.md.
+        # bound), measured on an H100: see docs/offloading.md.
         strided_copies=not effective.is_moe or graphed,
         pool_expert_groups=effective.value("moe_pad_expert_input_to_capacity") is True,
     )
@@ -194,7 +196,7 @@ def runtime_choices(
 
 def fraction_by_module(megatron_cfg: dict[str, Any]) -> tuple[tuple[str, float], ...]:
     """``activation_offload_fraction_by_module`` as sorted (module, fraction) pairs (the rules
-    have checked it: :func:`nemo_rl_offload.offload.rules.check_policy`)."""
+    have checked it: :func:`nemo_rl_offload.preflight.check_policy`)."""
     by_module = megatron_cfg.get("activation_offload_fraction_by_module")
     if not isinstance(by_module, dict):
         return ()
@@ -325,56 +327,6 @@ def freezes_moe_router(policy_cfg: dict[str, Any]) -> bool:
     return (policy_cfg.get("megatron_cfg") or {}).get("freeze_moe_router") is True
 
 
-def transformer_config_kwargs(effective: EffectiveSettings) -> dict[str, Any]:
-    """Keyword arguments for TransformerConfig: plain values, dtype names turned into torch
-    dtypes and the activation name into its function."""
-    import torch
-    import torch.nn.functional as F
-
-    kwargs = {
-        name: setting.value
-        for name, setting in effective.settings.items()
-        if name not in _NOT_TRANSFORMER_FIELDS
-    }
-    for name in _DTYPE_FIELDS:
-        if isinstance(kwargs.get(name), str):
-            kwargs[name] = getattr(torch, kwargs[name])
-    activation = effective.value("activation")
-    if activation is not None:
-        kwargs["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}[activation]
-    modules = kwargs.get("offload_modules")
-    if isinstance(modules, list):
-        # This package's own module names reach the layer spec (project_offload_modules) or the
-        # decoder (offloads_layer_input), not TransformerConfig, which refuses names it does
-        # not know.
-        kwargs["offload_modules"] = [
-            name for name in modules if name not in MLP_OFFLOAD_MODULES and name != LAYER_INPUT
-        ]
-        if (
-            LAYER_INPUT in modules
-            and not kwargs["offload_modules"]
-            and not (set(modules) & MLP_OFFLOAD_MODULES)
-        ):
-            # layer_input alone runs outside Megatron's offload manager (offload.layer_input):
-            # Megatron's flag would open offload chunks that nothing uses.
-            kwargs["fine_grained_activation_offloading"] = False
-    recompute = kwargs.get("recompute_modules")
-    if isinstance(recompute, list):
-        # Likewise for this package's recompute names (project_recompute_modules).
-        kwargs["recompute_modules"] = [
-            name for name in recompute if name not in PROJECT_RECOMPUTE_MODULES
-        ]
-    if not kwargs.get("mtp_num_layers"):
-        # NeMo-RL writes 0 for "no MTP"; Megatron's off is None (its schedules set an MTP loss
-        # scale whenever the field is not None).
-        kwargs["mtp_num_layers"] = None
-    if kwargs.get("sequence_parallel") and (kwargs.get("tensor_model_parallel_size") or 1) == 1:
-        # Megatron's config refuses sequence parallelism without tensor parallelism; with one
-        # tensor-parallel rank it would split nothing, so it is off (validate warns).
-        kwargs["sequence_parallel"] = False
-    return kwargs
-
-
 def precision_aware_optimizer(opt_cfg: dict[str, Any], *, te_installed: bool, on_gpu: bool) -> bool:
     """Whether megatron-core's precision-aware optimizer runs for ``optimizer`` settings
     ``opt_cfg`` (NeMo-RL's ``use_precision_aware_optimizer``, true in its base recipes). It
@@ -382,34 +334,26 @@ def precision_aware_optimizer(opt_cfg: dict[str, Any], *, te_installed: bool, on
     the hybrid CPU optimizer; without either (and on CPU workers) the distributed optimizer
     runs instead. This backend's optimizer state is float32 either way (the schema has no
     lower-precision state dtypes), so the step is the same up to rounding; ``validate``
-    warns (rules._optimizer_offload)."""
+    warns (config.megatron_rules._optimizer_offload)."""
     if not (on_gpu and opt_cfg.get("use_precision_aware_optimizer") is True):
         return False
     return te_installed or opt_cfg.get("optimizer_cpu_offload") is True
 
 
 def project_offload_modules(effective: EffectiveSettings) -> frozenset[str]:
-    """The offload modules of this package (:data:`.capabilities.MLP_OFFLOAD_MODULES`) that the
+    """The offload modules of this package (:data:`.module_names.MLP_OFFLOAD_MODULES`) that the
     settings turn on: the layer spec places them (``models.builder.layer_spec``)."""
-    if effective.value("fine_grained_activation_offloading") is not True:
-        return frozenset()
-    modules = effective.value("offload_modules")
-    if not isinstance(modules, list):
-        return frozenset()
-    return frozenset(name for name in modules if name in MLP_OFFLOAD_MODULES)
+    return frozenset(name for name in effective.offload_modules if name in MLP_OFFLOAD_MODULES)
 
 
 def offloads_layer_input(effective: EffectiveSettings) -> bool:
     """The settings offload each full-recompute segment's input (``layer_input``, placed on
     the decoder by ``models.builder``; :mod:`.layer_input`)."""
-    if effective.value("fine_grained_activation_offloading") is not True:
-        return False
-    modules = effective.value("offload_modules")
-    return isinstance(modules, list) and LAYER_INPUT in modules
+    return LAYER_INPUT in effective.offload_modules
 
 
 def project_recompute_modules(effective: EffectiveSettings) -> frozenset[str]:
-    """The recompute modules of this package (:data:`.capabilities.PROJECT_RECOMPUTE_MODULES`)
+    """The recompute modules of this package (:data:`.module_names.PROJECT_RECOMPUTE_MODULES`)
     that selective recompute turns on: the layer spec places them
     (``models.builder.layer_spec``)."""
     if effective.value("recompute_granularity") != "selective":
@@ -418,32 +362,3 @@ def project_recompute_modules(effective: EffectiveSettings) -> frozenset[str]:
     if not isinstance(modules, list):
         return frozenset()
     return frozenset(name for name in modules if name in PROJECT_RECOMPUTE_MODULES)
-
-
-def make_transformer_config(
-    kwargs: dict[str, Any], project_modules: frozenset[str] = frozenset()
-) -> Any:
-    """TransformerConfig(**kwargs), where offloading may be on with none of Megatron's own
-    modules listed, only this package's ``project_modules`` (:func:`project_offload_modules`):
-    Megatron asserts a non-empty list whenever its flag is on, so the config is made with the
-    flag off and the flag set afterwards. The flag is what makes the model open an offload chunk
-    per micro-batch and the schedules reset the manager; the checks Megatron skips that way are
-    the rules' (offload.rules), made on the recipe."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    if (
-        project_modules
-        and kwargs.get("fine_grained_activation_offloading")
-        and not kwargs.get("offload_modules")
-    ):
-        config = TransformerConfig(**{**kwargs, "fine_grained_activation_offloading": False})
-        config.fine_grained_activation_offloading = True
-        return config
-    return TransformerConfig(**kwargs)
-
-
-def build_transformer_config(effective: EffectiveSettings) -> Any:
-    """Megatron-core's TransformerConfig for these settings (imports megatron-core)."""
-    return make_transformer_config(
-        transformer_config_kwargs(effective), project_offload_modules(effective)
-    )

@@ -1,30 +1,9 @@
 """A policy worker's training state on disk, through megatron-core's ``dist_checkpointing``.
 
-Every rank of a worker group writes its own part of one sharded checkpoint (PyTorch's
-distributed checkpoint format, written by Megatron), into ``<step dir>/policy/``:
-
-- ``model``: the model's sharded state dict: every tensor is stored as its whole-model
-  tensor, so a later run with other tensor/pipeline/data-parallel sizes can read it;
-- ``optimizer``: Megatron's optimizer sharded state dict (Adam moments, the float32 main
-  weights of mixed precision, step counts): the plain optimizer's as whole-model tensors like
-  the weights; the distributed optimizer's in Megatron's ``dp_reshardable`` format, each rank
-  writing its own shard of the gradient buffers' buckets without any exchange, which reloads
-  onto another data-parallel size but not onto other model-parallel sizes;
-- ``scheduler`` and ``step``: the learning-rate schedule and the worker's step counter;
-- ``rng_state``: each rank's random generators (Python, numpy, torch, CUDA and Megatron's
-  model-parallel tracker), one object per rank; restored only onto the same layout (a
-  generator state belongs to one rank, and no rank of a new layout is its successor).
-
-``layout.json`` beside them records the format version and the layout it was saved with (the
-parallel sizes and whether the distributed optimizer was on): loading reads it first, so a
-layout change that cannot be loaded is refused in one line before any rank reads tensors.
-
-Nothing of a checkpoint is unpickled without an allowlist (:mod:`checkpoint_safety`).
-
-Checkpoints of the first format (one ``torch.save`` file per model-parallel shard,
-``model_tp<t>_pp<p>.pt``) are still read, weights-only: their weights (``policy.init_checkpoint``,
-``export-hf``), and on resume also the optimizer and scheduler state they hold, onto the
-tensor/pipeline layout they were written with (they held no generator states).
+Every rank writes its part of one sharded checkpoint into ``<step dir>/policy/``;
+``layout.json`` records the format version and layout, so a layout that cannot be loaded is
+refused before any rank reads tensors. Nothing is unpickled without an allowlist
+(:mod:`checkpoint_safety`). What is stored and how it reloads: docs/training.md.
 """
 
 from __future__ import annotations
@@ -41,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.models import checkpoint_safety
+from nemo_rl_offload.policy import checkpoint_safety
 
 FORMAT = "megatron_dist_checkpoint"
 FORMAT_VERSION = 1

@@ -1,28 +1,10 @@
 """How many activation bytes a plan keeps on one GPU per training micro-batch, and how many it
 moves to the host: the one place this arithmetic lives.
 
-Why one owner: ``validate``'s pre-launch estimate (:mod:`.memory_estimate`) and the planner's
-cost model (:mod:`.cost_model`, candidates from :mod:`nemo_rl_offload.plan_menu`) must never
-disagree about the same settings' bytes. Both build an :class:`ActivationTable` once from the
-activation ledger (:mod:`.ledger`) and the recipe's shape and parallel settings, then evaluate
-settings (:class:`ActivationSettings`: a recipe's, or a candidate's) against it, which is cheap
-enough to do for every candidate of the planner's menu.
-
-What the arithmetic knows (each rule is Megatron's behaviour on the local layer spec):
-
-- tensor parallelism splits an owner's bytes, except the norms' and the residual stream's
-  without ``sequence_parallel``; expert tensor parallelism splits the experts';
-- Megatron's offload manager keeps each module's last group (the last layer's) on the GPU,
-  since its backward runs at once, and tensors under ``min_offloaded_tensor_size`` elements;
-  ``activation_offload_fraction`` moves that share of the rest;
-- a selective recompute option frees its entries, and a larger one the cheaper ones inside it
-  (``mlp`` frees ``mlp_act``'s);
-- full recompute keeps each checkpoint's input (one hidden vector per token) and re-runs one
-  segment at a time in backward; the block method covers only the first N layers, the others
-  keep what they save; ``layer_input`` offloading moves every checkpoint input to the host and
-  keeps two at a time in backward (the one being recomputed and the one reloading beside it,
-  :mod:`.layer_input`);
-- a pipeline stage holds as many micro-batches in flight as there are stages.
+One owner, so that ``validate``'s estimate (:mod:`.memory_estimate`) and the planner's cost
+model (:mod:`.cost_model`) never disagree about the same settings' bytes: both build an
+:class:`ActivationTable` once and evaluate settings (:class:`ActivationSettings`) against it.
+The rules it knows: docs/design/planner.md.
 """
 
 from __future__ import annotations
@@ -31,9 +13,9 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nemo_rl_offload.offload.apply import EffectiveSettings
-from nemo_rl_offload.offload.capabilities import LAYER_INPUT
-from nemo_rl_offload.offload.ledger import MODEL, Ledger
+from nemo_rl_offload.config.megatron_settings import EffectiveSettings
+from nemo_rl_offload.config.module_names import LAYER_INPUT
+from nemo_rl_offload.planning.ledger import MODEL, Ledger
 
 _DTYPE_BYTES = {
     "float32": 4,
@@ -78,7 +60,7 @@ def parallel_sizes(effective: EffectiveSettings) -> dict[str, int]:
 
 def stage_layer_counts(effective: EffectiveSettings) -> dict[str, int]:
     """Layers of each kind on the largest pipeline stage."""
-    from nemo_rl_offload.offload.ledger import layer_kinds
+    from nemo_rl_offload.config.model_shape import layer_kinds
 
     pp = parallel_sizes(effective)["pipeline_model_parallel_size"]
     return {kind: math.ceil(n / pp) if n else 0 for kind, n, _ in layer_kinds(effective)}
@@ -131,11 +113,7 @@ class ActivationSettings:
     def of(cls, effective: EffectiveSettings) -> ActivationSettings:
         """A recipe's settings, from its effective settings (Megatron's defaults filled in)."""
         v = effective.value
-        offload: frozenset[str] = frozenset()
-        if v("fine_grained_activation_offloading") is True and isinstance(
-            v("offload_modules"), list
-        ):
-            offload = frozenset(v("offload_modules"))
+        offload = frozenset(effective.offload_modules)
         fraction = v("activation_offload_fraction", 1.0)
         granularity = v("recompute_granularity")
         recompute: frozenset[str] = frozenset()
@@ -271,7 +249,7 @@ class ActivationTable:
     ) -> ActivationTable:
         """The table of a recipe's shape and parallel settings (its offload and recompute
         settings play no part: they are evaluated later)."""
-        from nemo_rl_offload.offload.ledger import removal
+        from nemo_rl_offload.planning.ledger import removal
 
         tokens = ledger.tokens_per_microbatch
         sizes = parallel_sizes(effective)

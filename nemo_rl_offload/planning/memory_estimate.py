@@ -1,30 +1,9 @@
 """A pre-launch estimate of one GPU's peak memory for a policy (or teacher) section.
 
-Why: a recipe that cannot fit should say so before a Ray cluster starts, and say where the
-bytes go so a user knows what to change. The estimate is arithmetic over what the recipe
-decides (parameter counts from the effective settings, the optimizer and gradient-buffer
-dtypes Megatron allocates for these keys) plus the activation ledger
-(:mod:`.ledger`, measured on the CPU) for what a training micro-batch saves, with the recipe's
-offload modules, selective recompute and full recompute applied to it by
-:mod:`.activation_bytes`, the arithmetic the planner's cost model uses too. It is pure: the
-ledger is passed in, nothing is measured here.
-
-Phases (each a peak of its own; the estimate's peak is the largest):
-
-- ``training``: weights, gradient buffers, optimizer state, a held reference copy, and the
-  activations of the micro-batches in flight (forward-backward);
-- ``optimizer step``: the same resident state plus the float32 copies of 16-bit gradients
-  Megatron's mixed-precision optimizers make for their step (kept until the next step's
-  ``zero_grad``, so they are resident during forward-only passes and sampling too), plus, for
-  Adam without a fused implementation (Megatron falls back to torch's multi-tensor Adam when
-  neither Transformer Engine nor Apex is installed), the float32 temporary of the parameters'
-  size that torch's step holds for its denominator while it runs;
-- ``forward-only``: the resident state plus a forward-only pass's logits and one layer's
-  working set (log-probabilities; a teacher's scoring);
-- ``generation``: the resident state plus the sampler's KV cache for one step's prompts.
-
-Not counted: allocator fragmentation, CUDA context and library workspaces, temporaries of the
-backward pass (gradients of activations), pinned host buffers.
+A recipe that cannot fit should say so before a Ray cluster starts, and say where the bytes go.
+The estimate is arithmetic over what the recipe decides plus the activation ledger, through
+:mod:`.activation_bytes`; it is pure: the ledger is passed in, nothing is measured here. Its
+phases and what it leaves out: docs/offloading.md.
 """
 
 from __future__ import annotations
@@ -33,9 +12,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_rl_offload.config import megatron_settings
+from nemo_rl_offload.config.generation_settings import GenerationSettings
+from nemo_rl_offload.config.megatron_settings import EffectiveSettings
 from nemo_rl_offload.config.model_presets import Architecture
-from nemo_rl_offload.offload import apply
-from nemo_rl_offload.offload.activation_bytes import (
+from nemo_rl_offload.config.model_shape import DENSE, MOE, layer_weights
+from nemo_rl_offload.planning.activation_bytes import (
     ActivationEstimate,
     activations,
     dtype_bytes,
@@ -43,8 +25,7 @@ from nemo_rl_offload.offload.activation_bytes import (
     stage_layer_counts,
     tp_share,
 )
-from nemo_rl_offload.offload.apply import EffectiveSettings
-from nemo_rl_offload.offload.ledger import DENSE, MODEL, MOE, Ledger
+from nemo_rl_offload.planning.ledger import MODEL, Ledger
 
 GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 80.0
@@ -130,37 +111,6 @@ def gpu_peak(estimates: list[MemoryEstimate]) -> tuple[float, str]:
 # ------------------------------------------------------------------------------ the parts
 
 
-@dataclass(frozen=True)
-class LayerWeights:
-    """The matrix weights of a layer's parts at full width (no biases, no norms): what the
-    parameter counts and the model FLOPs (models/flops.py) are both built from."""
-
-    attention: int  # qkv and output projections
-    dense_mlp: int  # fc1 (both halves when gated) and fc2
-    expert: int  # one routed expert's fc1 and fc2
-    shared_experts: int
-    router: int
-
-
-def layer_weights(effective: EffectiveSettings) -> LayerWeights:
-    """Each part's matrix weights, from the effective settings."""
-    v = effective.value
-    hidden, heads = int(v("hidden_size")), int(v("num_attention_heads"))
-    head_dim = int(v("kv_channels") or hidden // heads)
-    q_dim, kv_dim = heads * head_dim, int(v("num_query_groups") or heads) * head_dim
-    gated = 2 if v("gated_linear_unit") else 1
-    ffn = int(v("ffn_hidden_size") or 4 * hidden)
-    expert_ffn = int(v("moe_ffn_hidden_size") or ffn)
-    experts = int(v("num_moe_experts") or 0) if effective.is_moe else 0
-    return LayerWeights(
-        attention=hidden * (q_dim + 2 * kv_dim) + q_dim * hidden,
-        dense_mlp=hidden * ffn * (gated + 1),
-        expert=hidden * expert_ffn * (gated + 1),
-        shared_experts=hidden * int(v("moe_shared_expert_intermediate_size") or 0) * (gated + 1),
-        router=hidden * experts,
-    )
-
-
 def parameter_counts(effective: EffectiveSettings, architecture: Architecture) -> ParameterCounts:
     """Parameters on one rank of the largest pipeline stage, from the effective settings."""
     v = effective.value
@@ -232,7 +182,7 @@ def _optimizer(
     opt = megatron_cfg.get("optimizer") or {}
     sixteen_bit = param_bytes == 2
     # Whether the precision-aware optimizer runs (its fused Adam, or the hybrid CPU one).
-    aware = apply.precision_aware_optimizer(opt, te_installed=fused_adam, on_gpu=True)
+    aware = megatron_settings.precision_aware_optimizer(opt, te_installed=fused_adam, on_gpu=True)
     master = (dtype_bytes(opt.get("main_params_dtype")) if aware else 4) if sixteen_bit else 0
     if opt.get("optimizer", "adam") == "sgd":
         states = 4 if opt.get("sgd_momentum") else 0
@@ -251,9 +201,9 @@ def _optimizer(
     # megatron-core's hybrid CPU optimizer (optimizer_cpu_offload) steps the share it keeps on
     # the GPU in float32 copies of the parameters, each given a float32 copy of its gradient
     # that stays until the next step (its zero_grad clears the 16-bit parameters' gradients,
-    # not these): held through the training step. The planner's host-optimizer runs showed it
-    # (benchmarks/results/2026-11-27_h100_plan_3b_seq8192_host_optimizer.txt: a small share
-    # lowered the peak far less than its part of the state).
+    # not these): held through the training step. The planner's host-optimizer runs on an H100
+    # showed it: a small share lowered the peak far less than its part of the state (see
+    # docs/offloading.md).
     hybrid_grads = 4 if sixteen_bit and opt.get("optimizer_cpu_offload") else 0
     return _Optimizer(
         state * (1 - host) + params * hybrid_grads * on_gpu,
@@ -356,7 +306,7 @@ def estimate_peak(
     longest_prompt: int | None = None,
     fused_adam: bool = False,
 ) -> MemoryEstimate:
-    """The peak GPU memory of one worker of ``section`` (see the module docstring).
+    """The peak GPU memory of one worker of ``section`` (see docs/offloading.md).
 
     ``effective``: the section's effective settings (:func:`.apply.effective_settings`, the
     candidate's for a planner); ``architecture``: its model (vocabulary, tied embeddings);
@@ -395,14 +345,13 @@ def estimate_peak(
     estimate["forward_only"] = _forward_only(effective, ledger, section, where)
     if samples_per_step:
         rows = math.ceil(samples_per_step / dp)
-        generation = section.get("generation") or {}
+        generation = GenerationSettings.from_section(section)
         max_len = int(section.get("max_total_sequence_length") or 0)
-        new_tokens = generation.get("max_new_tokens")
-        if isinstance(longest_prompt, int) and isinstance(new_tokens, int):
-            max_len = min(max_len, longest_prompt + new_tokens)
+        if isinstance(longest_prompt, int) and generation.max_new_tokens is not None:
+            max_len = min(max_len, longest_prompt + generation.max_new_tokens)
         kv = kv_cache_bytes(effective, rows, max_len, param_bytes)
-        limit = (generation.get("mcore_generation_config") or {}).get("buffer_size_gb")
-        if isinstance(limit, int | float) and kv > limit * GIB:
+        limit = generation.engine.buffer_size_gb
+        if limit is not None and kv > limit * GIB:
             notes.append(
                 f"{where}.generation.mcore_generation_config.buffer_size_gb: a full step's KV "
                 f"cache ({kv / GIB:.2f} GiB) is over it: the sampler samples the step in chunks "

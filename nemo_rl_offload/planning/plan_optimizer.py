@@ -3,13 +3,13 @@
 Why last: megatron-core's hybrid CPU optimizer (NeMo-RL's ``optimizer_cpu_offload`` with
 ``optimizer_offload_fraction``) steps the parameters whose Adam state it holds with the host's
 Adam, which made the 3B shape's whole step several times longer on an H100 machine with all of
-it there (benchmarks/results/2026-11-26_h100_optimizer_offload_3b_seq8192.json), far more than
-any activation plan costs. But it is the one setting that lowers the resident state (weights,
-gradients, optimizer) that every activation plan keeps, so a budget under that state has no
-other plan. The planner offers it only for a budget that no measured activation plan meets,
-and only where the rules accept it for the recipe (Megatron's distributed Adam), each
-activation plan on the frontier with the smallest share (in steps of :data:`SHARE_STEP`) that
-its predicted peak needs, and measures the fastest predicted.
+it there (see docs/design/planner.md), far more than any activation plan costs. But it is the
+one setting that lowers the resident state (weights, gradients, optimizer) that every
+activation plan keeps, so a budget under that state has no other plan. The planner offers it
+only for a budget that no measured activation plan meets, and only where the rules accept it
+for the recipe (Megatron's distributed Adam), each activation plan on the frontier with the
+smallest share (in steps of :data:`SHARE_STEP`) that its predicted peak needs, and measures
+the fastest predicted.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nemo_rl_offload.plan_menu import Candidate
+from nemo_rl_offload.planning.plan_menu import Candidate
 
 SHARE_STEP = 0.05
 # The host's Adam per parameter, before a host-optimizer plan of the recipe is measured: what
 # the 3B shape's optimizer step took longer with all of its state on an H100 machine's host,
-# over its parameters (benchmarks/results/2026-11-26_h100_optimizer_offload_3b_seq8192.json,
-# optimizer_time_s at fraction 1 against 0). Another host's cores differ: the first measured
-# plan replaces it.
+# over its parameters (see docs/design/planner.md). Another host's cores differ: the first
+# measured plan replaces it.
 HOST_ADAM_S_PER_PARAMETER = 7e-10
 
 
@@ -52,8 +51,7 @@ class HostOptimizerModel:
     share, lines from two shares or more. The line is needed: on the 3B shape a
     small share took far less off the peak than its part of the state, a large one more (the
     hybrid optimizer's float32 gradient copies, which the estimate now counts), and every step
-    cost a fixed part besides its share
-    (benchmarks/results/2026-11-27_h100_plan_3b_seq8192_host_optimizer.txt)."""
+    cost a fixed part besides its share (measured on an H100; see docs/design/planner.md)."""
 
     state_gib: float
     step_s: float

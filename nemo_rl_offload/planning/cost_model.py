@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from nemo_rl_offload.offload.activation_bytes import ActivationSettings, ActivationTable, covered
-from nemo_rl_offload.offload.capabilities import LAYER_INPUT
+from nemo_rl_offload.config.module_names import LAYER_INPUT
+from nemo_rl_offload.planning.activation_bytes import ActivationSettings, ActivationTable, covered
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,9 @@ def step_floor_s(
 
 # ------------------------------------------------------------------ the planner's cost model
 #
-# A candidate's peak and step time from the activation ledger (offload.ledger) and a few
+# A candidate's peak and step time from the activation ledger (planning.ledger) and a few
 # measured steps. The activation bytes a candidate keeps and the bytes it moves are
-# offload.activation_bytes' (the arithmetic validate's estimate uses too); this model adds
+# planning.activation_bytes' (the arithmetic validate's estimate uses too); this model adds
 # what is about time. Peak: the resident state (weights, gradients, optimizer) plus the
 # activations the candidate keeps; the resident part and the activations' scale are fitted to
 # the measured peaks (transient buffers are in neither count, so the fit carries them). Time:
@@ -152,16 +152,16 @@ class Calibration:
     host_s_per_hook: float = 0.0
     # The share of the copies' own time (each way, per micro-batch) that shows in the step
     # beyond their floor: copies that fit inside the compute's windows by their bandwidth
-    # still slowed the 3B shape's 16k step (benchmarks/results/2026-11-27_h100_plan_3b_
-    # seq16384_before_incumbent.txt), which the floor alone put at no cost.
+    # still slowed the 3B shape's 16k step on an H100 (see docs/design/planner.md), which the
+    # floor alone put at no cost.
     copy_pressure: float = 0.0
     # What an offload plan's peak holds beyond the activations it keeps, fitted from the
     # offload plans measured (None until one is; :func:`offload_peak_prior_bytes`, a lower
     # bound, stands in). Such a plan peaks as the backward starts, with the output layer's
     # gradients and the first reloads beside everything kept, where full recompute and the
     # plain step, which the line is fitted to, peak elsewhere. On the 3B shape it was the same
-    # for every attention-offload plan of one length and grew with the tokens
-    # (benchmarks/results/2026-11-25_h100x2_long_context_3b.md; the planner's replay of it in
+    # for every attention-offload plan of one length and grew with the tokens (measured on two
+    # H100s, see docs/design/planner.md; the planner's replay of it in
     # tests/unit/test_cost_model_replay.py).
     offload_peak_bytes: float | None = None
     # At least this much (an offload plan that ran out of memory needed it), fitted or not.
@@ -220,10 +220,9 @@ def offload_peak_prior_bytes(costs: LayerCosts, removed: Removal) -> float:
     has been measured: two layers' offloaded bytes (the last layer's groups, which Megatron
     keeps on the GPU, and the first reload beside them). It is a lower bound: the offsets the
     planner fitted on the 3B shape were at least this, and at one tensor-parallel rank
-    several times more, growing with the tokens faster than a layer's copies do
-    (benchmarks/results/2026-11-26_h100_plan_3b_seq{8192,16384,32768}.txt and
-    2026-11-26_h200x2_plan_3b_seq32768_tp2.txt, their "cost model" lines), which no one term
-    matched at both parallel layouts; the first measured offload plan replaces it."""
+    several times more, growing with the tokens faster than a layer's copies do (measured on
+    an H100 and on two H200s; see docs/design/planner.md), which no one term matched at both
+    parallel layouts; the first measured offload plan replaces it."""
     return 2 * removed.offloaded_bytes / max(1, costs.table.stage_layers - 1)
 
 

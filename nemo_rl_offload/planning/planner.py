@@ -1,57 +1,10 @@
 """``nemo-rl-offload plan``: pick the activation-memory settings that fit a peak budget fastest.
 
-How (each measurement runs the recipe's own workers through :mod:`nemo_rl_offload.telemetry`):
-
-1. The menu (:mod:`nemo_rl_offload.plan_menu`): every offload subset at each fraction, every
-   selective recompute set, their combinations, full recompute of every layer (with and
-   without its layer inputs offloaded) and of the first N layers; each candidate is checked by
-   the rules every recipe passes, so no plan is one a job would refuse.
-2. The cost model (:mod:`nemo_rl_offload.offload.cost_model`) predicts each candidate's peak
-   and time from the recipe's activation ledger, computed on the CPU here: which bytes each
-   module saves, which offload module or recompute option removes them, and the FLOPs that
-   recompute runs again. Peak: the resident state plus the activations the candidate keeps,
-   counted by :mod:`nemo_rl_offload.offload.activation_bytes` (``validate``'s estimate counts
-   the same settings the same way); time: the plain step plus recompute at the measured FLOP
-   rate, the copies' floor, each offload hook's host time and the copies' pressure on the
-   compute they overlap.
-3. Calibration from runs that fit. Full recompute is profiled first (at long context it is
-   often the only plan that fits); then the recipe as it is, without offloading or
-   recompute, whose failure (out of memory, where the planner is needed most) is a result,
-   not the end: its step time is then estimated from full recompute's. The measured peaks fit
-   the resident state and the ledger's scale; every later measurement refines the fit, the
-   copy bandwidths, and the scale of offloading's overhead (hooks' host time and copy
-   pressure, from priors until an offload plan is measured; eagerly, hook CPU work is most of
-   a small model's offload cost: benchmarks/results/README.md, the step profile).
-4. For each budget, the candidates on the predicted peak/time frontier that are predicted to
-   fit (up to ``PREDICTION_TOLERANCE`` over it: only a measured peak decides) are measured
-   fastest first, re-predicted after each measurement, up to ``max_trials``; a candidate
-   predicted slower than a measured fitting plan is not measured; while none but the profiles
-   fits, a plan predicted to fit with ``PEAK_MARGIN`` to spare goes first (:func:`trial_order`).
-   Among everything measured,
-   the fastest whose measured peak fits wins. One measurement is not enough to rank close
-   plans: the same settings measured in fresh processes spread by more than close plans
-   differ (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt against
-   ..._plan_recheck_...), so every fitting plan within ``RECHECK_MARGIN`` of the fastest is
-   measured once more and keeps its fastest time and its highest peak. The result is a
-   settings patch (a nested dict of recipe keys); the ``plan`` command prints it as override
-   lines to paste with the faster plans predicted over the budget, and a job that plans at
-   start applies it to its loaded recipe (:mod:`nemo_rl_offload.plan_at_start`).
-   Measurements are shared between budgets.
-5. A budget no measured activation plan meets gets the last resort, a share of the optimizer
-   state on the host (:mod:`nemo_rl_offload.plan_optimizer`), where the recipe runs Megatron's
-   distributed Adam. A budget nothing meets is reported with why: under the resident state
-   with no host optimizer to lower it, or the lowest peak measured.
-
-A recipe with full-iteration CUDA graphs is measured graphed: each measurement runs the
-shape's warm-up and capture steps first, so that its medians are over replays, and offloading
-there gets the max-inflight cap it needs (the recipe's own, else ``GRAPH_INFLIGHT``, the
-fastest on the 1B step:
-benchmarks/results/2026-11-22_h100_benchmark_graphs_inflight_llama-1b_seq4096.md); the rules
-drop what graphs cannot hold.
-
-Each measurement starts the recipe's workers afresh (their model is built under the
-candidate's settings), on one Ray cluster that every measurement of a plan shares
-(:func:`.distributed.cluster.kept_open`): Ray starts once per plan, not once per measurement.
+A menu of candidates (:mod:`.plan_menu`) and a cost model calibrated by measured runs
+(:mod:`.cost_model`) choose what to measure; each measurement runs the recipe's own workers
+(:mod:`nemo_rl_offload.telemetry`), and the fastest plan whose measured peak fits wins. A share
+of the optimizer state on the host (:mod:`.plan_optimizer`) is the last resort. How the
+planner picks a plan: docs/design/planner.md.
 """
 
 from __future__ import annotations
@@ -64,13 +17,12 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, TextIO
 
-from nemo_rl_offload import plan_optimizer
 from nemo_rl_offload.config.loader import deep_merge
 from nemo_rl_offload.errors import UserInputError
-from nemo_rl_offload.offload import cost_model
-from nemo_rl_offload.offload.activation_bytes import ActivationSettings
-from nemo_rl_offload.offload.cost_model import Calibration, LayerCosts
-from nemo_rl_offload.plan_menu import (
+from nemo_rl_offload.planning import cost_model, plan_optimizer
+from nemo_rl_offload.planning.activation_bytes import ActivationSettings
+from nemo_rl_offload.planning.cost_model import Calibration, LayerCosts
+from nemo_rl_offload.planning.plan_menu import (
     DENSE_MODULES,
     EXPERT_MODULES,
     Candidate,
@@ -98,32 +50,27 @@ __all__ = [
 PREDICTION_TOLERANCE = 0.02
 # How far peak predictions miss before an offload plan of the recipe is measured: on the 3B
 # shape most came within this of the measured peaks, either way; a whole-set fraction plan at
-# 8k missed by more (benchmarks/results/2026-11-26_h100_plan_3b_seq8192.txt,
-# 2026-11-27_h100_plan_3b_seq32768_chunked_loss.txt,
-# 2026-11-27_h100_plan_3b_seq16384_before_incumbent.txt). A candidate predicted this far under
-# a budget should fit it (trial_order).
+# 8k missed by more (measured on an H100; see docs/design/planner.md). A candidate predicted
+# this far under a budget should fit it (trial_order).
 PEAK_MARGIN = 0.05
 # The host time an offload hook adds to a step before an offload plan of the recipe has been
 # measured: what the 3B shape's 8k plans showed per hook beyond their recompute and copies
-# (benchmarks/results/2026-11-26_h100_long_context_3b_seq8192.json,
-# the offload plans with the cheap recompute against the cheap recompute alone; the planner's
-# fit in 2026-11-26_h100_plan_3b_seq8192.txt). Zero made every offload plan look as fast as its
-# copies' floor, and the first trials went to the plans that move the most.
+# (measured on an H100; see docs/design/planner.md). Zero made every offload plan look as fast
+# as its copies' floor, and the first trials went to the plans that move the most.
 HOST_S_PER_HOOK_PRIOR = 1e-4
 # The share of the copies' time that shows in the step before an offload plan of the recipe
 # has been measured (cost_model.Calibration.copy_pressure): the 3B shape's 16k plans that
 # copied most showed about this much of their copy time beyond their recompute and hooks
-# (benchmarks/results/2026-11-27_h100_plan_3b_seq16384_before_incumbent.txt, the plan that
-# offloads five modules; 2026-11-25_h100x2_long_context_3b_seq16384_expandable.json). At 8k
-# and 32k the measured plans showed less: a measured offload plan rescales both priors
-# (cost_model.offload_scale), so a recipe where copies hide learns it from its first one.
+# (measured on H100s; see docs/design/planner.md). At 8k and 32k the measured plans showed
+# less: a measured offload plan rescales both priors (cost_model.offload_scale), so a recipe
+# where copies hide learns it from its first one.
 COPY_PRESSURE_PRIOR = 0.15
 MCFG = "policy.megatron_cfg"
 GRAPH_INFLIGHT = 4  # max inflight offloads for graphed measurements when the recipe sets none
 EXPANDABLE_SEGMENTS = "expandable_segments:True"  # see allocator_settings
 # Fitting plans measured within this of the fastest fitting one are measured again: one offload
-# set's time spreads about this much between fresh processes
-# (benchmarks/results/2026-11-22_h100_plan_once_llama-1b_seq8192.txt).
+# set's time spreads about this much between fresh processes (measured on an H100; see
+# docs/design/planner.md).
 RECHECK_MARGIN = 0.20
 # Until a run measures them: pinned copy bandwidth each way and HBM bandwidth (docs/DESIGN's
 # facts for an H100; the first offload run replaces the copy bandwidths).
@@ -140,7 +87,7 @@ class Profile:
     fit (``measured``), else predicted by the calibrated cost model. ``resident_gib``: the
     part of the peak that is not activations (weights, gradients, optimizer state), measured;
     ``bytes_per_microbatch_gib``: what each offload module moves per micro-batch
-    (:mod:`.offload.activation_bytes`' count from the ledger)."""
+    (:mod:`.planning.activation_bytes`' count from the ledger)."""
 
     peak_gib: float
     fwd_bwd_s: float
@@ -148,10 +95,14 @@ class Profile:
     resident_gib: float = 0.0
     measured: bool = True
     failure: str | None = None  # why the recipe as it is did not run
-    # The whole step's peak in the profiling runs, the optimizer step's included: budgets are
-    # the forward-backward peak's, which activation settings change; the optimizer step's
-    # (torch's Adam holds parameter-sized float32 buffers) is the same whatever they are.
+    # The whole step's peak without offloading or recompute, the optimizer step's included
+    # (0.0: that run failed): budgets are the forward-backward peak's, which activation
+    # settings change.
     step_peak_gib: float = 0.0
+    # The optimizer step's own peak (torch's Adam holds parameter-sized float32 buffers), the
+    # same whatever the activation settings: measured where a profiled step peaked after its
+    # forward-backward (optimizer_peak); None when every one peaked inside it.
+    optimizer_peak_gib: float | None = None
 
 
 def _value_text(value: Any) -> str:
@@ -261,14 +212,13 @@ def trial_order(
     predicted within the budget or within the prediction's tolerance over it): those predicted
     within the budget first, then the borderline ones, each group fastest first. With few
     trials, plans predicted just over the budget, which mostly turn out over it, must not use
-    them all up (benchmarks/results/2026-11-26_h100_plan_3b_seq8192_before_trial_order.txt).
+    them all up (measured on an H100; see docs/design/planner.md).
 
     Without an ``incumbent`` (no measured plan but the profiles fits the budget: full
     recompute, when it fits, is the slowest way to), the fastest candidate predicted to fit
     with ``PEAK_MARGIN`` to spare goes first: a plan that surely fits bounds the rest (only
     candidates predicted faster than it are measured after it), where plans predicted just
-    under the budget ran out of memory and used up the trials
-    (benchmarks/results/2026-11-27_h100_plan_3b_seq16384_before_incumbent.txt)."""
+    under the budget ran out of memory and used up the trials (docs/design/planner.md)."""
     ordered = sorted(fitting, key=lambda c: predict(c)[0] > budget)
     if incumbent:
         return ordered
@@ -284,7 +234,7 @@ def measure_candidate(
     failed: a plan that does not fit, or a bug, is a result of the trial, not the end of the
     plan."""
     from nemo_rl_offload.distributed.worker_group import WorkerError
-    from nemo_rl_offload.failures import from_exception
+    from nemo_rl_offload.planning.failures import from_exception
 
     try:
         return measure()
@@ -449,19 +399,20 @@ def _layer_costs(
     ``logprob_chunk_size``, also the loss's bytes with one (the ledger measured again with
     it); for a recipe without ``chunked_output_layer``, also the bytes with the output layer in
     the loss's chunks (once more)."""
+    from nemo_rl_offload.config import megatron_settings, model_shape
     from nemo_rl_offload.config.model_presets import section_architecture
-    from nemo_rl_offload.models.ledger_run import build_ledger
-    from nemo_rl_offload.offload import apply, ledger
-    from nemo_rl_offload.offload.activation_bytes import dtype_bytes, parallel_sizes
-    from nemo_rl_offload.plan_menu import LEAN_LOSS_CHUNK, layer_costs
+    from nemo_rl_offload.planning import ledger
+    from nemo_rl_offload.planning.activation_bytes import dtype_bytes, parallel_sizes
+    from nemo_rl_offload.planning.ledger_run import build_ledger
+    from nemo_rl_offload.planning.plan_menu import LEAN_LOSS_CHUNK, layer_costs
 
     architecture = section_architecture(section, base_dir=base_dir)
-    effective = apply.effective_settings(section, architecture, te_installed=False)
+    effective = megatron_settings.effective_settings(section, architecture, te_installed=False)
     built = build_ledger(section, base_dir=base_dir)
     seq = int(section.get("max_total_sequence_length") or built.tokens_per_microbatch)
     settings = {
         kind: ledger.one_layer_settings(effective, overrides)
-        for kind, _, overrides in ledger.layer_kinds(effective)
+        for kind, _, overrides in model_shape.layer_kinds(effective)
     }
 
     def flops(kind: str, option: str) -> float:
@@ -545,14 +496,21 @@ def _plan(
     err: TextIO,
     progress: Progress,
 ) -> dict[str, Any]:
+    """The work of :func:`plan`. Returns ``profile``, ``plans`` (per budget: the candidates
+    tried, the ``chosen`` one or None, the faster plans predicted over it), ``measured_with``,
+    ``dtensor``, the loaded ``recipe`` and the final ``calibration``. Steps: check the budgets
+    and the recipe; measure the activation ledger on the CPU and build the menu; profile full
+    recompute, then the recipe without offloading or recompute; per budget, measure up to
+    ``max_trials`` candidates predicted to fit (:func:`trial_order`), measure close contenders
+    again, and where none fits try a share of the optimizer on the host (:mod:`.plan_optimizer`).
+    """
     from pathlib import Path
 
     from nemo_rl_offload.config.loader import load_recipe
+    from nemo_rl_offload.config.megatron_settings import effective_settings
     from nemo_rl_offload.config.model_presets import section_architecture
-    from nemo_rl_offload.offload import rules
-    from nemo_rl_offload.offload.apply import effective_settings
-    from nemo_rl_offload.offload.memory_estimate import host_optimizer_state
-    from nemo_rl_offload.preflight import check_recipe
+    from nemo_rl_offload.planning.memory_estimate import host_optimizer_state
+    from nemo_rl_offload.preflight import check_policy, check_recipe
 
     budgets_gib, budget_fractions = list(budgets_gib or []), list(budget_fractions or [])
     if not budgets_gib and not budget_fractions:
@@ -608,7 +566,7 @@ def _plan(
         if candidate.name in verdicts:
             return verdicts[candidate.name]
         patched = deep_merge(recipe, with_layout(measured_with, candidate.patch(), dtensor))
-        findings = rules.check_policy(
+        findings = check_policy(
             patched["policy"],
             where="policy",
             architecture=architecture,
@@ -671,16 +629,10 @@ def _plan(
         plain.predicted_peak_gib, plain.predicted_fwd_bwd_s = predictor(
             costs.layers, calibrator.calibration()
         )(plain)
-    step_peak = max(
-        (
-            r.get("peak_gpu_memory_gib", 0.0)
-            for records in (recompute_records, plain_records)
-            for r in (records or [])
-        ),
-        default=0.0,
-    )
+    step_peak = max((r.get("peak_gpu_memory_gib", 0.0) for r in plain_records or []), default=0.0)
     profile = Profile(
         step_peak_gib=step_peak,
+        optimizer_peak_gib=optimizer_peak([*(recompute_records or []), *(plain_records or [])]),
         peak_gib=plain.measured_peak_gib or plain.predicted_peak_gib or 0.0,
         fwd_bwd_s=plain.measured_fwd_bwd_s or plain.predicted_fwd_bwd_s or 0.0,
         bytes_per_microbatch_gib=costs.offloadable_gib(),
@@ -839,7 +791,7 @@ def allocator_settings(
     leaves the CUDA allocator's configuration to the default: expandable segments. Offloaded and
     reloaded activations of many sizes otherwise leave memory reserved but unusable: at 16k
     tokens on the 3B shape, plans that fit with expandable segments ran out of memory with
-    GiBs reserved but unallocated (benchmarks/results/2026-11-25_h100x2_long_context_3b.md).
+    GiBs reserved but unallocated (measured on two H100s; see docs/design/planner.md).
     The plan then carries the setting, so the job runs as measured. A recipe that sets
     PYTORCH_CUDA_ALLOC_CONF is measured as it is, as are graphed recipes (graphs capture from
     the allocator's private pools) and DTensor sections (their env_vars replace megatron_cfg's)."""
@@ -897,11 +849,30 @@ def retarget(patch: Patch, dtensor: bool) -> Patch:
     return {**patch, "policy": policy}
 
 
+_NO_PEAK = float("inf")  # a record without a forward-backward peak tells nothing
+
+
+def optimizer_peak(records: list[dict[str, Any]]) -> float | None:
+    """The optimizer step's own peak (GiB) in profiled steps: a step whose whole peak is above
+    its forward-backward peak reached it after the forward-backward (the peak counter runs on
+    through the optimizer step), so that peak is the optimizer step's. None when every step
+    peaked inside its forward-backward: the optimizer step's is then below it, unknown."""
+    return max(
+        (
+            r["peak_gpu_memory_gib"]
+            for r in records
+            if r.get("peak_gpu_memory_gib", 0.0) > r.get("peak_fwd_bwd_gpu_memory_gib", _NO_PEAK)
+        ),
+        default=None,
+    )
+
+
 def optimizer_note(profile: Profile, budget: float) -> str:
-    """The line under a plan whose budget the whole step exceeds: the optimizer step peaks over
-    it whatever the activation setting."""
+    """The line under a plan whose budget the optimizer step's own peak exceeds (a figure
+    measured in that step, not the forward-backward's): it peaks over it whatever the
+    activation setting."""
     return (
-        f"note: the optimizer step peaks at {profile.step_peak_gib:.2f} GiB, over "
+        f"note: the optimizer step peaks at {profile.optimizer_peak_gib or 0.0:.2f} GiB, over "
         f"{budget:.2f} GiB, whatever the activation setting (the budget is the forward-backward "
         f"peak's); to lower it: {MCFG}.optimizer.optimizer_cpu_offload, the distributed "
         "optimizer over more ranks, or a fused Adam (Transformer Engine or Apex installed)"
@@ -1044,7 +1015,7 @@ def format_plan(result: dict[str, Any], out: TextIO) -> bool:
             print(why_none(profile, budget, entry["tried"], offered), file=out)
             all_met = False
             continue
-        if profile.step_peak_gib > budget and chosen.host_optimizer is None:
+        if (profile.optimizer_peak_gib or 0.0) > budget and chosen.host_optimizer is None:
             print(optimizer_note(profile, budget), file=out)
         print(f"plan: {chosen.name}; paste these overrides:", file=out)
         for line in plan_overrides(result, chosen):

@@ -1,29 +1,9 @@
 """Full-iteration CUDA graphs of the training step, one graph per step shape.
 
-``cuda_graph_impl: full_iteration`` captures a whole forward-backward pass (every micro-batch,
-the loss, the gradient reduction; not the optimizer step) in one CUDA graph and replays it, so a
-step costs one launch instead of one per kernel (the kernels of the 1B local-spec step are
-counted in benchmarks/results/2026-11-22_h100_profile_strided_graphs_llama-1b_seq4096.json).
-
-Megatron-core's own wrapper (``megatron.core.full_cuda_graph.FullCudaGraphWrapper``) keeps ONE
-training graph per process, in class attributes: right for pre-training, where every step has
-the same shape, wrong for RL, where steps come in several shapes (micro-batch count x padded
-length) and two models may share a process. :class:`StepGraphs` keeps one graph per step key
-instead, keyed like the offload runtime's plans, with its own static input buffers:
-
-- a key's first ``warmup_steps`` steps run eagerly (the first one also records the key's
-  offload plan; cuBLAS and autograd initialise on them), the next one is captured and replayed,
-  every later one copies its inputs into the key's static buffers and replays;
-- a worker's graphs share one memory pool (its own: two workers in a process never share)
-  and Megatron's capture stream (the one the data-parallel wrapper was built on, so that the
-  gradient-accumulation nodes do not refer to another stream); sharing the pool is safe because
-  a step's outputs are read before the next step runs and no graph's intermediate values
-  outlive its replay;
-- a released key (the offload runtime drops plans to stay under the host-memory budget) drops
-  its graph with it, since the graph writes to that plan's pinned buffers.
-
-Forward-only passes (log-probabilities, generation) never go through here: they run eagerly.
-Only GPU workers build this (CUDA graphs need a GPU; the offload rules refuse them on CPU).
+``cuda_graph_impl: full_iteration`` captures a whole forward-backward pass in one CUDA graph and
+replays it. Megatron-core's own wrapper keeps one training graph per process, wrong for RL,
+where steps come in several shapes: :class:`StepGraphs` keeps one per step key. How graphs are
+captured, share memory and are dropped: docs/cuda_graphs.md.
 """
 
 from __future__ import annotations
@@ -86,7 +66,7 @@ def _tracker_generators() -> list[Any]:
 
 
 class StepGraphs:
-    """Per-key full-iteration graphs of a training step (see the module docstring)."""
+    """Per-key full-iteration graphs of a training step (see docs/cuda_graphs.md)."""
 
     def __init__(self, *, warmup_steps: int) -> None:
         if warmup_steps < 1:

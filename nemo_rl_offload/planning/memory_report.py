@@ -1,6 +1,6 @@
 """``validate``'s memory estimate: the recipe's sections estimated
-(:mod:`nemo_rl_offload.offload.memory_estimate`) with their ledgers
-(:mod:`nemo_rl_offload.models.ledger_cache`), printed, and compared with the GPU's memory.
+(:mod:`nemo_rl_offload.planning.memory_estimate`) with their ledgers
+(:mod:`nemo_rl_offload.planning.ledger_cache`), printed, and compared with the GPU's memory.
 
 Why a module of its own: the arithmetic stays pure (the planner calls it for candidates); this
 is the glue that knows the recipe's algorithm (who holds a reference, who samples, which groups
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_rl_offload.offload.memory_estimate import (
+from nemo_rl_offload.planning.memory_estimate import (
     DEFAULT_GPU_MEMORY_GIB,
     GIB,
     MemoryEstimate,
@@ -61,19 +61,19 @@ def _samples_per_step(recipe: dict[str, Any], algorithm: str | None) -> int:
 def _estimate(
     recipe: dict[str, Any], algorithm: str | None, where: str, base_dir: Path | None
 ) -> MemoryEstimate:
+    from nemo_rl_offload.config import megatron_settings
     from nemo_rl_offload.config.model_presets import section_architecture
     from nemo_rl_offload.distributed.cluster import worker_count
-    from nemo_rl_offload.models.ledger_cache import cached_ledger
-    from nemo_rl_offload.models.policy_group import holds_reference
-    from nemo_rl_offload.offload import apply
-    from nemo_rl_offload.offload.memory_estimate import estimate_peak
+    from nemo_rl_offload.planning.ledger_cache import cached_ledger
+    from nemo_rl_offload.planning.memory_estimate import estimate_peak
+    from nemo_rl_offload.policy.policy_group import holds_reference
 
     section = recipe[where]
     architecture = section_architecture(section, where=where, base_dir=base_dir)
     # Estimated as the GPU machines this package runs on are set up: no Transformer Engine
     # (the local layer spec) and no Apex, so Megatron's optimizer is torch's, not a fused one.
     te_installed = False
-    effective = apply.effective_settings(
+    effective = megatron_settings.effective_settings(
         section, architecture, where=where, te_installed=te_installed
     )
     ledger, _ = cached_ledger(section, where=where, base_dir=base_dir)
@@ -216,8 +216,8 @@ def _chunked_sampling(
 ) -> MemoryEstimate:
     """``estimate`` with the KV cache the sampler allocates at most: a step whose cache is over
     ``KV_CACHE_FREE_FRACTION`` of the memory left free by every worker on the GPU is sampled in
-    chunks of rows that fit it (models/generation.py)."""
-    from nemo_rl_offload.models.generation import KV_CACHE_FREE_FRACTION
+    chunks of rows that fit it (policy/generation.py)."""
+    from nemo_rl_offload.policy.generation import KV_CACHE_FREE_FRACTION
 
     if not estimate.kv_cache:
         return estimate

@@ -1,41 +1,9 @@
 """Autoregressive sampling with the policy itself, colocated on its workers, with a KV cache.
 
-Prompts are right-padded into one batch. One prefill pass runs the model over the prompts and
-stores every layer's keys and values (:mod:`models.kv_cache`); each later step feeds every row
-only its newest token, at its own position, and attends over the cache: a step costs reading
-the weights and the cache once instead of recomputing the prefix. The forward calls Megatron's
-GPTModel pieces directly (:mod:`models.cached_forward`), on the policy's own weights (nothing
-is copied); pipeline stages pass hidden states point to point, the last stage's next-token
-logits are broadcast to the other stages, and every rank draws with the same generator state,
-so all tensor- and pipeline-parallel ranks agree on each token.
-
-On CUDA, a decode step can be replayed from a CUDA graph (``policy.generation.
-mcore_generation_config``: ``cuda_graph_impl`` not ``none`` and ``num_cuda_graphs`` > 0):
-the step attends over a fixed window of the cache per graph, and ``num_cuda_graphs`` windows
-split the call's length, so early steps read a short window. Graphs are captured per call (the
-cache is allocated for the call and freed after it) and only where a step has no host
-synchronisation: one pipeline stage, no sequence parallelism, no experts. Elsewhere the steps
-run eagerly with the window growing by one position per step.
-
-A batch decodes until its longest row ends, and a decode step's cost grows with its rows (each
-reads its keys and values): at each stop check, once at most half the batch is unfinished, the
-unfinished rows move to the front of the cache (``KVCache.keep_rows``) and decode on as a batch
-of the next power of two, with graphs of their own size. A row's tokens and log-probabilities
-do not change by the move; the random draws do (fewer rows draw), the same for the same seed.
-Not with recorded routes (kept per row of the call) or expert-parallel ranks (they step
-together).
-
-A call whose KV cache would not fit (``buffer_size_gb``, or :data:`KV_CACHE_FREE_FRACTION` of
-the GPU memory free at the call) samples its prompts in chunks of rows that fit, one after
-another with the same generator (NeMo-RL's engine queues requests beyond its buffer likewise).
-Every rank takes the smallest chunk any rank can hold, so tensor- and pipeline-parallel ranks
-chunk alike; expert-parallel ranks also run the same number of chunks.
-
-Each sampled token comes with its log-probability under the model (:class:`Generated`): the
-log-softmax over the model's whole vocabulary of the next-token logits divided by the sampling
-temperature (raw logits when greedy), before top-k and top-p: what GRPO's training forward
-computes for the same token (it takes the temperature too, as NeMo-RL's does, and no filter).
-GRPO compares the two (importance sampling, the sequence log-probability error).
+One prefill pass, then decode steps that feed each row its newest token and attend over the
+cache (:mod:`models.kv_cache`, :mod:`models.cached_forward`), on the policy's own weights; all
+ranks agree on each token. Each token comes with its log-probability (:class:`Generated`).
+CUDA graphs, shrinking batches and chunked calls: docs/generation.md.
 """
 
 from __future__ import annotations
@@ -51,10 +19,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from nemo_rl_offload.config.generation_settings import EngineSettings, SamplingSettings
 from nemo_rl_offload.errors import UserInputError
+from nemo_rl_offload.models.attention import kv_cache_attached
 from nemo_rl_offload.models.cached_forward import CachedForward
-from nemo_rl_offload.models.decode_graphs import DecodeGraphs, windows
 from nemo_rl_offload.models.kv_cache import KVCache
+from nemo_rl_offload.policy.decode_graphs import DecodeGraphs, windows
 from nemo_rl_offload.progress import Progress
 
 _MCORE = "policy.generation.mcore_generation_config"
@@ -63,7 +33,7 @@ _MCORE = "policy.generation.mcore_generation_config"
 @dataclass(frozen=True)
 class Generated:
     """One sampled continuation of a prompt: its token ids (without the prompt; the stop token
-    included when hit) and each token's log-probability under the model (module docstring);
+    included when hit) and each token's log-probability under the model (docs/generation.md);
     with ``record_routes``, each position's experts (prompt and continuation,
     [positions, MoE layers, k], -1 where no forward fed the position: ``models.router_replay``)."""
 
@@ -72,44 +42,10 @@ class Generated:
     routes: np.ndarray | None = None
 
 
-@dataclass(frozen=True)
-class SamplingSettings:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    greedy: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-    # Sample only ids the tokenizer knows (a model's embedding table may be larger).
-    vocab_limit: int | None = None
-
-    @classmethod
-    def from_recipe(
-        cls,
-        generation: dict[str, Any] | None,
-        *,
-        eos_id: int,
-        greedy: bool = False,
-        max_new_tokens: int | None = None,
-        vocab_limit: int | None = None,
-    ) -> SamplingSettings:
-        generation = generation or {}
-        stops = tuple(generation.get("stop_token_ids") or ()) + (eos_id,)
-        return cls(
-            max_new_tokens=max_new_tokens or int(generation.get("max_new_tokens", 64)),
-            temperature=float(generation.get("temperature", 1.0)),
-            top_p=float(generation.get("top_p", 1.0)),
-            top_k=generation.get("top_k"),
-            greedy=greedy,
-            stop_token_ids=stops,
-            vocab_limit=vocab_limit,
-        )
-
-
 def _filter_logits(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
     logits = logits / max(settings.temperature, 1e-6)
-    if settings.top_k:
-        kth = torch.topk(logits, settings.top_k, dim=-1).values[..., -1:]
+    if settings.top_k and settings.top_k > 0:  # -1 (or null): no cut, as in NeMo-RL
+        kth = torch.topk(logits, min(settings.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if settings.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
@@ -118,29 +54,6 @@ def _filter_logits(logits: torch.Tensor, settings: SamplingSettings) -> torch.Te
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return logits
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """How the sampler runs (not what it samples), from ``policy.generation.
-    mcore_generation_config`` (NeMo-RL's key names; see docs/generation.md)."""
-
-    cuda_graphs: bool = False
-    num_cuda_graphs: int = 4
-    # The KV cache of one call may not exceed this (NeMo-RL: the KV cache buffer's size).
-    buffer_size_gb: float | None = None
-
-    @classmethod
-    def from_recipe(cls, generation: dict[str, Any] | None) -> EngineSettings:
-        mcore = (generation or {}).get("mcore_generation_config") or {}
-        impl = mcore.get("cuda_graph_impl")
-        graphs = int(mcore.get("num_cuda_graphs") or 0)
-        size = mcore.get("buffer_size_gb")
-        return cls(
-            cuda_graphs=impl not in (None, "none") and graphs > 0,
-            num_cuda_graphs=max(graphs, 1),
-            buffer_size_gb=float(size) if size is not None else None,
-        )
 
 
 # The share of the GPU memory free at a call that its KV cache may take: the prefill's
@@ -226,7 +139,7 @@ def _allocate(forward: CachedForward, rows: int, max_len: int, device: torch.dev
 
 
 def _graphable(forward: CachedForward, device: torch.device) -> bool:
-    """A decode step without host synchronisation (see the module docstring)."""
+    """A decode step without host synchronisation (see docs/generation.md)."""
     return (
         device.type == "cuda"
         and forward.pp == 1
@@ -258,7 +171,7 @@ def sample(
 ) -> list[Generated]:
     """The sampled continuation of each prompt, with its tokens' log-probabilities (and, with
     ``record_routes``, the experts of every position); in chunks of rows whose KV cache fits
-    (module docstring), drawn with one generator."""
+    (docs/generation.md), drawn with one generator."""
     if not prompts:
         return []
     engine = engine or EngineSettings()
@@ -376,7 +289,7 @@ def _sample_rows(
 
         recorder = Recorder(forward.gpt, count, max_len, device)
     recording = recorder.forward if recorder else contextlib.nullcontext
-    # Finished rows leave the batch (module docstring); recorded routes are kept per row of
+    # Finished rows leave the batch (docs/generation.md); recorded routes are kept per row of
     # the call and expert-parallel ranks step together, so there every row stays.
     compact = recorder is None and not _stop_together()
     cache = _allocate(forward, rows, max_len, device)
@@ -394,7 +307,7 @@ def _sample_rows(
     spans = windows(longest + 1, max_len, engine.num_cuda_graphs if graphs else None)
     retired: list[DecodeGraphs] = []
     try:
-        with cache.attached(forward.gpt):
+        with kv_cache_attached(forward.gpt, cache):
             batch = torch.full((rows, prefill), pad_id, dtype=torch.long, device=device)
             batch[:count] = ids[:, :prefill]
             with recording():

@@ -1,57 +1,10 @@
 """One forward(-backward) pass over a step's micro-batches, through Megatron-core's schedules.
 
-There is one code path: :func:`run_microbatches` hands the micro-batches to
-``megatron.core.pipeline_parallel.get_forward_backward_func()``, the schedule Megatron picks for
-the parallel state (no pipelining, 1F1B, interleaved), so pipeline parallelism, MoE auxiliary
-losses and full-iteration CUDA graphs behave exactly as upstream. On CPU the same schedule runs
-inside :func:`cpu_compat.cpu_schedule_allocations`, which only moves the schedule's one
-``device="cuda"`` allocation (its token counter) to the CPU for the duration of the call.
-
-The loss contract (every algorithm's loss goes through it):
-
-``loss_fn(batch, output) -> (loss, num_tokens, metrics)`` where ``output`` is what GPTModel
-returns for the micro-batch: when ``batch`` has ``"labels"``, the per-token loss [b, s], which
-is minus the log-probability of each label (RL losses need token log-probs; asking the model for
-them avoids materialising the logits a second time); otherwise the logits [b, s, vocab] (split
-over the vocabulary across tensor-parallel ranks). ``loss`` is a scalar SUM over the tokens it
-counts, ``num_tokens`` how many tokens that is, ``metrics`` any tensors to report.
-
-Normalisation: the step's loss is the per-token mean over every counted token of every
-micro-batch (over all data-parallel ranks when the model is wrapped in Megatron's DDP), which is
-what SFT and GRPO's token-level loss need, and gradient accumulation is exact: each micro-batch
-backpropagates its sum, and after the last one the gradients are divided by the step's total
-token count. That is Megatron's per-token mode (``config.calculate_per_token_loss``, which
-``models.builder`` turns on): the division happens in ``config.finalize_model_grads_func``. A
-DDP-wrapped model brings Megatron's ``finalize_model_grads`` (all-reduce across data-parallel
-ranks, then the division); for a bare model (single rank, tests) this module supplies a
-function that only divides, for the duration of the call.
-
-Forward-only passes (log-probabilities, the reference, a teacher's top-k, sampling) go through
-the same schedule with :func:`forward_outputs`: pipeline stages exchange activations as in
-training, and the last stage's outputs come back. With pipeline parallelism every micro-batch
-of a step has one shape (the stages exchange fixed-size activations), so that function pads
-the micro-batches to one shape and crops the outputs back (causal attention: padding on the
-right of a row, or extra rows, cannot change a real position's output).
-
-Under sequence parallelism each tensor-parallel rank holds an equal slice of the sequence
-between the layers, so the model's sequence length must be a multiple of the tensor-parallel
-size. Every pass (training, forward-only, sampling, packed micro-batches) meets that here, at
-the model's input: :func:`_forward_step` pads the micro-batch on the right and the reducer
-crops the output back before ``loss_fn`` sees it, so callers and recipe settings (padding
-multiples, buckets, pack lengths) need not know about it.
-
-Under context parallelism (CP) each CP rank runs its share of every sequence
-(``models.context_parallel``: two of 2 * CP chunks, each sequence of a pack padded to a
-multiple of 2 * CP, and to CP x TP under sequence parallelism). Micro-batches still arrive
-whole, the same on every CP rank of a data-parallel rank: :func:`_forward_step` hands the model
-this rank's positions, and the model's output is all-gathered back to the micro-batch's own
-positions before ``loss_fn`` sees it, so losses (token sums, sequence sums, DPO pairs, packed
-segments) are computed exactly as at CP 1, on every CP rank alike. The gather's backward keeps
-each rank's own positions only, so the CP ranks' parameter gradients add up (Megatron's DDP
-sums over the data-and-context-parallel group) to the gradient of that one loss; its token
-count is reported by CP rank 0 alone, so the step still divides by each token once. Forward-only
-passes that return per-position outputs apply ``output_fn`` to the rank's own positions and
-gather its results instead (a teacher's top-k gathers k values per position, not the logits).
+:func:`run_microbatches` hands the micro-batches to Megatron's schedule, so pipelining, MoE
+losses and CUDA graphs behave as upstream. Every algorithm's loss goes through one contract,
+``loss_fn(batch, output) -> (loss, num_tokens, metrics)`` with ``loss`` a token sum, and the
+step divides once by its token count. The contract, and the padding and gathering under
+sequence and context parallelism: docs/training.md.
 """
 
 from __future__ import annotations
@@ -64,7 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nemo_rl_offload.models import chunked_logprobs, context_parallel, mtp, router_replay
+from nemo_rl_offload.models import chunked_logprobs, context_parallel
+from nemo_rl_offload.models.step_feature import FeatureInput
+from nemo_rl_offload.policy.step_features import STEP_FEATURES, forward_keys
 from nemo_rl_offload.progress import Progress
 
 LossFn = Callable[[dict[str, Tensor], Tensor], tuple[Tensor, Tensor | int, dict[str, Tensor]]]
@@ -109,34 +64,33 @@ def _padded_length(length: int, multiple: int) -> int:
     return -(-length // multiple) * multiple
 
 
-def _mtp_loss_mask(model: Any, batch: dict[str, Tensor]) -> Tensor | None:
-    """The ``loss_mask`` to give a model with multi-token prediction (``mtp_num_layers``),
-    None without MTP or without a mask: the positions the algorithm's loss counts (this
-    package's ``loss_mask``: NeMo-RL's token mask times its sample mask), so the MTP losses
-    count no prompt or padding. Megatron rolls it with the labels for each MTP depth. The mask
-    is aligned with the labels (position t counts token t + 1); a forward without labels (the
-    distillation student's logits) makes Megatron derive them from the input ids and roll the
-    mask with them once more, so there it gets each input position's mask."""
-    if "loss_mask" not in batch or not mtp.depths(model):
-        return None
-    mask = batch["loss_mask"]
-    if batch.get("labels") is None:
-        mask = torch.cat([mask.new_zeros((mask.shape[0], 1)), mask[:, :-1]], dim=1)
-    return mask
+def _feature_inputs(model: Any, batch: dict[str, Tensor]) -> dict[str, FeatureInput]:
+    """Every registered feature's per-position inputs for ``batch`` (docs/architecture.md)."""
+    found: dict[str, FeatureInput] = {}
+    for feature in STEP_FEATURES:
+        found.update(feature.inputs(model, batch))
+    return found
 
 
-def _router_routes(batch: dict[str, Tensor], model: Any) -> Tensor | None:
-    """The micro-batch's sampled routes (``policy.router_replay``) in the routers' token layout
-    (:func:`models.router_replay.router_tokens`), None without routes; ``batch`` holds the
-    positions the model is fed (padded, this context-parallel rank's)."""
-    routes = batch.get(router_replay.ROUTES_KEY)
-    if routes is None:
-        return None
-    from megatron.core import parallel_state
+def _grown(value: Tensor, rows: int, length: int, fill: int | float) -> Tensor:
+    """``value`` ([rows', length', ...]) padded with ``fill`` to [rows, length, ...]."""
+    grown = value.new_full((rows, length, *value.shape[2:]), fill)
+    grown[: value.shape[0], : value.shape[1]] = value
+    return grown
 
-    slices = sequence_multiple(model.config)  # sequence parallelism's slices, else 1
-    rank = parallel_state.get_tensor_model_parallel_rank() if slices > 1 else 0
-    return router_replay.router_tokens(routes, rank, slices)
+
+@contextlib.contextmanager
+def _features_forward(
+    model: Any, inputs: dict[str, Tensor], kwargs: dict[str, Any], *, training: bool
+) -> Iterator[None]:
+    """Each registered feature's keyword arguments added to ``kwargs`` and its context around
+    the model's call; ``inputs``: the features' inputs as this rank feeds them."""
+    with contextlib.ExitStack() as stack:
+        for feature in STEP_FEATURES:
+            extra, context = feature.forward(model, inputs, training=training)
+            kwargs.update(extra)
+            stack.enter_context(context)
+        yield
 
 
 def _forward_step(
@@ -162,13 +116,16 @@ def _forward_step(
             loss_fn, multiple, local_outputs, cp_length, training, batch, model, (cp, cp_rank)
         )
     inputs = batch
+    features = {key: given.value for key, given in _feature_inputs(model, batch).items()}
     if length % multiple:
         if batch.get("attention_mask") is not None:
             raise ValueError(
                 "run_microbatches: a micro-batch with an attention_mask cannot be padded to a "
                 f"multiple of {multiple} (sequence parallelism); pad it before"
             )
-        inputs = _pad_to(batch, rows, _padded_length(length, multiple))
+        padded = _padded_length(length, multiple)
+        inputs = _pad_to(batch, rows, padded, model)
+        features = {key: inputs[key] for key in features}
     position_ids = inputs.get("position_ids")
     if position_ids is None:
         position_ids = _default_position_ids(inputs["input_ids"])
@@ -176,10 +133,7 @@ def _forward_step(
     kwargs = {} if packed is None else {"packed_seq_params": packed}
     # policy.logprob_chunk_size: the output layer in chunks (chunked_logprobs.install).
     kwargs.update(chunked_logprobs.forward_kwargs(model, inputs.get("labels") is not None))
-    mtp_mask = _mtp_loss_mask(model, inputs)
-    if mtp_mask is not None:
-        kwargs["loss_mask"] = mtp_mask
-    with router_replay.replaying(model, _router_routes(inputs, model), training=training):
+    with _features_forward(model, features, kwargs, training=training):
         output = model(
             inputs["input_ids"],
             position_ids,
@@ -200,7 +154,7 @@ def _forward_step_cp(
     model: Any,
     cp_world: tuple[int, int],
 ):
-    """:func:`_forward_step` under context parallelism (module docstring): the model runs
+    """:func:`_forward_step` under context parallelism (docs/training.md): the model runs
     this CP rank's positions of the padded layout; the reducer gathers them back.
     ``cp_length``: the padded length every micro-batch takes (pipeline stages exchange one
     shape), else None."""
@@ -222,10 +176,10 @@ def _forward_step_cp(
         for key in ("input_ids", "labels")
         if key in batch
     }
-    if router_replay.ROUTES_KEY in batch:
-        local[router_replay.ROUTES_KEY] = context_parallel.to_local(
-            batch[router_replay.ROUTES_KEY], layout, cp, cp_rank, fill=router_replay.NO_ROUTE
-        )
+    features = {
+        key: context_parallel.to_local(given.value, layout, cp, cp_rank, fill=given.fill)
+        for key, given in _feature_inputs(model, batch).items()
+    }
     position_ids = context_parallel.to_local(positions, layout, cp, cp_rank)
     kwargs = {}
     if layout.packed:
@@ -234,10 +188,7 @@ def _forward_step_cp(
         )
     labels = local.get("labels")
     kwargs.update(chunked_logprobs.forward_kwargs(model, labels is not None))
-    mtp_mask = _mtp_loss_mask(model, batch)
-    if mtp_mask is not None:
-        kwargs["loss_mask"] = context_parallel.to_local(mtp_mask, layout, cp, cp_rank)
-    with router_replay.replaying(model, _router_routes(local, model), training=training):
+    with _features_forward(model, features, kwargs, training=training):
         output = model(local["input_ids"], position_ids, None, labels=labels, **kwargs)
     return output, functools.partial(_reduce_cp, loss_fn, batch, layout, cp, local_outputs)
 
@@ -252,7 +203,7 @@ def _reduce_cp(
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """:func:`_reduce` under context parallelism: ``loss_fn`` on the gathered output (or, for
     ``local_outputs``, on this rank's positions, its results gathered); the token count from
-    CP rank 0 only (module docstring)."""
+    CP rank 0 only (docs/training.md)."""
     if local_outputs:
         loss, num_tokens, metrics = loss_fn(batch, output)
         metrics = {
@@ -305,7 +256,7 @@ def _divide_bare_model_grads(
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
     if parallel_state.get_context_parallel_world_size() > 1:
-        # Each CP rank holds its tokens' share of the gradient (module docstring).
+        # Each CP rank holds its tokens' share of the gradient (docs/training.md).
         group = parallel_state.get_context_parallel_group()
         torch.distributed.all_reduce(num_tokens, group=group)
         for model in models:
@@ -347,14 +298,14 @@ def run_microbatches(
     ``labels`` (ask the model for per-token losses), ``cu_seqlens`` (a packed micro-batch of
     one row: see :func:`packed_seq_params`) and anything ``loss_fn`` reads. Gradients
     accumulate into the parameters' existing gradients (zero them between steps), normalised
-    per token over the step as the module docstring says. Forward-only passes run under
+    per token over the step as docs/training.md says. Forward-only passes run under
     ``torch.no_grad()`` and leave gradients untouched.
 
     Returns one dict per micro-batch (on the last pipeline stage; other stages get []):
     ``metrics`` from ``loss_fn`` plus ``loss`` (the micro-batch's summed loss) and
     ``num_tokens``, all detached. ``local_outputs`` (forward-only, per-position metrics):
     under context parallelism ``loss_fn`` sees this rank's positions and its metrics are
-    gathered, rather than seeing the gathered output (module docstring). ``progress``: told
+    gathered, rather than seeing the gathered output (docs/training.md). ``progress``: told
     how many micro-batches are done as the schedule takes each next one (its caller started
     the phase and finishes it).
     """
@@ -402,13 +353,12 @@ def run_microbatches(
         schedule_context = contextlib.nullcontext()
     grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
 
-    replays = any(router_replay.ROUTES_KEY in mb for mb in microbatches)
     data = iter(microbatches) if progress is None else _counted(microbatches, progress)
     with (
         schedule_context,
         grad_context,
         _bare_model_finalize(config),
-        _disarmed_after(model, replays),
+        _features_after(model, microbatches),
     ):
         return get_forward_backward_func()(
             forward_step_func=functools.partial(
@@ -433,48 +383,31 @@ def _counted(microbatches: list[dict[str, Tensor]], progress: Progress) -> Itera
 
 
 @contextlib.contextmanager
-def _disarmed_after(model: Any, replays: bool) -> Iterator[None]:
-    """Routers keep no replayed routes beyond the pass (their backward replay list holds each
-    training micro-batch's until a recompute takes it, and none does without recompute)."""
+def _features_after(model: Any, microbatches: list[dict[str, Tensor]]) -> Iterator[None]:
+    """Each registered feature's :meth:`after_pass`, whether the pass raised or not."""
     try:
         yield
     finally:
-        if replays:
-            router_replay.disarm(model)
+        for feature in STEP_FEATURES:
+            feature.after_pass(model, microbatches)
 
 
 OutputFn = Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]]
 # The model's inputs: what a forward-only pass pads under pipeline parallelism.
 _MODEL_INPUTS = ("input_ids", "labels", "position_ids")
-# Inputs _pad_to treats on their own: a packed micro-batch's segment offsets (1-D) and the
-# sampled routes a policy.router_replay forward replays ([rows, length, layers, k], padded with
-# NO_ROUTE).
-_PACKING_INPUTS = ("cu_seqlens", router_replay.ROUTES_KEY)
-# Every key of a micro-batch a forward reads (callers send these to the device, nothing else).
-FORWARD_INPUTS = _MODEL_INPUTS + _PACKING_INPUTS
+# Every key of a micro-batch a forward reads (callers send these to the device, nothing else):
+# the model's inputs, a packed micro-batch's segment offsets, and what the registered features'
+# forwards read (e.g. the routes a policy.router_replay forward replays).
+FORWARD_INPUTS = (*_MODEL_INPUTS, "cu_seqlens", *forward_keys())
 
 
-def _pad_to(batch: dict[str, Tensor], rows: int, length: int) -> dict[str, Tensor]:
-    """``batch``'s model inputs padded with zeros to [rows, length] (on the right and below);
-    a packed batch's padding becomes one more segment of its own."""
-    padded = {}
-    for key in _MODEL_INPUTS:
-        if key not in batch:
-            continue
-        value = batch[key]
-        grown = value.new_zeros((rows, length))
-        grown[: value.shape[0], : value.shape[1]] = value
-        padded[key] = grown
-    routes = batch.get(router_replay.ROUTES_KEY)
-    if routes is not None:  # no route on padding: the router's own top-k
-        padded[router_replay.ROUTES_KEY] = routes.new_full(
-            (rows, length, *routes.shape[2:]), router_replay.NO_ROUTE
-        )
-        padded[router_replay.ROUTES_KEY][: routes.shape[0], : routes.shape[1]] = routes
-    if "loss_mask" in batch:  # multi-token prediction's mask (_mtp_loss_mask): none on padding
-        mask = batch["loss_mask"]
-        padded["loss_mask"] = mask.new_zeros((rows, length))
-        padded["loss_mask"][: mask.shape[0], : mask.shape[1]] = mask
+def _pad_to(batch: dict[str, Tensor], rows: int, length: int, model: Any) -> dict[str, Tensor]:
+    """``batch``'s model inputs padded with zeros to [rows, length] (on the right and below),
+    and the registered features' inputs with their own fill; a packed batch's padding becomes
+    one more segment of its own."""
+    padded = {key: _grown(batch[key], rows, length, 0) for key in _MODEL_INPUTS if key in batch}
+    for key, given in _feature_inputs(model, batch).items():
+        padded[key] = _grown(given.value, rows, length, given.fill)
     if "cu_seqlens" in batch:
         cu_seqlens = batch["cu_seqlens"]
         if int(cu_seqlens[-1]) < length:
@@ -506,7 +439,7 @@ def forward_outputs(
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         rows = max(shape[0] for shape in shapes)
         length = max(shape[1] for shape in shapes)
-        inputs = [_pad_to(mb, rows, length) for mb in microbatches]
+        inputs = [_pad_to(mb, rows, length, model) for mb in microbatches]
     else:
         keys = FORWARD_INPUTS
         inputs = [{k: mb[k] for k in keys if k in mb} for mb in microbatches]

@@ -1,4 +1,4 @@
-"""Measure the activation ledger (:mod:`nemo_rl_offload.offload.ledger`) of a recipe: build one
+"""Measure the activation ledger (:mod:`nemo_rl_offload.planning.ledger`) of a recipe: build one
 layer of each kind of its model as the workers build it, on the CPU, and record what a training
 forward saves at two lengths.
 
@@ -12,17 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from nemo_rl_offload.config import megatron_settings
+from nemo_rl_offload.config.megatron_settings import EffectiveSettings
+from nemo_rl_offload.config.model_shape import layer_kinds
 from nemo_rl_offload.models.chunked_logprobs import chunk_settings, install
 from nemo_rl_offload.models.parallel import single_rank_megatron
-from nemo_rl_offload.offload import apply
-from nemo_rl_offload.offload.apply import EffectiveSettings
-from nemo_rl_offload.offload.ledger import (
+from nemo_rl_offload.planning.ledger import (
     DEFAULT_LENGTHS,
     MODEL,
     LayerKind,
     Ledger,
     entries,
-    layer_kinds,
     one_layer_settings,
     parallel_notes,
     tokens_per_microbatch,
@@ -74,7 +74,9 @@ def build_ledger(
     from nemo_rl_offload.config.model_presets import section_architecture
 
     architecture = section_architecture(section, where=where, base_dir=base_dir)
-    effective = apply.effective_settings(section, architecture, where=where, te_installed=False)
+    effective = megatron_settings.effective_settings(
+        section, architecture, where=where, te_installed=False
+    )
     tokens, source = tokens_per_microbatch(section, where)
     seq = int(section.get("max_total_sequence_length") or tokens)
     chunked = chunk_settings(section)[1]  # the output layer in chunks: no logits kept

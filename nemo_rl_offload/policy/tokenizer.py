@@ -1,0 +1,31 @@
+"""The policy section's tokenizer, checked against its model before any worker starts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nemo_rl_offload.config.model_presets import section_architecture
+from nemo_rl_offload.data.tokenizer import Tokenizer, load_tokenizer
+from nemo_rl_offload.errors import UserInputError
+
+
+def policy_tokenizer(policy: Mapping[str, Any]) -> Tokenizer:
+    """The policy section's tokenizer, checked against its model (and the model's Hugging Face
+    directory checked, so that a bad one fails here rather than in the workers)."""
+    architecture = section_architecture(policy, base_dir=Path.cwd())
+    tokenizer_cfg = policy.get("tokenizer") or {}
+    tokenizer = load_tokenizer(
+        tokenizer_cfg.get("name"), architecture.hf_directory, policy.get("model_name")
+    )
+    if tokenizer.vocab_size > architecture.vocab_size:
+        raise UserInputError(
+            f"policy.tokenizer.name: the tokenizer has {tokenizer.vocab_size} tokens but "
+            f"{policy['model_name']} only {architecture.vocab_size}; use the model's tokenizer"
+        )
+    if architecture.hf_directory and not policy.get("init_checkpoint"):
+        from nemo_rl_offload.models.hf_checkpoint import check_hf_directory
+
+        check_hf_directory(architecture)
+    return tokenizer
