@@ -207,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--num-cuda-graphs", type=int, default=4)
     parser.add_argument(
+        "--moe-experts",
+        choices=("dense", "routed"),
+        default="dense",
+        help="decode steps of a model with experts: every token through every expert "
+        "(models/moe_decode.py, graphable) or Megatron's routed experts (eager; the path "
+        "before moe_decode, for comparison)",
+    )
+    parser.add_argument(
         "--reference",
         type=int,
         default=0,
@@ -221,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_rl_offload.config.model_presets import architecture_for, has_experts
 
     on_gpu = torch.cuda.is_available()
+    if args.moe_experts == "routed":
+        from nemo_rl_offload.models import moe_decode
+        from nemo_rl_offload.policy import generation
+
+        moe_decode.dense_usable = generation.dense_usable = lambda layer: False
     bandwidth = hbm_bandwidth()
     element = 2 if args.precision == "bfloat16" else 4
     cases = []
@@ -229,10 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         worker = build_worker(section_for(model, longest, args.precision, args), on_gpu)
         architecture = architecture_for(model)
         vocab = architecture.vocab_size
-        # Decode steps of a model with experts run eagerly (docs/generation.md).
-        graphed = bool(
-            args.cuda_graphs and on_gpu and not has_experts(architecture.num_moe_experts)
-        )
+        # Decode steps of a model with experts are graphed on the dense expert path only.
+        routed = args.moe_experts == "routed" and has_experts(architecture.num_moe_experts)
+        graphed = bool(args.cuda_graphs and on_gpu and not routed)
         weights, per_token = model_bytes(worker, element)
         for batch in _ints(args.batches):
             for new in _ints(args.new_tokens):
@@ -248,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                 record.update(
                     model=model,
                     decode_graphs=graphed,
+                    moe_experts=args.moe_experts
+                    if has_experts(architecture.num_moe_experts)
+                    else None,
                     weight_bytes=weights,
                     kv_bytes_per_token=per_token,
                     floor_s=floor,

@@ -27,8 +27,11 @@ from nemo_rl_offload.config import (
     policy_settings,
     quantization,
     router_replay,
+    run_settings,
 )
 from nemo_rl_offload.config.batching_settings import BatchingSettings
+from nemo_rl_offload.config.cluster_settings import ClusterSettings, cluster_settings
+from nemo_rl_offload.config.data_settings import check_data_section, data_settings
 from nemo_rl_offload.config.environment import Capabilities
 from nemo_rl_offload.config.loader import load_recipe, unset_environment
 from nemo_rl_offload.config.megatron_rules import MEGATRON_RULES
@@ -40,9 +43,10 @@ from nemo_rl_offload.config.model_presets import (
 )
 from nemo_rl_offload.config.policy_settings import PolicySettings
 from nemo_rl_offload.config.rule_context import Findings, RuleContext
+from nemo_rl_offload.config.run_settings import RunSettings
 from nemo_rl_offload.config.schema import grpo_loss_problems
+from nemo_rl_offload.config.tokenizer_settings import tokenizer_settings
 from nemo_rl_offload.config.validate import detect_algorithm, schema_problems
-from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.transformer_config import build_transformer_config
 from nemo_rl_offload.offload import capabilities
@@ -77,6 +81,9 @@ class Report:
     # Each policy section resolved once (a recipe without errors only): what the workers, the
     # planner and the estimates read.
     policies: dict[str, PolicySettings] = field(default_factory=dict)
+    # The run's schedule, checkpointing and logger, resolved once (a recipe without errors).
+    run: RunSettings | None = None
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
     @property
     def ok(self) -> bool:
@@ -253,7 +260,7 @@ def _workers(cluster: Any) -> int | None:
     if not isinstance(cluster, dict):
         return None
     try:
-        return worker_count(cluster)[0]
+        return cluster_settings(cluster).workers
     except (TypeError, ValueError):
         return None
 
@@ -272,6 +279,10 @@ def _check_tokenizer(recipe: dict[str, Any], report: Report, starting: bool) -> 
         tokenizer_source(tokenizer.get("name"), policy.get("model_name"))
     except ModelNotOnMachine as exc:
         _not_on_machine(exc, report, starting)
+    except UserInputError as exc:
+        report.errors += exc.problems
+    try:  # chat_template and its kwargs (config/tokenizer_settings.py)
+        tokenizer_settings(policy, "policy")
     except UserInputError as exc:
         report.errors += exc.problems
 
@@ -477,15 +488,24 @@ def _tp_batch_variance(
     )
 
 
-def _check_data_source(recipe: dict[str, Any], report: Report, starting: bool) -> None:
-    """data.dataset_name names this backend's data; a NeMo-RL recipe names its datasets under
-    data.train instead (which config/ignored_keys.py reports), so one of the two is needed."""
-    data = recipe.get("data")
-    if isinstance(data, dict) and "dataset_name" not in data and "train" not in data:
-        report.errors.append(
-            "data.dataset_name: required key is missing (arithmetic, or jsonl with "
-            "data.train_data_path and data.val_data_path)"
-        )
+def _check_data_source(
+    recipe: dict[str, Any],
+    report: Report,
+    starting: bool,
+    base_dir: Path | None,
+    recipe_path: Path | None,
+) -> None:
+    """The data section (config/data_settings.py: NeMo-RL's datasets under data.train, or
+    this backend's data.dataset_name), then the files it names."""
+    lines = check_data_section(
+        recipe,
+        base_dir=base_dir or Path.cwd(),
+        recipe_path=recipe_path,
+        algorithm=report.algorithm,
+        starting=starting,
+    )
+    report.errors += [line for line in lines if not line.startswith("warning: ")]
+    report.warnings += [line for line in lines if line.startswith("warning: ")]
     from nemo_rl_offload.data.file_checks import problems  # the files named: open, first rows
 
     errors, warnings = problems(recipe, report.algorithm or "", starting=starting)
@@ -593,7 +613,7 @@ def check_recipe(
     _check_tokenizer(recipe, report, starting)
     _check_deadline(recipe, report)
     _check_logger_and_batches(recipe, algorithm, report, starting)
-    _check_data_source(recipe, report, starting)
+    _check_data_source(recipe, report, starting, base_dir, recipe_path)
     if algorithm == "grpo" and isinstance(recipe.get("loss_fn"), dict):
         loss_errors, loss_warnings = grpo_loss_problems(recipe["loss_fn"])
         report.errors += loss_errors
@@ -701,6 +721,17 @@ def check_recipe(
     if megatron_crosscheck and report.ok:
         for where, effective in effective_by_section.items():
             _megatron_crosscheck(effective, where, report)
+    if report.ok:
+        report.cluster = cluster_settings(cluster)
+    if report.ok and algorithm is not None:
+        data = None
+        try:
+            data = data_settings(recipe, base_dir=base_dir or Path.cwd(), recipe_path=recipe_path)
+        except UserInputError as exc:  # validate warned (a file not on this machine)
+            if starting:
+                report.errors += exc.problems
+        if report.ok:
+            report.run = run_settings.resolve(recipe, algorithm, data)
     if report.ok:
         for where, effective in effective_by_section.items():
             report.policies[where] = policy_settings.resolve(

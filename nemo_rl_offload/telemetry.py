@@ -24,6 +24,7 @@ import numpy as np
 
 from nemo_rl_offload.config import quantization
 from nemo_rl_offload.config.batch_checks import check_batch_sizes
+from nemo_rl_offload.config.cluster_settings import ClusterSettings
 from nemo_rl_offload.config.policy_settings import PolicySettings
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
@@ -60,11 +61,11 @@ def _check_lengths(lengths: list[int] | None, longest: int) -> list[int]:
 
 
 def _shards(
-    policy_cfg: dict[str, Any], dp_size: int, length: int, vocab: int, rng: np.random.Generator
+    settings: PolicySettings, dp_size: int, length: int, vocab: int, rng: np.random.Generator
 ) -> list[list[dict[str, np.ndarray]]]:
     """Random-token micro-batches for each data-parallel rank, in the recipe's step shape."""
-    check_batch_sizes(policy_cfg, dp_size)
-    gbs, mbs = int(policy_cfg["train_global_batch_size"]), int(policy_cfg["train_micro_batch_size"])
+    gbs, mbs = settings.train_global_batch_size, settings.batching.train_rows
+    check_batch_sizes(gbs, settings.batching, dp_size)
     count = gbs // (mbs * dp_size)
     shards = []
     for _ in range(dp_size):
@@ -81,7 +82,7 @@ def _shards(
 def _run_steps(
     section: dict[str, Any],
     settings: PolicySettings,
-    recipe: dict[str, Any],
+    cluster: ClusterSettings,
     env: dict[str, str] | None,
     *,
     name: str,
@@ -93,7 +94,7 @@ def _run_steps(
 ) -> list[dict[str, Any]]:
     group = PolicyGroup(
         settings,
-        cluster_cfg=recipe["cluster"],
+        cluster=cluster,
         seed=seed,
         trainable=True,
         with_reference=with_reference,  # the job's workers hold it too: its memory counts
@@ -110,7 +111,7 @@ def _run_steps(
         records = []
         for step in range(1, steps + 1):
             length = lengths[(step - 1) % len(lengths)]
-            shards = _shards(section, group.dp_size, length, vocab, rng)
+            shards = _shards(settings, group.dp_size, length, vocab, rng)
             start = time.perf_counter()
             metrics = group.train(shards, {"name": "nll"})
             metrics["driver_time_s"] = time.perf_counter() - start
@@ -134,7 +135,7 @@ def _quantize_as_the_run_would(
         return None
     examples = int(section.get("quant_calib_size") or 0)
     random = rng.integers(0, vocab, (examples, length)).tolist()
-    batches = quantization.calibration_batches(random, section)
+    batches = quantization.calibration_batches(random, quantization.calibration(section))
     return quantization.summary(value, group.quantize(value, batches))
 
 
@@ -203,14 +204,14 @@ def measure(
         plain = copy.deepcopy(policy_cfg)
         plain["megatron_cfg"]["fine_grained_activation_offloading"] = False
         runs.append((RUN_BASELINE, plain, resolve_policy(plain, base_dir=Path.cwd())))
-    info = cluster.start_or_join(recipe["cluster"], num_cpus=4)
+    info = cluster.start_or_join(report.cluster, num_cpus=4)
     try:
         records = []
         for name, section, settings in runs:
             records += _run_steps(
                 section,
                 settings,
-                recipe,
+                report.cluster,
                 env,
                 name=name,
                 lengths=lengths,
@@ -227,7 +228,7 @@ def measure(
         "recipe": config_path,
         "overrides": overrides,
         "model": policy_cfg["model_name"],
-        "gpus_per_node": int(recipe["cluster"].get("gpus_per_node", 0)),
+        "gpus_per_node": report.cluster.gpus_per_node,
         "offload_modules": list(report.policies["policy"].effective.listed_offload_modules),
         "fine_grained_activation_offloading": bool(
             megatron_cfg.get("fine_grained_activation_offloading")

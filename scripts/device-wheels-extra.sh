@@ -2,6 +2,8 @@
 # After ../shared/device/make-wheels.sh: what the GPU machine also needs, within its 64 MiB
 # carry (the working tree plus .whl/):
 # - Quart, hypercorn and their dependencies (the policy's HTTP server);
+# - math-verify, latex2sympy2_extended and antlr4-python3-runtime (env.math's graders; pure
+#   Python; the image's sympy serves them);
 # - nvidia-modelopt (policy.quant_cfg; pure Python) and pulp (ModelOpt imports it; repacked
 #   without its bundled solver binaries, which ModelOpt's quantization never calls);
 # - Ray repacked without rllib, serve, tune, data, llm, train and the dashboard's web build (not
@@ -20,6 +22,9 @@ cp "$tmp"/nvidia_modelopt-*.whl "$wheels/"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$wheels" \
   quart hypercorn flask werkzeug blinker itsdangerous aiofiles h11 h2 hpack hyperframe \
   priority wsproto
+# env.math's graders (environments/math_graders.py; pure Python).
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$wheels" \
+  "math-verify==0.9.0" "latex2sympy2_extended==1.11.0" "antlr4-python3-runtime==4.13.2"
 repack() {  # repack WHEEL (a path) without the paths given after it, its binaries stripped
   local wheel="$1"; shift
   local dir="$tmp/x"; rm -rf "$dir"; mkdir "$dir"

@@ -26,12 +26,17 @@ import numpy as np
 from nemo_rl_offload.algorithms import batching, packing
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.config import checkpointing, quantization
+from nemo_rl_offload.config.data_settings import DataSettings
 from nemo_rl_offload.config.policy_settings import PolicySettings
+from nemo_rl_offload.config.run_settings import RunSettings
 from nemo_rl_offload.data.datasets import (
     CUT_PART_TOKENS,
     EncodedExample,
     encode_and_check_lengths,
+    load_split,
 )
+from nemo_rl_offload.data.nemo_rl_datasets import load_rows
+from nemo_rl_offload.data.processors import process
 from nemo_rl_offload.data.tokenizer import Tokenizer
 from nemo_rl_offload.distributed import cluster
 from nemo_rl_offload.errors import UserInputError
@@ -54,9 +59,20 @@ from nemo_rl_offload.progress import Progress
 _LOG = logging.getLogger("nemo_rl_offload.run")
 
 
-def data_where(data_cfg: dict, split: str) -> str:
+def data_where(data: DataSettings, split: str) -> str:
     """The recipe key to name in a data error: the file's key for jsonl data."""
-    return f"data.{split}_data_path" if data_cfg.get("dataset_name") == "jsonl" else "data"
+    return f"data.{split}_data_path" if data.source == "jsonl" else "data"
+
+
+def token_sequence(example: EncodedExample) -> TokenSequence:
+    """An encoded example as the trainers batch it (its masked turns as spans that never
+    train)."""
+    return TokenSequence(
+        list(example.input_ids),
+        example.prompt_len,
+        loss_multiplier=example.loss_multiplier,
+        env_spans=tuple(example.masked_spans),
+    )
 
 
 class EpochSampler:
@@ -176,10 +192,14 @@ class Run:
     # Where the run is, on stderr (nemo_rl_offload.progress): loop.drive names the step, the
     # algorithms start its phases, a thread repeats a phase's line while the workers run it.
     progress: Progress = field(default_factory=lambda: Progress(heartbeat=True))
+    # NeMo-RL's datasets' rows (train, validation), loaded once (:meth:`examples`).
+    _rows: tuple[list[Any], list[Any]] | None = None
 
     @property
-    def policy_cfg(self) -> dict[str, Any]:
-        return self.recipe["policy"]
+    def settings(self) -> RunSettings:
+        """The run's schedule, checkpointing and logger as validate resolved them."""
+        assert self.report.run is not None, "prepare() takes a checked recipe"
+        return self.report.run
 
     @property
     def policy_settings(self) -> PolicySettings:
@@ -188,28 +208,21 @@ class Run:
 
     @property
     def max_len(self) -> int:
-        return int(self.policy_cfg["max_total_sequence_length"])
+        return self.policy_settings.max_total_sequence_length
 
     @property
     def round_to(self) -> int:
-        return int(self.policy_cfg.get("make_sequence_length_divisible_by", 1) or 1)
+        return self.policy_settings.batching.round_to
 
     def logprob_rows(self, where: str = "policy") -> int:
-        """Rows per micro-batch of the forward-only passes of ``where``'s workers:
-        ``logprob_batch_size``, by default ``train_micro_batch_size`` (NeMo-RL's default), in
-        DPO the rows of that many pairs (each pair is two rows)."""
-        section = self.recipe[where]
-        rows = section.get("logprob_batch_size")
-        if rows is None:
-            rows = int(section["train_micro_batch_size"]) * (2 if self.algorithm == "dpo" else 1)
-        return int(rows)
+        """Rows per micro-batch of the forward-only passes of ``where``'s workers
+        (``logprob_batch_size``; :class:`.config.batching_settings.BatchingSettings`)."""
+        return self.batching(where).logprob_rows
 
     def batching(self, where: str = "policy") -> packing.BatchingSettings:
         """How ``where``'s workers group sequences: padded rows, sequence packing or dynamic
-        batching (``algorithms.packing``)."""
-        return packing.BatchingSettings.from_policy(
-            self.recipe[where], pair_rows=self.algorithm == "dpo", where=where
-        )
+        batching, as validate resolved the section."""
+        return self.report.policies[where].batching
 
     def training_batches(self, sequences: list[TokenSequence], dp_size: int) -> packing.Batches:
         """A training step's micro-batches per data-parallel rank, as the policy's batching
@@ -249,17 +262,56 @@ class Run:
                 del mb["labels"]
         return batches.per_sequence(run_pass(mbs))
 
+    @property
+    def data(self) -> DataSettings:
+        """The data section as validate resolved it (:mod:`.config.data_settings`)."""
+        assert self.settings.data is not None, "prepare() takes a recipe checked to start"
+        return self.settings.data
+
+    def examples(self, kind: str, split: str) -> list[EncodedExample]:
+        """One split's examples, tokenized and checked: NeMo-RL's datasets (``data.train``,
+        ``data.validation``) through their processors and the policy's chat template, or this
+        backend's arithmetic and jsonl data. ``kind``: sft, preference or prompts."""
+        if self.data.source != "nemo_rl":
+            grader = self.settings.math_env.math_verify_impl
+            raw = load_split(self.data, kind, split, grader=grader)  # type: ignore[arg-type]
+            return self.encode_examples(raw, split)
+        if self._rows is None:
+            self._rows = load_rows(self.data)
+        rows = self._rows[0 if split == "train" else 1]
+        limit = self.data.max_input_seq_length or self.max_len
+        flags = self.settings.processor_flags
+        encoded = [process(row, self.tokenizer, limit, flags) for row in rows]
+        too_long = [
+            f"{row.where}: {len(e.input_ids)} tokens, longer than "
+            "policy.max_total_sequence_length "
+            f"{self.max_len}; shorten it, raise the limit, or set data.max_input_seq_length"
+            for row, e in zip(rows, encoded, strict=True)
+            if max(len(e.input_ids), len(e.rejected_ids or ())) > self.max_len
+        ]
+        if too_long:
+            shown = too_long[:20] + ([f"{len(too_long) - 20} more"] if len(too_long) > 20 else [])
+            raise UserInputError(shown)
+        self._report_cut(encoded, split, "data.train" if split == "train" else "data.validation")
+        return encoded
+
     def encode_examples(self, examples: list[dict[str, Any]], split: str) -> list[EncodedExample]:
-        """Tokenize one split: an example longer than max_total_sequence_length is refused,
-        one over ``data.max_input_seq_length`` cut and kept with loss multiplier 0 (NeMo-RL's
-        rule: it keeps its place, and a prompt its samples, but does not train); how many were
-        cut is said here and counted in each step's metrics."""
-        data_cfg = self.recipe["data"]
-        where = data_where(data_cfg, split)
-        max_input = data_cfg.get("max_input_seq_length")
+        """Tokenize one split of this backend's own data: an example longer than
+        max_total_sequence_length is refused, one over ``data.max_input_seq_length`` cut and
+        kept with loss multiplier 0 (NeMo-RL's rule: it keeps its place, and a prompt its
+        samples, but does not train)."""
+        where = data_where(self.data, split)
+        max_input = self.data.max_input_seq_length
         encoded = encode_and_check_lengths(
             examples, self.tokenizer, self.max_len, where, max_input_len=max_input
         )
+        self._report_cut(encoded, split, where)
+        return encoded
+
+    def _report_cut(self, encoded: list[EncodedExample], split: str, where: str) -> None:
+        """How many examples ``data.max_input_seq_length`` cut is said here (and counted in
+        each step's metrics); a training split it cut whole is refused."""
+        max_input = self.data.max_input_seq_length
         cut = sum(1 for e in encoded if e.loss_multiplier == 0)
         if cut and split == "train" and cut == len(encoded):
             raise UserInputError(
@@ -273,20 +325,16 @@ class Run:
                 "multiplier 0 (they do not train)",
                 file=sys.stderr,
             )
-        return encoded
 
-    def encode(self, examples: list[dict[str, Any]], split: str) -> list[TokenSequence]:
-        """:meth:`encode_examples` as token sequences."""
-        return [
-            TokenSequence(list(e.input_ids), e.prompt_len, loss_multiplier=e.loss_multiplier)
-            for e in self.encode_examples(examples, split)
-        ]
+    def encode(self, kind: str, split: str) -> list[TokenSequence]:
+        """:meth:`examples` as token sequences."""
+        return [token_sequence(e) for e in self.examples(kind, split)]
 
     def truncated(self, sequences: list[TokenSequence]) -> dict[str, int]:
         """``{name: how many of the step's sequences data.max_input_seq_length cut}``, empty
         when the key is not set: GRPO and distillation count prompts (``prompts_truncated``),
         SFT and DPO examples (``examples_truncated``)."""
-        if self.recipe["data"].get("max_input_seq_length") is None:
+        if self.data.max_input_seq_length is None:
             return {}
         name = (
             "prompts_truncated"
@@ -298,10 +346,10 @@ class Run:
     # ------------------------------------------------------------------- checkpoints
     def save(self, policy: Any, step: int, state: dict[str, Any]) -> Path | None:
         """Write ``step_N`` (the workers' state, then the driver's ``state``) atomically."""
-        ckpt = self.recipe["checkpointing"]
-        if not ckpt.get("enabled", True):
+        ckpt = self.settings.checkpointing
+        if not ckpt.enabled:
             return None
-        root = Path(ckpt["checkpoint_dir"])
+        root = Path(ckpt.checkpoint_dir)
         final = root / f"step_{step:06d}"
         tmp = root / f"{TMP_PREFIX}step_{step:06d}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -322,14 +370,14 @@ class Run:
     def _retain(self, root: Path) -> None:
         """keep_top_k: delete the checkpoints it does not keep (config.checkpointing says
         which: the best k by metric_name, or the newest k, and always the newest)."""
-        ckpt = self.recipe["checkpointing"]
+        ckpt = self.settings.checkpointing
         directories = {step_of(path) or 0: path for path in checkpoint_dirs(root)}
         history = [(step, _recorded(path)) for step, path in directories.items()]
         for step in checkpointing.steps_to_delete(
             history,
-            keep_top_k=ckpt.get("keep_top_k"),
+            keep_top_k=ckpt.keep_top_k,
             metric=self.metric,
-            higher_is_better=bool(ckpt.get("higher_is_better", True)),
+            higher_is_better=ckpt.higher_is_better,
         ):
             remove_dir(directories[step])
 
@@ -338,7 +386,7 @@ class Run:
         return EpochSampler(
             size,
             seed=seed,
-            shuffle=bool(self.recipe["data"].get("shuffle", True)),
+            shuffle=self.data.shuffle,
             position=int(self.driver_state.get("position", 0)),
         )
 
@@ -399,21 +447,21 @@ class Run:
         finds the validation metrics good enough (its line is printed), or when another step
         would pass ``checkpointing.checkpoint_must_save_by`` (:class:`Deadline`). ``state``:
         more of the driver's state to checkpoint beside the data position."""
-        section = self.recipe.get(self.algorithm) or {}
+        schedule = self.settings.schedule
         last = step == self.max_steps or data_done
         stop = None
         if validation_due(
             step,
             val_period=val_period,
-            val_start_at=int(section.get("val_start_at", -1)),
-            val_at_end=bool(section.get("val_at_end", False)),
+            val_start_at=schedule.val_start_at,
+            val_at_end=schedule.val_at_end,
             last=last,
         ):
             with self.progress.phase("validation"):
                 self._step_metrics["val"] = validate()
             self.logger.log(step, self._step_metrics["val"], phase="val")
             stop = stop_when(self._step_metrics["val"]) if stop_when is not None else None
-        save_period = int(self.recipe["checkpointing"].get("save_period", 0) or 0)
+        save_period = self.settings.checkpointing.save_period
         self.last_step, self.last_state = step, {"position": position, **(state or {})}
         if last or stop is not None or (save_period and step % save_period == 0):
             self.save(policy, step, self.last_state)
@@ -426,9 +474,9 @@ class Run:
 
     def _stop_for_deadline(self, policy: Any, step: int) -> None:
         saved = self.save(policy, step, self.last_state) if step != self._saved_step else None
-        ckpt = self.recipe["checkpointing"]
-        if saved is None and ckpt.get("enabled", True):
-            saved = Path(ckpt["checkpoint_dir"]) / f"step_{step:06d}"
+        ckpt = self.settings.checkpointing
+        if saved is None and ckpt.enabled:
+            saved = Path(ckpt.checkpoint_dir) / f"step_{step:06d}"
         where = (
             f"checkpoint {saved}; to continue, run the same command again"
             if saved is not None
@@ -438,7 +486,7 @@ class Run:
             f"checkpointing.checkpoint_must_save_by: stopped after step {step} of "
             f"{self.max_steps}: {self.deadline.elapsed:.0f} s elapsed + "
             f"{self.deadline.expected_step:.0f} s for another step would reach the deadline "
-            f"({ckpt['checkpoint_must_save_by']}, {self.deadline.seconds:.0f} s); {where}",
+            f"({ckpt.must_save_by}, {self.deadline.seconds:.0f} s); {where}",
             file=sys.stderr,
             flush=True,
         )
@@ -458,7 +506,7 @@ class Run:
         init_checkpoint's weights, which the reference keeps (the resume checkpoint holds the
         trained policy, not the reference it is compared with). A quantized policy gets its
         quantizers before the resume checkpoint loads, which restores their state."""
-        init = self.policy_cfg.get("init_checkpoint")
+        init = self.policy_settings.init_checkpoint
         if self.resume_from is not None:
             policy_dir = self.resume_from / "policy"
             for note in policy.check_resumable(str(policy_dir)):
@@ -482,19 +530,21 @@ class Run:
     def _quantize(self, policy: Any, sequences: Sequence[TokenSequence]) -> None:
         """``policy.quant_cfg``: the workers quantize (``models.quantization``), calibrating on
         ``config.quantization.calibration_batches`` of the training sequences."""
-        value = quantization.policy_config(self.policy_cfg)
+        settings = self.policy_settings
+        value = settings.quant_cfg
         if value is None:
             return
-        batches = quantization.calibration_batches([s.ids for s in sequences], self.policy_cfg)
+        batches = quantization.calibration_batches(
+            [s.ids for s in sequences], settings.quant_calibration
+        )
         print(quantization.summary(value, policy.quantize(value, batches)), file=sys.stderr)
 
     def connect(self) -> None:
         """Start or join Ray: after the data has loaded, so a bad data file fails in seconds."""
         self.cluster_info = cluster.start_or_join(
-            self.recipe["cluster"], num_cpus=max(os.cpu_count() or 1, 4)
+            self.report.cluster, num_cpus=max(os.cpu_count() or 1, 4)
         )
-        on_gpu = int(self.recipe["cluster"].get("gpus_per_node", 0)) > 0
-        if on_gpu and self.recipe["logger"].get("monitor_gpus"):
+        if self.report.cluster.on_gpu and self.settings.logger.monitor_gpus:
             from nemo_rl_offload.gpu_monitor import GpuMonitor
 
             self.gpu_monitor = GpuMonitor()
@@ -524,7 +574,7 @@ class Run:
         )
         group = PolicyGroup(
             settings,
-            cluster_cfg=self.recipe["cluster"],
+            cluster=self.report.cluster,
             seed=seed,
             trainable=trainable,
             with_reference=with_reference,
@@ -605,9 +655,7 @@ def _not_quantized(policy_dir: Path, key: str) -> None:
         )
 
 
-def prepare(
-    report: Report, algorithm: str, *, total_steps_key: str, started: float | None = None
-) -> Run:
+def prepare(report: Report, algorithm: str, *, started: float | None = None) -> Run:
     """From a recipe checked for ``algorithm`` (and planned, with a budget:
     :mod:`nemo_rl_offload.planning.plan_at_start`): load the tokenizer, find a checkpoint to resume
     (Ray starts later, in :meth:`Run.connect`). ``started``: when the command started
@@ -616,24 +664,25 @@ def prepare(
     for line in report.warnings:
         print(line, file=sys.stderr)
     recipe = report.recipe
-    tokenizer = policy_tokenizer(recipe["policy"])
-    ckpt = recipe["checkpointing"]
+    if report.run is None:
+        raise ValueError("prepare() takes a recipe checked without errors")
+    settings = report.run
+    tokenizer = policy_tokenizer(recipe["policy"], report.policies["policy"].tokenizer)
+    ckpt, logged = settings.checkpointing, settings.logger
     resume_from, start_step, driver_state = None, 0, {}
-    if ckpt.get("enabled", True):
-        resume_from, driver_state = find_resume(ckpt["checkpoint_dir"])
+    if ckpt.enabled:
+        resume_from, driver_state = find_resume(ckpt.checkpoint_dir)
         start_step = int(driver_state.get("step", 0))
-    logger_cfg = recipe["logger"]
     logger = MetricsLogger(
-        logger_cfg["log_dir"],
-        total_steps=int(recipe[algorithm][total_steps_key]),
-        tensorboard=bool(logger_cfg.get("tensorboard_enabled", False)),
+        logged.log_dir,
+        total_steps=settings.schedule.max_steps,
+        tensorboard=logged.tensorboard,
         resume_step=start_step if resume_from is not None else None,
     )
     print(
-        f"{algorithm}: metrics -> {logger.path}; checkpoints -> {ckpt['checkpoint_dir']}",
+        f"{algorithm}: metrics -> {logger.path}; checkpoints -> {ckpt.checkpoint_dir}",
         file=sys.stderr,
     )
-    metric_name = ckpt.get("metric_name")
     return Run(
         algorithm,
         recipe,
@@ -644,14 +693,9 @@ def prepare(
         start_step,
         driver_state,
         resume_from,
-        max_steps=int(recipe[algorithm][total_steps_key]),
-        metric=checkpointing.resolve_metric(metric_name, algorithm) if metric_name else None,
-        deadline=Deadline(
-            checkpointing.parse_deadline(ckpt["checkpoint_must_save_by"])
-            if ckpt.get("checkpoint_must_save_by")
-            else None,
-            started=started,
-        ),
+        max_steps=settings.schedule.max_steps,
+        metric=ckpt.metric,
+        deadline=Deadline(ckpt.must_save_by_seconds, started=started),
     )
 
 

@@ -22,7 +22,6 @@ from nemo_rl_offload.algorithms.common import Run, prepare
 from nemo_rl_offload.algorithms.grpo import rollout, validate
 from nemo_rl_offload.config import batch_checks
 from nemo_rl_offload.config.model_presets import Architecture
-from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.environments.math import MathEnvironment
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.policy.checkpoint_dirs import resolve_checkpoint
@@ -47,7 +46,7 @@ def run_distillation(report: Report, *, started: float | None = None) -> int:
     """Run distillation on a recipe checked for it
     (:func:`nemo_rl_offload.planning.plan_at_start.checked`); ``started``: when the command
     started, for checkpointing.checkpoint_must_save_by."""
-    run = prepare(report, "distillation", total_steps_key="max_num_steps", started=started)
+    run = prepare(report, "distillation", started=started)
     return loop.drive(run, start)
 
 
@@ -55,17 +54,17 @@ def start(run: Run) -> loop.Steps:
     """Load the prompts, start the student's and the teacher's workers, and give the loop
     distillation's step body."""
     cfg, loss_cfg = run.recipe["distillation"], run.recipe["loss_fn"]
-    policy_cfg, teacher_cfg = run.policy_cfg, run.recipe["teacher"]
-    seed = int(cfg["seed"])
+    teacher_init = run.report.policies["teacher"].init_checkpoint
+    seed = run.settings.schedule.seed
     prompts = gym_rollouts.load_prompts(run, cfg)
-    train, train_raw, val, val_raw = prompts.train, prompts.train_raw, prompts.val, prompts.val_raw
-    _, on_gpu = worker_count(run.recipe["cluster"])
+    train, train_answers, val = prompts.train, prompts.train_answers, prompts.val
+    on_gpu = run.report.cluster.on_gpu
     share = 0.5 if on_gpu else 1.0
     run.connect()
     policy = run.start_group("policy", seed=seed, trainable=True, gpu_fraction=share)
     teacher = run.start_group("teacher", seed=seed + 1, trainable=False, gpu_fraction=share)
-    if teacher_cfg.get("init_checkpoint"):
-        path = resolve_checkpoint(teacher_cfg["init_checkpoint"], "teacher.init_checkpoint")
+    if teacher_init:
+        path = resolve_checkpoint(teacher_init, "teacher.init_checkpoint")
         teacher.load(str(Path(path) / "policy"), weights_only=True)
     else:
         print(
@@ -73,12 +72,12 @@ def start(run: Run) -> loop.Steps:
             file=sys.stderr,
         )
     gym = gym_rollouts.start_sampling(run, policy, prompts, seed=seed)
-    env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
+    env = MathEnvironment(run.settings.math_env)
     num_prompts = int(cfg["num_prompts_per_step"])
     group = int(cfg.get("num_generations_per_prompt", 1))
     batch_checks.check_split(
         num_prompts * group,
-        policy_cfg,
+        run.batching(),
         policy.dp_size,
         key="distillation.num_prompts_per_step",
         what=f"{num_prompts} x {group} responses",
@@ -94,7 +93,7 @@ def start(run: Run) -> loop.Steps:
     }
     sampler = run.sampler(prompts.count, seed)
     meter = throughput.StepMeter.for_policy(run.policy_settings, policy.workers)
-    val_answers = [str(v["answer"]) for v in val_raw]
+    val_answers = prompts.val_answers
     gym_batch = (
         gym_rollouts.sampler(run, gym, prompts.train_rows, group) if gym is not None else None
     )
@@ -134,7 +133,7 @@ def start(run: Run) -> loop.Steps:
                 policy,
                 env,
                 train,
-                train_raw,
+                train_answers,
                 sampler.take(num_prompts),
                 group,
                 seed=seed * 1000003 + step,
@@ -195,5 +194,5 @@ def start(run: Run) -> loop.Steps:
         sampler,
         train_step,
         validate=validate_at,
-        section=cfg,
+        schedule=run.settings.schedule,
     )

@@ -9,32 +9,28 @@ Run: ``nemo-rl-offload dpo --config examples/configs/tiny/dpo.yaml``
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
 from nemo_rl_offload.algorithms import batching, loop
 from nemo_rl_offload.algorithms.batching import TokenSequence
-from nemo_rl_offload.algorithms.common import (
-    Run,
-    prepare,
-)
+from nemo_rl_offload.algorithms.common import Run, prepare, token_sequence
 from nemo_rl_offload.config.batch_checks import check_batch_sizes
-from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.distributed import sharding
 from nemo_rl_offload.policy.policy_group import PolicyGroup, holds_reference
 from nemo_rl_offload.preflight import Report
 
 
-def encode_pairs(run: Run, examples: list[dict], split: str) -> list[tuple[TokenSequence, ...]]:
-    encoded = run.encode_examples(examples, split)
-    return [
-        (
-            TokenSequence(list(e.input_ids), e.prompt_len, loss_multiplier=e.loss_multiplier),
-            TokenSequence(list(e.rejected_ids), e.prompt_len, loss_multiplier=e.loss_multiplier),
-        )
-        for e in encoded
-    ]
+def encode_pairs(run: Run, split: str) -> list[tuple[TokenSequence, ...]]:
+    """One split's preference pairs: (chosen, rejected), sharing their prompt."""
+    pairs = []
+    for e in run.examples("preference", split):
+        assert e.rejected_ids is not None, "preference examples carry the rejected response"
+        rejected = dataclasses.replace(e, input_ids=list(e.rejected_ids), rejected_ids=None)
+        pairs.append((token_sequence(e), token_sequence(rejected)))
+    return pairs
 
 
 def sequence_logprobs(arrays: list[np.ndarray], mbs: list[dict], average: bool) -> list:
@@ -89,39 +85,31 @@ def evaluate(run: Run, policy: PolicyGroup, pairs: list, rows: int, spec: dict) 
 def run_dpo(report: Report, *, started: float | None = None) -> int:
     """Run dpo on a recipe checked for it (:func:`nemo_rl_offload.planning.plan_at_start.checked`);
     ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
-    run = prepare(report, "dpo", total_steps_key="max_num_steps", started=started)
+    run = prepare(report, "dpo", started=started)
     return loop.drive(run, start)
 
 
 def start(run: Run) -> loop.Steps:
     """Load the pairs, start the workers (with the reference), and give the loop DPO's step
     body."""
-    cfg, data_cfg, policy_cfg = run.recipe["dpo"], run.recipe["data"], run.policy_cfg
-    seed = int(cfg["seed"])
-    train = encode_pairs(run, load_split(data_cfg, "preference", "train"), "train")
-    val = encode_pairs(run, load_split(data_cfg, "preference", "val"), "val")
-    val = val[: int(cfg.get("val_batches", 8)) * int(cfg.get("val_global_batch_size", 8))]
+    schedule = run.settings.schedule
+    seed = schedule.seed
+    train = encode_pairs(run, "train")
+    val = encode_pairs(run, "val")
+    val = val[: schedule.val_examples]
     run.connect()
     policy = run.start_group(
         "policy", seed=seed, trainable=True, with_reference=holds_reference(run.recipe, "dpo")
     )
-    check_batch_sizes(policy_cfg, policy.dp_size)
+    gbs = run.policy_settings.train_global_batch_size
+    check_batch_sizes(gbs, run.batching(), policy.dp_size)
     run.restore(policy, [chosen for chosen, _ in train])
-    spec = {
-        "name": "dpo",
-        "beta": float(cfg["reference_policy_kl_penalty"]),
-        "preference_average_log_probs": bool(cfg.get("preference_average_log_probs", False)),
-        "sft_average_log_probs": bool(cfg.get("sft_average_log_probs", False)),
-        "preference_loss_weight": float(cfg.get("preference_loss_weight", 1.0)),
-        "sft_loss_weight": float(cfg.get("sft_loss_weight", 0.0)),
-    }
-    gbs, micro = (
-        int(policy_cfg["train_global_batch_size"]),
-        int(policy_cfg["train_micro_batch_size"]),
-    )
+    assert run.settings.dpo is not None
+    spec = run.settings.dpo.loss_spec()
+    micro = run.batching().train_rows
     # Validation is forward-only: val_micro_batch_size pairs, else logprob_batch_size rows.
-    val_pairs = cfg.get("val_micro_batch_size")
-    val_rows = 2 * int(val_pairs) if val_pairs else run.logprob_rows()
+    val_pairs = schedule.val_micro_batch_size
+    val_rows = 2 * val_pairs if val_pairs else run.logprob_rows()
     sampler = run.sampler(len(train), seed)
 
     def train_step(step: int) -> loop.TrainResult:
@@ -149,5 +137,5 @@ def start(run: Run) -> loop.Steps:
         sampler,
         train_step,
         validate=lambda step: evaluate(run, policy, val, val_rows, spec),
-        section=cfg,
+        schedule=schedule,
     )

@@ -36,7 +36,6 @@ from nemo_rl_offload.config import (
     batch_checks,
     grpo_options,
     on_policy_distillation,
-    router_replay,
 )
 from nemo_rl_offload.config.generation_settings import SamplingSettings
 from nemo_rl_offload.config.router_replay import NO_ROUTE
@@ -102,7 +101,7 @@ def rollout(
     policy: PolicyGroup,
     env: MathEnvironment,
     train: list[TokenSequence],
-    train_raw: list[dict],
+    train_answers: list[str],
     picked: list[int],
     group: int,
     *,
@@ -111,7 +110,7 @@ def rollout(
     """``group`` sampled responses to each picked training prompt, with their rewards, the
     sampler's log-probabilities of their tokens and (``policy.router_replay``) its routes."""
     prompts = [train[i] for i in picked for _ in range(group)]
-    answers = [str(train_raw[i]["answer"]) for i in picked for _ in range(group)]
+    answers = [train_answers[i] for i in picked for _ in range(group)]
     responses, rewards, logprobs, routes = generate_and_score(
         run,
         policy,
@@ -120,7 +119,7 @@ def rollout(
         answers,
         greedy=False,
         seed=seed,
-        record_routes=router_replay.enabled(run.policy_cfg),
+        record_routes=run.policy_settings.records_routes,
     )
     return prompts, responses, rewards, logprobs, routes
 
@@ -178,7 +177,7 @@ def validate(
         seed=seed,
     )
     _, greedy, _, _ = generate_and_score(run, policy, env, val, answers, greedy=True, seed=seed)
-    shown = int(run.recipe["logger"].get("num_val_samples_to_print") or 0)
+    shown = run.settings.logger.num_val_samples_to_print
     if shown > 0:
         text = format_samples(
             run.tokenizer,
@@ -312,7 +311,7 @@ def collect_groups(
     run: Run,
     policy: PolicyGroup,
     env: MathEnvironment,
-    data: tuple[list[TokenSequence], list[dict]],
+    data: tuple[list[TokenSequence], list[str]],
     sampler: EpochSampler,
     *,
     seed: int,
@@ -353,7 +352,7 @@ def collect_groups(
                 batch.rewards,
                 batch.logprobs,
             )
-            routes = _gym_routes(batch, router_replay.enabled(run.policy_cfg))
+            routes = _gym_routes(batch, run.policy_settings.records_routes)
         else:
             prompts, responses, scores, logprobs, routes = rollout(
                 run,
@@ -470,16 +469,16 @@ def stop_rule(cfg: Mapping[str, Any]) -> Callable[[Mapping[str, float]], str | N
 def run_grpo(report: Report, *, started: float | None = None) -> int:
     """Run grpo on a recipe checked for it (:func:`nemo_rl_offload.planning.plan_at_start.checked`);
     ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
-    run = prepare(report, "grpo", total_steps_key="max_num_steps", started=started)
+    run = prepare(report, "grpo", started=started)
     return loop.drive(run, start)
 
 
 def start(run: Run) -> loop.Steps:
     """Load the prompts, start the workers, and give the loop GRPO's step body."""
     cfg, loss_cfg = run.recipe["grpo"], run.recipe["loss_fn"]
-    policy_cfg, seed = run.policy_cfg, int(cfg["seed"])
+    seed = run.settings.schedule.seed
     prompts = gym_rollouts.load_prompts(run, cfg)
-    train, train_raw, val, val_raw = prompts.train, prompts.train_raw, prompts.val, prompts.val_raw
+    train, train_answers, val = prompts.train, prompts.train_answers, prompts.val
     kl_penalty = losses.effective_kl_penalty(loss_cfg)
     options = losses.PolicyLossOptions.from_recipe(loss_cfg)
     error_threshold = cfg.get("seq_logprob_error_threshold")
@@ -495,25 +494,27 @@ def start(run: Run) -> loop.Steps:
         trainable=True,
         with_reference=holds_reference(run.recipe, "grpo"),
         logits_temperature=temperature,
-        gpu_fraction=opd.gpu_share(run.recipe) if distilling else 1.0,
+        gpu_fraction=(
+            opd.gpu_share(run.recipe, on_gpu=run.report.cluster.on_gpu) if distilling else 1.0
+        ),
     )
     teachers = opd.Teachers.start(run, seed=seed, temperature=temperature) if distilling else None
     gym = gym_rollouts.start_sampling(run, policy, prompts, seed=seed)
     meter = throughput.StepMeter.for_policy(run.policy_settings, policy.workers)
-    env = MathEnvironment.from_config((run.recipe.get("env") or {}).get("math") or {})
+    env = MathEnvironment(run.settings.math_env)
     num_prompts, group = (
         int(cfg["num_prompts_per_step"]),
         int(cfg["num_generations_per_prompt"]),
     )
     batch_checks.check_split(
         num_prompts * group,
-        policy_cfg,
+        run.batching(),
         policy.dp_size,
         key="grpo.num_prompts_per_step",
         what=f"{num_prompts} prompts x {group} generations",
     )
     sampler = run.sampler(prompts.count, seed)
-    val_answers = [str(v["answer"]) for v in val_raw]
+    val_answers = prompts.val_answers
     val_samples = int(cfg.get("val_num_generations_per_prompt", 1))
     stop_when = stop_rule(cfg)
     gym_batch = (
@@ -541,7 +542,7 @@ def start(run: Run) -> loop.Steps:
             run,
             policy,
             env,
-            (train, train_raw),
+            (train, train_answers),
             sampler,
             seed=seed * 1000003 + target,
             gym_batch=gym_batch,
@@ -654,7 +655,7 @@ def start(run: Run) -> loop.Steps:
         sampler,
         train_step,
         validate=validate_at,
-        section=cfg,
+        schedule=run.settings.schedule,
         stop_when=stop_when,
         state=pipeline.state if pipeline is not None else None,
         drawn_ahead=(lambda: len(pipeline.pending)) if pipeline is not None else None,

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from nemo_rl_offload.algorithms.batching import TokenSequence
+from nemo_rl_offload.algorithms.common import token_sequence
 from nemo_rl_offload.config.generation_settings import GenerationSettings
 from nemo_rl_offload.config.nemo_gym import enabled
-from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.data.nemo_gym_rows import gym_data_path, load_gym_rows
 from nemo_rl_offload.environments.nemo_gym import NemoGymServers, gym_settings
 from nemo_rl_offload.environments.nemo_gym_results import (
@@ -136,7 +136,7 @@ def start(run: Any, policy: Any, *, seed: int) -> NemoGymServers:
         settings,
         policy_base_url=server.base_url,
         policy_api_key=server.api_key,
-        model_name=str(run.policy_cfg["model_name"]),
+        model_name=run.policy_settings.model_name,
         workdir=workdir,
         ray_address=ray.get_runtime_context().gcs_address,
     )
@@ -176,11 +176,12 @@ def sampler(
 
 @dataclasses.dataclass
 class Prompts:
-    """A sampling algorithm's data: the recipe's prompts (``raw`` examples and their token
-    sequences), or NeMo-Gym's rows (``*_rows``; the agents render the prompts)."""
+    """A sampling algorithm's data: the recipe's prompts (token sequences, and the answers
+    the environment grades their responses against), or NeMo-Gym's rows (``*_rows``; the
+    agents render the prompts)."""
 
-    train_raw: list[dict[str, Any]]
-    val_raw: list[dict[str, Any]]
+    train_answers: list[str]
+    val_answers: list[str]
     train: list[TokenSequence]
     val: list[TokenSequence]
     train_rows: list[dict[str, Any]]
@@ -195,16 +196,20 @@ class Prompts:
 def load_prompts(run: Any, section: Mapping[str, Any]) -> Prompts:
     """GRPO's and distillation's data, cut to ``section.max_val_samples`` validation
     examples (null: all of them)."""
-    data_cfg = run.recipe["data"]
     limit = section.get("max_val_samples", 256)
     limit = None if limit is None else int(limit)
     if enabled(run.recipe):
-        train_rows, val_rows = load_rows(data_cfg)
+        train_rows, val_rows = load_rows(run.recipe["data"])
         return Prompts([], [], [], [], train_rows, val_rows[:limit])
-    train_raw = load_split(data_cfg, "prompts", "train")
-    val_raw = load_split(data_cfg, "prompts", "val")[:limit]
+    train = run.examples("prompts", "train")
+    val = run.examples("prompts", "val")[:limit]
     return Prompts(
-        train_raw, val_raw, run.encode(train_raw, "train"), run.encode(val_raw, "val"), [], []
+        [str(e.ground_truth) for e in train],
+        [str(e.ground_truth) for e in val],
+        [token_sequence(e) for e in train],
+        [token_sequence(e) for e in val],
+        [],
+        [],
     )
 
 

@@ -11,11 +11,12 @@ one step, how to validate, and where its data position is.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from nemo_rl_offload.algorithms.common import EpochSampler, Run
+from nemo_rl_offload.config.run_settings import ScheduleSettings
 
 # The GRPO and distillation default: no epoch limit unless the recipe sets max_num_epochs.
 NO_EPOCH_LIMIT = 1 << 30
@@ -39,14 +40,14 @@ class Steps:
     """An algorithm's step body, ready to run: the trained ``policy`` group (the one
     checkpointed), the ``sampler`` whose position is the data position, and how to train one
     step and validate (both given the step number, which seeds GRPO's and distillation's
-    sampling). ``section``: the algorithm's recipe section, whose ``val_period``,
-    ``max_num_epochs`` and ``val_at_start`` schedule the loop."""
+    sampling). ``schedule``: the algorithm section's validation period, epochs and
+    ``val_at_start`` (:mod:`nemo_rl_offload.config.run_settings`)."""
 
     policy: Any
     sampler: EpochSampler
     train_step: Callable[[int], TrainResult]
     validate: Callable[[int], dict[str, float]]
-    section: Mapping[str, Any]
+    schedule: ScheduleSettings
     stop_when: Callable[[dict[str, Any]], str | None] | None = None
     # More of the driver's state to checkpoint (JSON), e.g. async GRPO's waiting rollouts.
     state: Callable[[], dict[str, Any]] | None = None
@@ -56,16 +57,16 @@ class Steps:
 
     @property
     def val_period(self) -> int:
-        return int(self.section["val_period"])
+        return self.schedule.val_period
 
     @property
     def max_epochs(self) -> int:
-        epochs = self.section.get("max_num_epochs")
-        return NO_EPOCH_LIMIT if epochs is None else int(epochs)
+        epochs = self.schedule.max_epochs
+        return NO_EPOCH_LIMIT if epochs is None else epochs
 
     @property
     def val_at_start(self) -> bool:
-        return bool(self.section.get("val_at_start"))
+        return self.schedule.val_at_start
 
     @property
     def data_exhausted(self) -> bool:

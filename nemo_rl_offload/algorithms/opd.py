@@ -14,7 +14,6 @@ import torch
 from nemo_rl_offload.algorithms import rewards
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.config import on_policy_distillation as opd_config
-from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.policy.policy_group import PolicyGroup
 
 PREFIX = opd_config.SECTION
@@ -48,10 +47,9 @@ def response_mask(sequence: TokenSequence) -> np.ndarray:
     return mask
 
 
-def gpu_share(recipe: Any) -> float:
+def gpu_share(recipe: Any, *, on_gpu: bool) -> float:
     """Each group's share of a GPU when the policy and its teacher groups share the workers'
     GPUs (one group per distinct teacher model); 1 on CPU workers."""
-    _, on_gpu = worker_count(recipe["cluster"])
     return 1.0 / (len(opd_config.teacher_sections(recipe)) + 1) if on_gpu else 1.0
 
 
@@ -70,7 +68,7 @@ class Teachers:
         (:func:`gpu_share`), and take their log-probabilities at the sampling temperature, as
         the policy's are (NeMo-RL's teachers are built from the policy's config)."""
         sections = opd_config.teacher_sections(run.recipe)
-        share = gpu_share(run.recipe)
+        share = gpu_share(run.recipe, on_gpu=run.report.cluster.on_gpu)
         groups = {
             alias: run.start_group(
                 f"teacher '{alias}'",

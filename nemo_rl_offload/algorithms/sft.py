@@ -14,7 +14,6 @@ from nemo_rl_offload.algorithms.common import (
     prepare,
 )
 from nemo_rl_offload.config.batch_checks import check_batch_sizes
-from nemo_rl_offload.data.datasets import load_split
 from nemo_rl_offload.policy.policy_group import PolicyGroup
 from nemo_rl_offload.preflight import Report
 
@@ -34,24 +33,24 @@ def evaluate_nll(run: Run, policy: PolicyGroup, sequences: list, micro: int) -> 
 def run_sft(report: Report, *, started: float | None = None) -> int:
     """Run sft on a recipe checked for it (:func:`nemo_rl_offload.planning.plan_at_start.checked`);
     ``started``: when the command started, for checkpointing.checkpoint_must_save_by."""
-    run = prepare(report, "sft", total_steps_key="max_num_steps", started=started)
+    run = prepare(report, "sft", started=started)
     return loop.drive(run, start)
 
 
 def start(run: Run) -> loop.Steps:
     """Load the data, start the workers, and give the loop SFT's step body."""
-    cfg, data_cfg, policy_cfg = run.recipe["sft"], run.recipe["data"], run.policy_cfg
-    train = run.encode(load_split(data_cfg, "sft", "train"), "train")
-    val = run.encode(load_split(data_cfg, "sft", "val"), "val")
-    val = val[: int(cfg.get("val_batches", 8)) * int(cfg.get("val_global_batch_size", 32))]
+    schedule = run.settings.schedule
+    train = run.encode("sft", "train")
+    val = run.encode("sft", "val")
+    val = val[: schedule.val_examples]
     run.connect()
-    policy = run.start_group("policy", seed=int(cfg["seed"]), trainable=True)
-    check_batch_sizes(policy_cfg, policy.dp_size)
+    policy = run.start_group("policy", seed=schedule.seed, trainable=True)
+    gbs = run.policy_settings.train_global_batch_size
+    check_batch_sizes(gbs, run.batching(), policy.dp_size)
     run.restore(policy, train)
-    sampler = run.sampler(len(train), int(cfg["seed"]))
-    gbs = int(policy_cfg["train_global_batch_size"])
+    sampler = run.sampler(len(train), schedule.seed)
     # Validation is a forward-only pass: val_micro_batch_size, else logprob_batch_size.
-    val_micro = int(cfg.get("val_micro_batch_size") or run.logprob_rows())
+    val_micro = schedule.val_micro_batch_size or run.logprob_rows()
 
     def train_step(step: int) -> loop.TrainResult:
         batch = [train[i] for i in sampler.take(gbs)]
@@ -71,5 +70,5 @@ def start(run: Run) -> loop.Steps:
         sampler,
         train_step,
         validate=lambda step: {"val_loss": evaluate_nll(run, policy, val, val_micro)},
-        section=cfg,
+        schedule=schedule,
     )

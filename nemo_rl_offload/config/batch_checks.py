@@ -8,25 +8,17 @@ layout. No torch, no Ray.
 
 from __future__ import annotations
 
-from typing import Any
-
 from nemo_rl_offload.config.batching_settings import BatchingSettings
 from nemo_rl_offload.errors import UserInputError
 
 
-def token_budgeted(policy_cfg: dict[str, Any]) -> bool:
-    """Whether micro-batches are formed by token count (sequence packing or dynamic batching)
-    rather than train_micro_batch_size rows."""
-    return BatchingSettings.mode_of(policy_cfg) != "rows"
-
-
 def check_split(
-    count: int, policy_cfg: dict[str, Any], dp_size: int, *, key: str, what: str
+    count: int, batching: BatchingSettings, dp_size: int, *, key: str, what: str
 ) -> None:
     """A step's ``count`` sequences must split evenly into data-parallel shards of whole
     micro-batches (with token budgets, into equal shards: micro-batches are then formed by
     tokens); ``key`` and ``what`` name the setting in the message."""
-    micro = 1 if token_budgeted(policy_cfg) else int(policy_cfg["train_micro_batch_size"])
+    micro = 1 if batching.mode != "rows" else batching.train_rows
     if count % (micro * dp_size):
         raise UserInputError(
             f"{key}: {what} do not split into {dp_size} data-parallel rank(s) x micro-batches "
@@ -34,9 +26,13 @@ def check_split(
         )
 
 
-def check_batch_sizes(policy_cfg: dict[str, Any], dp_size: int) -> None:
-    """The global batch splits into data-parallel shards of whole micro-batches."""
-    gbs = int(policy_cfg["train_global_batch_size"])
+def check_batch_sizes(global_batch: int, batching: BatchingSettings, dp_size: int) -> None:
+    """The global batch (``policy.train_global_batch_size``) splits into data-parallel
+    shards of whole micro-batches."""
     check_split(
-        gbs, policy_cfg, dp_size, key="policy.train_global_batch_size", what=f"{gbs} sequences"
+        global_batch,
+        batching,
+        dp_size,
+        key="policy.train_global_batch_size",
+        what=f"{global_batch} sequences",
     )

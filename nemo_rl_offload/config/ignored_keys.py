@@ -67,10 +67,37 @@ def _dense_model(where: str) -> Callable[[Any, Mapping[str, Any]], bool]:
     return inert
 
 
+def _dense_expert_decode(recipe: Mapping[str, Any], where: str) -> bool:
+    """Whether an MoE policy's decode steps take the dense expert path that CUDA graphs can
+    capture (models/moe_decode.py ``dense_usable``): every expert on each rank (no tensor,
+    expert or expert-tensor parallelism), no token dropping, no probabilities on the experts'
+    input, no latent projections, no FP8 arithmetic, no
+    shared-expert overlap, and no recorded routes (a replayed graph would not record them)."""
+    section = recipe.get(where) or {}
+    megatron = section.get("megatron_cfg") or {}
+    overrides = megatron.get("model_overrides") or {}
+
+    def setting(key: str) -> Any:
+        return overrides.get(key, megatron.get(key))
+
+    sizes = ("tensor_model_parallel_size", "expert_model_parallel_size")
+    return (
+        all((megatron.get(key) or 1) == 1 for key in sizes)
+        and (megatron.get("expert_tensor_parallel_size") or 1) == 1
+        and not setting("moe_shared_expert_overlap")
+        and not setting("moe_apply_probs_on_input")
+        and setting("moe_expert_capacity_factor") is None
+        and not setting("moe_latent_size")
+        and (section.get("fp8_cfg") or {}).get("enabled") is not True
+        and (section.get("router_replay") or {}).get("enabled") is not True
+    )
+
+
 def _decode_graphs_apply(generation: str) -> Callable[[Any, Mapping[str, Any]], bool]:
     """mcore_generation_config.cuda_graph_impl is acted on (decode-step CUDA graphs,
     policy/generation.py) when it is off or when the policy's decode steps can be captured:
-    no experts, one pipeline stage, no sequence parallelism (policy/decode_graphs.py)."""
+    one pipeline stage, no sequence parallelism, and for a model with experts the dense
+    expert path (policy/decode_graphs.py, models/moe_decode.py)."""
     where = generation.split(".")[0]
 
     def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
@@ -81,7 +108,7 @@ def _decode_graphs_apply(generation: str) -> Callable[[Any, Mapping[str, Any]], 
         megatron = _at(recipe, f"{where}.megatron_cfg") or {}
         tp = megatron.get("tensor_model_parallel_size") or 1
         return not (
-            _model_has_experts(recipe, where)
+            (_model_has_experts(recipe, where) and not _dense_expert_decode(recipe, where))
             or (megatron.get("pipeline_model_parallel_size") or 1) > 1
             or (megatron.get("sequence_parallel") is True and tp > 1)
         )
@@ -265,9 +292,6 @@ IGNORED: dict[str, Unused] = {
         _clip_grad_matches,
     ),
     "teacher.max_grad_norm": Unused(_TEACHER_TRAINS_NOT, _always),
-    "policy.tokenizer.chat_template_kwargs": Unused(
-        "no chat template is applied: prompts are tokenized as the data writes them"
-    ),
     "teacher.tokenizer.chat_template_kwargs": Unused(
         "no chat template is applied: the teacher scores the student's tokens"
     ),
@@ -543,8 +567,14 @@ def _policy_section_entries(where: str) -> dict[str, Unused]:
             else {}
         ),
         f"{where}.is_vlm": _not_yet(f"{where}.is_vlm", False, "vision-language models"),
-        f"{where}.tokenizer.chat_template": Unused(
-            "no chat template is applied: prompts are tokenized as the data writes them"
+        **(
+            {
+                f"{where}.tokenizer.chat_template": Unused(
+                    "no chat template is applied: the teacher scores the student's tokens"
+                )
+            }
+            if teacher
+            else {}
         ),
         f"{where}.tokenizer.use_fastokens": Unused(_SPEED_ONLY, _one_of(False)),
         f"{where}.tokenizer.use_processor": _not_yet(
@@ -747,8 +777,10 @@ def _mcore_generation_entries(g: str) -> dict[str, Unused]:
         }
     )
     entries[f"{section}.cuda_graph_impl"] = Unused(
-        "decode-step CUDA graphs capture dense models on one pipeline stage without sequence "
-        "parallelism; this policy's decode steps run eagerly (set it to none to say so)",
+        "decode-step CUDA graphs capture models on one pipeline stage without sequence "
+        "parallelism, and models with experts only on the dense expert path (every expert on "
+        "each rank, no token dropping, no recorded routes: "
+        "docs/generation.md); this policy's decode steps run eagerly (set it to none to say so)",
         _decode_graphs_apply(g),
     )
     entries[f"{section}.num_speculative_tokens"] = _not_yet(
@@ -779,21 +811,11 @@ def _switched_on(value: Any, recipe: Mapping[str, Any]) -> bool:
     return value is None or (isinstance(value, Mapping) and value.get("enabled", True) is True)
 
 
-_NEMO_RL_DATA = (
-    "NeMo-RL's data pipeline (datasets by name, chat templates, multiple loaders) is not "
-    "loaded by this backend yet"
-)
-_DATA_FIX = (
-    "set data.dataset_name: jsonl with data.train_data_path and data.val_data_path (JSON-lines "
-    "files of the prompts as they should be tokenized), or arithmetic, and remove data.train"
-)
-
-
 def _nemo_rl_data_or(
     check: Callable[[Any, Mapping[str, Any]], bool],
 ) -> Callable[[Any, Mapping[str, Any]], bool]:
-    """A key of NeMo-RL's data pipeline is inert where data.train already stands for it (its
-    one line says the pipeline is not loaded), or at NeMo-RL's default."""
+    """A key NeMo-RL's processors read is acted on where data.train names NeMo-RL's datasets
+    (data/processors), and inert elsewhere at NeMo-RL's default."""
 
     def inert(value: Any, recipe: Mapping[str, Any]) -> bool:
         return _at(recipe, "data.train") is not None or check(value, recipe)
@@ -801,48 +823,33 @@ def _nemo_rl_data_or(
     return inert
 
 
-def _gym_rows(value: Any, recipe: Mapping[str, Any]) -> bool:
-    """NeMo-Gym's rows (NemoGymDataset) are loaded, with env.should_use_nemo_gym on
-    (data/nemo_gym_rows.py); config/nemo_gym.py checks the rest."""
-    from nemo_rl_offload.config.nemo_gym import uses_gym_rows
-
-    data = recipe.get("data")
-    return _at(recipe, "env.should_use_nemo_gym") is True and uses_gym_rows(data or {})
-
-
 def _other_entries() -> dict[str, Unused]:
     """The NeMo-RL keys outside the policy sections that this backend does not act on."""
     entries: dict[str, Unused] = {
-        # data
-        "data.train": Unused(
-            _NEMO_RL_DATA, _any_inert(_is_none, _gym_rows), refuse=_DATA_FIX, at_start=True
-        ),
-        "data.validation": Unused(
-            _NEMO_RL_DATA,
-            _any_inert(_nemo_rl_data_or(_is_none), _gym_rows),
-            refuse=_DATA_FIX,
-            at_start=True,
-        ),
-        "data.default": Unused(
-            _NEMO_RL_DATA,
-            _any_inert(_nemo_rl_data_or(_is_none), _gym_rows),
-            refuse=_DATA_FIX,
-            at_start=True,
-        ),
+        # data: data.train, data.validation and data.default are NeMo-RL's datasets
+        # (config/data_settings.py, data/nemo_rl_datasets.py).
         "data.num_workers": Unused(_SPEED_ONLY),
     }
+    for key, default in (("add_bos", True), ("add_eos", True), ("add_generation_prompt", False)):
+        entries[f"data.{key}"] = Unused(
+            "this backend's own data (arithmetic, jsonl) is tokenized without a chat template; "
+            "NeMo-RL's datasets under data.train apply it",
+            _nemo_rl_data_or(_equals(default)),
+            refuse=f"set data.{key} to {show_value(default)} (or remove it)",
+        )
+    entries["data.add_system_prompt"] = Unused(
+        "not read: a dataset's system_prompt_file is applied as NeMo-RL's processors apply it",
+        _equals(True),
+        refuse="set data.add_system_prompt to true (or remove it)",
+    )
     for key, default in (
-        ("add_bos", True),
-        ("add_eos", True),
-        ("add_generation_prompt", False),
-        ("add_system_prompt", True),
         ("use_multiple_dataloader", False),
         ("num_prompts_per_dataloader", None),
         ("custom_dataloader", None),
     ):
         entries[f"data.{key}"] = Unused(
-            _NEMO_RL_DATA,
-            _nemo_rl_data_or(_equals(default)),
+            "not implemented: the datasets' rows are drawn as one data order",
+            _equals(default),
             refuse=f"set data.{key} to {show_value(default)} (or remove it)",
         )
     entries.update(
@@ -912,10 +919,6 @@ def _other_entries() -> dict[str, Unused]:
                 "workers are placed by cluster.gpus_per_node and num_nodes"
             ),
             # environments
-            "env.math.math_verify_impl": Unused(
-                "answers are graded by this backend's math environment (the last number of "
-                "the response)"
-            ),
             "env.dapo": Unused("only env.math is started; its num_workers sets the reward workers"),
             # env.should_use_nemo_gym, env.nemo_gym and env.should_mask_flagged_samples are
             # implemented for GRPO (config/nemo_gym.py, algorithms/gym_rollouts.py).

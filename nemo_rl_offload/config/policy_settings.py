@@ -17,6 +17,8 @@ from nemo_rl_offload.config.generation_settings import GenerationSettings
 from nemo_rl_offload.config.http_server import ServingSettings, serving_settings
 from nemo_rl_offload.config.megatron_settings import EffectiveSettings, RuntimeChoices
 from nemo_rl_offload.config.model_presets import Architecture
+from nemo_rl_offload.config.tokenizer_settings import TokenizerSettings, tokenizer_settings
+from nemo_rl_offload.errors import UserInputError
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class PolicySettings:
     offload: OffloadRuntimeSettings
     serving: ServingSettings
     max_total_sequence_length: int
+    train_global_batch_size: int
     model_name: str
     precision: str
     init_checkpoint: str | None
@@ -56,6 +59,8 @@ class PolicySettings:
     rollouts_quantized: bool  # generation.quant_cfg: the sampler runs the quantized model
     records_routes: bool  # router_replay.enabled: the sampler records each position's experts
     quant_cfg: Any
+    quant_calibration: quantization.Calibration
+    tokenizer: TokenizerSettings
     # Megatron's optimizer, scheduler and DDP fields as the schema checked them (NeMo-RL's
     # names), for the optimizer the worker builds.
     optimizer: Mapping[str, Any] = field(default_factory=dict)
@@ -81,6 +86,17 @@ class PolicySettings:
                 "expert_tensor_parallel_size",
             )
         }
+
+
+def _tokenizer(section: Mapping[str, Any], where: str) -> TokenizerSettings:
+    """The section's tokenizer keys; a teacher's chat template is not applied (it scores the
+    student's tokens), so a bad one there is not the run's to refuse (validate warns)."""
+    try:
+        return tokenizer_settings(section, where)
+    except UserInputError:
+        if where == "policy":
+            raise
+        return TokenizerSettings(name=(section.get("tokenizer") or {}).get("name"))
 
 
 def resolve(
@@ -122,6 +138,7 @@ def resolve(
         ),
         serving=serving_settings(section),
         max_total_sequence_length=int(section["max_total_sequence_length"]),
+        train_global_batch_size=int(section.get("train_global_batch_size") or 1),
         model_name=str(section["model_name"]),
         precision=str(section.get("precision", "float32")),
         init_checkpoint=section.get("init_checkpoint"),
@@ -129,7 +146,9 @@ def resolve(
         chunked_output_layer=bool(chunk and megatron_cfg.get("chunked_output_layer")),
         rollouts_quantized=quantization.rollouts_quantized(section),
         records_routes=router_replay.enabled(section),
-        quant_cfg=section.get("quant_cfg"),
+        quant_cfg=quantization.policy_config(section),
+        quant_calibration=quantization.calibration(section),
+        tokenizer=_tokenizer(section, where),
         optimizer=dict(megatron_cfg.get("optimizer") or {}),
         scheduler=dict(megatron_cfg.get("scheduler") or {}),
         ddp=dict(megatron_cfg.get("distributed_data_parallel_config") or {}),

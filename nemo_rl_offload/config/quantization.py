@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,16 +104,33 @@ def read_recipe_file(path: Path) -> dict[str, Any]:
     return {"algorithm": "max", **config}
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """NeMo-RL's calibration keys: ``quant_calib_size`` examples, rows of
+    ``quant_sequence_length`` tokens, ``quant_batch_size`` rows a batch."""
+
+    examples: int = 0
+    length: int = DEFAULT_CALIBRATION_LENGTH
+    per_batch: int = DEFAULT_CALIBRATION_BATCH
+
+
+def calibration(section: Mapping[str, Any]) -> Calibration:
+    """A policy section's calibration settings (NeMo-RL's defaults)."""
+    return Calibration(
+        examples=int(section.get("quant_calib_size") or 0),
+        length=int(section.get("quant_sequence_length") or DEFAULT_CALIBRATION_LENGTH),
+        per_batch=int(section.get("quant_batch_size") or DEFAULT_CALIBRATION_BATCH),
+    )
+
+
 def calibration_batches(
-    sequences: Sequence[Sequence[int]], section: Mapping[str, Any]
+    sequences: Sequence[Sequence[int]], settings: Calibration
 ) -> list[list[list[int]]]:
-    """The calibration batches NeMo-RL's keys describe, from token id sequences (a run's
-    training data): the first ``quant_calib_size`` laid end to end and cut into rows of
-    ``quant_sequence_length`` tokens (no padding enters the calibrated ranges; a short last row
-    is dropped unless it is the only one), ``quant_batch_size`` rows a batch."""
-    examples = int(section.get("quant_calib_size") or 0)
-    length = int(section.get("quant_sequence_length") or DEFAULT_CALIBRATION_LENGTH)
-    per_batch = int(section.get("quant_batch_size") or DEFAULT_CALIBRATION_BATCH)
+    """The calibration batches from token id sequences (a run's training data): the first
+    ``examples`` laid end to end and cut into rows of ``length`` tokens (no padding enters the
+    calibrated ranges; a short last row is dropped unless it is the only one), ``per_batch``
+    rows a batch."""
+    examples, length, per_batch = settings.examples, settings.length, settings.per_batch
     stream = [token for sequence in sequences[:examples] for token in sequence]
     rows = [stream[i : i + length] for i in range(0, len(stream), length)]
     if len(rows) > 1 and len(rows[-1]) < length:

@@ -625,7 +625,7 @@ class DataConfig(TypedDict):
 @with_config(_STRICT)
 class MathEnvConfig(TypedDict):
     num_workers: NotRequired[PositiveInt]
-    math_verify_impl: NotRequired[str]
+    math_verify_impl: NotRequired[Literal["hf_math_verify", "dapo_math_verify"] | None]
 
 
 @with_config(_OPEN)

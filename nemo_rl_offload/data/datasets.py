@@ -1,7 +1,7 @@
-"""Pick the data for a run from the recipe's ``data`` section, and tokenize it with checks.
+"""This backend's own data (arithmetic, jsonl), and tokenizing it with checks.
 
-:func:`load_split` is the single place that knows which dataset names exist; the trainers ask it
-for "sft", "preference" or "prompts" examples of the train or val split and get canonical dicts.
+:func:`load_split` gives the trainers "sft", "preference" or "prompts" examples of the train or
+val split as canonical dicts (NeMo-RL's datasets load through data/nemo_rl_datasets.py).
 :func:`encode_and_check_lengths` tokenizes them and rejects, before training starts, every
 example that cannot fit the model's sequence length (silently truncating would train on a cut
 answer, or drop the answer a reward needs).
@@ -10,12 +10,13 @@ answer, or drop the answer a reward needs).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
+from nemo_rl_offload.config.data_settings import DataSettings
 from nemo_rl_offload.data import arithmetic, jsonl
+from nemo_rl_offload.data.rows import EncodedExample
 from nemo_rl_offload.data.tokenizer import Tokenizer
-from nemo_rl_offload.environments.math import extract_final_number
+from nemo_rl_offload.environments.math import answer_is_gradable
 from nemo_rl_offload.errors import UserInputError
 
 __all__ = ["EncodedExample", "encode_and_check_lengths", "load_split"]
@@ -23,56 +24,49 @@ __all__ = ["EncodedExample", "encode_and_check_lengths", "load_split"]
 Kind = Literal["sft", "preference", "prompts"]
 Split = Literal["train", "val"]
 
-DEFAULT_NUM_TRAIN = 2000
-DEFAULT_NUM_VAL = 200
-DEFAULT_SEED = 42
 _MAX_REPORTED = 20
 
 
-def arithmetic_spec(data_cfg: Mapping[str, Any]) -> arithmetic.ArithmeticSpec:
+def arithmetic_spec(data: DataSettings) -> arithmetic.ArithmeticSpec:
     """The arithmetic task's problem spec from ``data`` (defaults: +, -, * up to 99 / 12)."""
-    default = arithmetic.DEFAULT_SPEC
-    for key in ("max_operand", "max_factor"):
-        value = data_cfg.get(key)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise UserInputError(f"data.{key}: must be an integer >= 1 (got: {value!r})")
     return arithmetic.ArithmeticSpec(
-        ops=tuple(data_cfg.get("arithmetic_ops") or default.ops),
-        max_operand=int(data_cfg.get("max_operand") or default.max_operand),
-        max_factor=int(data_cfg.get("max_factor") or default.max_factor),
+        ops=tuple(data.arithmetic_ops), max_operand=data.max_operand, max_factor=data.max_factor
     )
 
 
-def load_split(data_cfg: Mapping[str, Any], kind: Kind, split: Split) -> list[dict[str, Any]]:
-    """The ``split`` examples of ``kind`` for the recipe's ``data`` section.
+def load_split(
+    data: DataSettings, kind: Kind, split: Split, *, grader: str = "hf_math_verify"
+) -> list[dict[str, Any]]:
+    """The ``split`` examples of ``kind`` for this backend's own sources (``arithmetic``,
+    ``jsonl``; NeMo-RL's datasets load through data/nemo_rl_datasets.py).
 
     Examples have canonical keys: prompt/response (sft), prompt/chosen/rejected (preference),
     prompt/answer (prompts); examples read from a file also carry ``line``. A jsonl run without
-    ``val_data_path`` has an empty val split.
+    ``val_data_path`` has an empty val split. ``grader``: the math environment's
+    (``env.math.math_verify_impl``), which every prompt's answer must be gradable by.
     """
     if kind not in ("sft", "preference", "prompts"):
         raise ValueError(f"unknown kind {kind!r}; use sft, preference or prompts")
     if split not in ("train", "val"):
         raise ValueError(f"unknown split {split!r}; use train or val")
-    name = data_cfg.get("dataset_name")
-    if name == "arithmetic":
+    if data.source == "arithmetic":
         train, val = arithmetic.split(
             kind,
-            int(data_cfg.get("num_train_samples", DEFAULT_NUM_TRAIN)),
-            int(data_cfg.get("num_val_samples", DEFAULT_NUM_VAL)),
-            int(data_cfg.get("seed", DEFAULT_SEED)),
-            spec=arithmetic_spec(data_cfg),
+            data.num_train_samples,
+            data.num_val_samples,
+            data.seed,
+            spec=arithmetic_spec(data),
         )
         return train if split == "train" else val
-    if name == "jsonl":
-        return _load_jsonl(data_cfg, kind, split)
-    raise UserInputError(f"data.dataset_name: unknown dataset '{name}'; use arithmetic or jsonl")
+    if data.source == "jsonl":
+        return _load_jsonl(data, kind, split, grader)
+    raise ValueError(f"data source {data.source!r} is not loaded by load_split")
 
 
-def _load_jsonl(data_cfg: Mapping[str, Any], kind: Kind, split: Split) -> list[dict[str, Any]]:
+def _load_jsonl(data: DataSettings, kind: Kind, split: Split, grader: str) -> list[dict[str, Any]]:
     key = "train_data_path" if split == "train" else "val_data_path"
     where = f"data.{key}"
-    path = data_cfg.get(key)
+    path = data.train_data_path if split == "train" else data.val_data_path
     if path is None:
         if split == "val":
             return []
@@ -81,60 +75,38 @@ def _load_jsonl(data_cfg: Mapping[str, Any], kind: Kind, split: Split) -> list[d
         )
     if kind == "sft":
         return jsonl.load_sft(
-            path,
-            where=where,
-            input_key=data_cfg.get("input_key", "input"),
-            output_key=data_cfg.get("output_key", "output"),
+            path, where=where, input_key=data.input_key, output_key=data.output_key
         )
     if kind == "preference":
         return jsonl.load_preference(
             path,
             where=where,
-            prompt_key=data_cfg.get("prompt_key", "prompt"),
-            chosen_key=data_cfg.get("chosen_key", "chosen"),
-            rejected_key=data_cfg.get("rejected_key", "rejected"),
+            prompt_key=data.prompt_key,
+            chosen_key=data.chosen_key,
+            rejected_key=data.rejected_key,
         )
     examples = jsonl.load_prompts(
-        path,
-        where=where,
-        prompt_key=data_cfg.get("prompt_key", "prompt"),
-        answer_key=data_cfg.get("answer_key", "answer"),
+        path, where=where, prompt_key=data.prompt_key, answer_key=data.answer_key
     )
-    _check_numeric_answers(examples, path)
+    _check_answers(examples, path, grader)
     return examples
 
 
-def _check_numeric_answers(examples: Sequence[Mapping[str, Any]], path: str) -> None:
-    """The math environment rewards numbers only; an answer without one would make every reward
-    zero and the run would silently learn nothing."""
-    bad = [ex for ex in examples if extract_final_number(ex["answer"]) is None]
+def _check_answers(examples: Sequence[Mapping[str, Any]], path: str, grader: str) -> None:
+    """An answer the math environment can never match would make every reward of its prompt
+    zero, and the run would silently learn nothing from it."""
+    bad = [ex for ex in examples if not answer_is_gradable(ex["answer"], grader)]
     if not bad:
         return
     problems = [
-        f"{path}:{ex['line']}: answer {ex['answer']!r} has no number; the math environment "
-        "can only reward numeric answers"
+        f"{path}:{ex['line']}: answer {ex['answer']!r} cannot be graded by the math "
+        f"environment's {grader} (env.math.math_verify_impl); write the answer as it would "
+        "appear in a right response (a number, a fraction, a LaTeX expression)"
         for ex in bad[:_MAX_REPORTED]
     ]
     if len(bad) > _MAX_REPORTED:
-        problems.append(f"{path}: {len(bad) - _MAX_REPORTED} more answers without a number")
+        problems.append(f"{path}: {len(bad) - _MAX_REPORTED} more answers that cannot be graded")
     raise UserInputError(problems)
-
-
-@dataclass(frozen=True)
-class EncodedExample:
-    """Token ids of one example and where its prompt ends (the loss masks the prompt).
-
-    ``input_ids`` is bos + prompt + response + eos for sft, bos + prompt + chosen + eos for
-    preference pairs (with ``rejected_ids`` the same for the rejected response), and bos + prompt
-    for prompt-only examples. Prompt and response are tokenized separately and concatenated so
-    that ``prompt_len`` is exact even for tokenizers that would merge across the boundary.
-    """
-
-    input_ids: list[int]
-    prompt_len: int
-    rejected_ids: list[int] | None = None
-    # 0 for an example cut by data.max_input_seq_length: kept, but none of its tokens train.
-    loss_multiplier: float = 1.0
 
 
 # data.max_input_seq_length cuts each part (prompt, response) of an over-long example to this
@@ -202,8 +174,15 @@ def encode_and_check_lengths(
                 f"than {limit_name} {max_len}; shorten it or raise the limit"
             )
         main = next((sequences[k] for k in ("response", "chosen") if k in sequences), prompt)
+        answer = example.get("answer")
         encoded.append(
-            EncodedExample(main, len(prompt), sequences.get("rejected"), 0.0 if cut else 1.0)
+            EncodedExample(
+                main,
+                len(prompt),
+                sequences.get("rejected"),
+                0.0 if cut else 1.0,
+                ground_truth=None if answer is None else str(answer),
+            )
         )
     if too_long:
         shown = too_long[:_MAX_REPORTED]

@@ -6,16 +6,21 @@ file or a broken first row is one line naming the recipe key, the path and the r
 seconds rather than after the workers start. Only the first :data:`FIRST_ROWS` rows are read
 (a data file may be large); the loaders (:mod:`.jsonl`, :mod:`.nemo_gym_rows`) still check
 every row when the run reads the file. The files are the ones this backend reads:
-``data.train_data_path`` and ``data.val_data_path`` with ``dataset_name: jsonl``, and NeMo-Gym's
-rows (``data.train.data_path``, ``data.validation.data_path``) with ``env.should_use_nemo_gym``.
-Relative paths are read from the directory the command runs in, as the loaders read them.
+``data.train_data_path`` and ``data.val_data_path`` with ``dataset_name: jsonl``, NeMo-Gym's
+rows (``data.train.data_path``, ``data.validation.data_path``) with ``env.should_use_nemo_gym``,
+and the local files of NeMo-RL's dataset entries (each entry's ``data_path``, arrow_text's
+``data_files``; a Hugging Face dataset id is the loader's to find in the cache). Relative paths
+are read from the directory the command runs in, as the loaders read them.
 """
 
 from __future__ import annotations
 
+import glob
 import itertools
+import json
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from nemo_rl_offload.data import jsonl, nemo_gym_rows
@@ -100,8 +105,71 @@ def _gym_row(raw: bytes) -> str | None:
     return nemo_gym_rows.parse_row(text)[1]
 
 
-def _files(data: Mapping[str, Any], algorithm: str, gym: bool) -> list[tuple[str, Any, Row, str]]:
+_DATASET_FILE = "the dataset (a JSON-lines, JSON, Parquet or CSV file, or a directory)"
+
+
+def _dataset_row(columns: list[tuple[str, str]], messages_instead: bool) -> Row:
+    """A first row of a NeMo-RL entry's JSON-lines file: an object with the entry's columns
+    (ResponseDataset's may hold ``messages`` instead)."""
+
+    def problem(raw: bytes) -> str | None:
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            return f"not valid UTF-8 (byte {exc.start + 1}); save the file as UTF-8"
+        except json.JSONDecodeError as exc:
+            return f"not valid JSON ({exc.msg} at column {exc.colno})"
+        if not isinstance(row, dict):
+            return "expected a JSON object"
+        if messages_instead and "messages" in row:
+            return None
+        missing = [f"missing key '{name}' ({fix})" for name, fix in columns if name not in row]
+        return "; ".join(missing) or None
+
+    return problem
+
+
+def _no_rows(raw: bytes) -> str | None:
+    return None
+
+
+def _dataset_files(recipe: Mapping[str, Any], algorithm: str) -> list[tuple[str, Any, Row, str]]:
+    """(recipe key, path, row check, what) of the local files of NeMo-RL's dataset entries;
+    rows are checked for JSON lines only (a JSON array, Parquet or CSV is the loader's)."""
+    from nemo_rl_offload.config.data_settings import dataset_entries, is_hub_id
+    from nemo_rl_offload.data.nemo_rl.checks import first_row_columns
+
+    files: list[tuple[str, Any, Row, str]] = []
+    for entry in dataset_entries(recipe, base_dir=Path.cwd(), algorithm=algorithm or None):
+        if entry.family == "nemo_gym":
+            continue  # NeMo-Gym's rows: checked with env.should_use_nemo_gym
+        for key, path in (
+            ("data_path", entry.data_path),
+            ("data_files", entry.option("data_files")),
+        ):
+            if not isinstance(path, str) or is_hub_id(path) or "${" in path or glob.has_magic(path):
+                continue
+            check = _no_rows
+            if path.endswith(".jsonl") or (path.endswith(".json") and not _json_array(path)):
+                check = _dataset_row(
+                    first_row_columns(entry), entry.dataset_name == "ResponseDataset"
+                )
+            files.append((entry.key(key), path, check, _DATASET_FILE))
+    return files
+
+
+def _json_array(path: str) -> bool:
+    """Whether a .json file holds one JSON array (rows without lines of their own)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+    except OSError:
+        return False
+
+
+def _files(recipe: Mapping[str, Any], algorithm: str, gym: bool) -> list[tuple[str, Any, Row, str]]:
     """(recipe key, path, row check, what the file is) of each data file the run reads."""
+    data = recipe["data"]
     if gym:
         sections = (("data.train.data_path", "train"), ("data.validation.data_path", "validation"))
         return [
@@ -109,6 +177,8 @@ def _files(data: Mapping[str, Any], algorithm: str, gym: bool) -> list[tuple[str
             for where, key in sections
             if isinstance(section := data.get(key), Mapping) and section.get("data_path")
         ]
+    if data.get("dataset_name") is None and data.get("train") is not None:
+        return _dataset_files(recipe, algorithm)
     if data.get("dataset_name") != "jsonl" or algorithm not in _EXAMPLE_KEYS:
         return []
     keys = {
@@ -152,9 +222,11 @@ def problems(
             "data.train.data_path: required for NeMo-Gym rows; give the JSON-lines file of "
             "the tasks (responses_create_params and agent_ref per line)"
         )
-    for where, path, row_problem, what in _files(data, algorithm, gym):
+    for where, path, row_problem, what in _files(recipe, algorithm, gym):
         if not isinstance(path, str):
             continue  # the schema reports a path that is not text
+        if what == _DATASET_FILE and os.path.isdir(path):
+            continue  # a save_to_disk directory or a dataset's files: the loader opens it
         line = _check_file(where, path, row_problem, what)
         if line is None:
             continue

@@ -5,15 +5,22 @@ train anywhere (CPU included). Its 384-id vocabulary matches the presets' ``voca
 byte values, three specials, and unused ids up to 383 (a multiple of 128, padding the embedding).
 A Hugging Face tokenizer is only loaded from a local directory (model hubs are never reached) and
 ``transformers`` is imported only then, so the package works without it.
+
+Both render chats with a Jinja chat template, as NeMo-RL's processors call it
+(``apply_chat_template(messages, tokenize=False, ...)`` then ``encode``, or ``tokenize=True``
+for the ids at once; the two agree). The recipe's ``policy.tokenizer.chat_template`` replaces
+the tokenizer's own template and ``chat_template_kwargs`` are every call's defaults
+(:mod:`nemo_rl_offload.config.tokenizer_settings` resolves them).
 """
 
 from __future__ import annotations
 
-import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from nemo_rl_offload.config.chat_template_env import compiled_template
 from nemo_rl_offload.config.model_presets import (
     ModelNotOnMachine,
     cached_snapshot,
@@ -22,7 +29,7 @@ from nemo_rl_offload.config.model_presets import (
 )
 from nemo_rl_offload.errors import UserInputError
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "ChatTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
 
 
 @runtime_checkable
@@ -49,8 +56,43 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str: ...
 
 
+@runtime_checkable
+class ChatTokenizer(Tokenizer, Protocol):
+    """What NeMo-RL's processors need besides :class:`Tokenizer`: the specials' text and the
+    chat template; both implementations below provide it."""
+
+    @property
+    def bos_token(self) -> str | None: ...
+
+    @property
+    def eos_token(self) -> str: ...
+
+    def encode(
+        self,
+        text: str,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **template_kwargs: Any,
+    ) -> Any: ...
+
+
 class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then pad (256), bos (257) and eos (258)."""
+    """UTF-8 bytes as ids 0..255, then pad (256), bos (257) and eos (258).
+
+    As in a Hugging Face tokenizer, the specials' names in text (``<eos>``...) encode as their
+    ids, so a rendered chat template encodes to the ids the template means. ``chat_template``
+    replaces :data:`BYTE_CHAT_TEMPLATE`; ``chat_template_kwargs`` are every render's defaults.
+    """
 
     NUM_BYTES = 256
     PAD_ID = 256
@@ -58,6 +100,16 @@ class ByteTokenizer:
     EOS_ID = 258
     VOCAB_SIZE = 384
     _SPECIAL_NAMES = {PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>"}
+    _SPECIAL_IDS = {text: token for token, text in _SPECIAL_NAMES.items()}
+    _SPECIAL_RE = re.compile("(" + "|".join(map(re.escape, _SPECIAL_IDS)) + ")")
+
+    def __init__(
+        self,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._template = chat_template
+        self._template_kwargs = dict(chat_template_kwargs or {})
 
     @property
     def name(self) -> str:
@@ -79,8 +131,35 @@ class ByteTokenizer:
     def eos_id(self) -> int:
         return self.EOS_ID
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        ids = list(text.encode("utf-8"))
+    @property
+    def bos_token(self) -> str:
+        return self._SPECIAL_NAMES[self.BOS_ID]
+
+    @property
+    def eos_token(self) -> str:
+        return self._SPECIAL_NAMES[self.EOS_ID]
+
+    @property
+    def pad_token(self) -> str:
+        return self._SPECIAL_NAMES[self.PAD_ID]
+
+    def encode(
+        self,
+        text: str,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """``text``'s bytes, with ``<pad>``/``<bos>``/``<eos>`` as their ids. The tokenizer adds
+        no specials of its own, so ``add_special_tokens`` (Hugging Face's default rule) adds
+        nothing; ``add_bos``/``add_eos`` add them explicitly."""
+        ids: list[int] = []
+        for piece in self._SPECIAL_RE.split(text):
+            special = self._SPECIAL_IDS.get(piece)
+            if special is not None:
+                ids.append(special)
+            else:
+                ids += piece.encode("utf-8")
         if add_bos:
             ids.insert(0, self.BOS_ID)
         if add_eos:
@@ -110,7 +189,7 @@ class ByteTokenizer:
 
     @property
     def chat_template(self) -> str:
-        return BYTE_CHAT_TEMPLATE
+        return BYTE_CHAT_TEMPLATE if self._template is None else self._template
 
     def apply_chat_template(
         self,
@@ -118,22 +197,24 @@ class ByteTokenizer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        chat_template: str | None = None,
         **template_kwargs: Any,
-    ) -> list[int]:
-        """The ids of ``messages`` in :data:`BYTE_CHAT_TEMPLATE`'s layout."""
-        ids: list[int] = []
-        if tools:
-            ids += self.encode(f"<|tools|>\n{json.dumps(tools, sort_keys=True)}\n")
-        for message in messages:
-            calls = "".join(
-                f"<tool_call>{json.dumps(call.get('function'), sort_keys=True)}</tool_call>"
-                for call in message.get("tool_calls") or []
-            )
-            ids += self.encode(f"<|{message['role']}|>\n{message.get('content') or ''}{calls}")
-            ids += [self.EOS_ID] if message["role"] == "assistant" else self.encode("\n")
-        if add_generation_prompt:
-            ids += self.encode("<|assistant|>\n")
-        return ids
+    ) -> Any:
+        """``messages`` rendered by the chat template (``chat_template`` for this call only):
+        the text with ``tokenize=False``, else its ids."""
+        variables = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token,
+            **self._template_kwargs,
+            **template_kwargs,
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        text = compiled_template(chat_template or self.chat_template).render(variables)
+        return self.encode(text) if tokenize else text
 
 
 # What the tiny presets (which have no tokenizer files) render chats as: tools as JSON up front,
@@ -141,14 +222,34 @@ class ByteTokenizer:
 # <tool_call> tags; an assistant turn ends with the end-of-sequence token (as a sampled turn
 # does, so a conversation's earlier turns tokenize as they were sampled), any other with a
 # newline; the generation prompt is ``<|assistant|>`` and a newline.
-BYTE_CHAT_TEMPLATE = "<|role|>\\n{content}{tool calls} then <eos> (assistant) or \\n (others)"
+BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|tools|>\\n' + tools | tojson(ensure_ascii=True, sort_keys=True) + '\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{{ message.get('content') or '' }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>' + call.get('function') | tojson(ensure_ascii=True, sort_keys=True)"
+    " + '</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token if message['role'] == 'assistant' else '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 
 class HFTokenizer:
     """A local Hugging Face tokenizer directory behind the :class:`Tokenizer` interface."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(
+        self,
+        path: str,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
         self._path = str(path)
+        self._template_kwargs = dict(chat_template_kwargs or {})
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -169,6 +270,8 @@ class HFTokenizer:
                 f"{self._path}: the tokenizer defines no eos token; generation needs one to stop, "
                 "so set eos_token in tokenizer_config.json"
             )
+        if chat_template is not None:  # the recipe's template replaces the directory's
+            self._tok.chat_template = chat_template
 
     @property
     def name(self) -> str:
@@ -194,10 +297,27 @@ class HFTokenizer:
     def eos_id(self) -> int:
         return int(self._tok.eos_token_id)
 
-    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    @property
+    def bos_token(self) -> str | None:
+        return self._tok.bos_token
+
+    @property
+    def eos_token(self) -> str:
+        return str(self._tok.eos_token)
+
+    def encode(
+        self,
+        text: str,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
         """Specials are added here, not by the tokenizer, so both tokenizers behave the same;
-        ``add_bos`` is a no-op for tokenizers without a bos token (Qwen, for one)."""
-        ids = [int(i) for i in self._tok.encode(text, add_special_tokens=False)]
+        ``add_bos`` is a no-op for tokenizers without a bos token (Qwen, for one).
+        ``add_special_tokens`` adds what the tokenizer itself adds to a text (its own rule, as
+        ``tokenizer(text)`` does). Special tokens written in ``text`` encode as their ids."""
+        raw = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        ids = [int(i) for i in raw]
         if add_bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if add_eos:
@@ -209,7 +329,7 @@ class HFTokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The directory's chat template (None for a tokenizer without one)."""
+        """The chat template: the recipe's, else the directory's (None when neither has one)."""
         return getattr(self._tok, "chat_template", None)
 
     def apply_chat_template(
@@ -218,15 +338,34 @@ class HFTokenizer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        tokenize: bool = True,
         **template_kwargs: Any,
-    ) -> list[int]:
-        """The ids of ``messages`` rendered by the tokenizer's own chat template."""
+    ) -> Any:
+        """``messages`` rendered by the chat template (a ``chat_template`` keyword for this
+        call only): the text with ``tokenize=False``, else its ids."""
+        kwargs = {**self._template_kwargs, **template_kwargs}
+        if kwargs.get("chat_template") is None and self.chat_template is None:
+            raise UserInputError(
+                f"policy.tokenizer.chat_template: the tokenizer in {self._path} has no chat "
+                "template; set policy.tokenizer.chat_template to a Jinja template or a .jinja "
+                "file (null: the passthrough template)"
+            )
+        if not tokenize:
+            return str(
+                self._tok.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    **kwargs,
+                )
+            )
         encoded = self._tok.apply_chat_template(
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
-            **template_kwargs,
+            **kwargs,
         )
         ids = encoded["input_ids"] if isinstance(encoded, Mapping) else encoded
         return [int(i) for i in ids]
@@ -266,13 +405,22 @@ def tokenizer_source(name: str | None, model_name: str | None) -> str | None:
 
 
 def load_tokenizer(
-    name: str | None, hf_directory: str | None, model_name: str | None = None
+    name: str | None,
+    hf_directory: str | None,
+    model_name: str | None = None,
+    *,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> Tokenizer:
     """The tokenizer for ``policy.tokenizer.name`` given the model's HF directory, if any, and
-    the policy's ``model_name`` (:func:`tokenizer_source` says which names are accepted)."""
+    the policy's ``model_name`` (:func:`tokenizer_source` says which names are accepted), with
+    the resolved ``chat_template`` (None: the tokenizer's own) and ``chat_template_kwargs``."""
     source = tokenizer_source(name, model_name)
+    template = {"chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}
     if source == "model":
-        return ByteTokenizer() if hf_directory is None else HFTokenizer(hf_directory)
+        if hf_directory is None:
+            return ByteTokenizer(**template)
+        return HFTokenizer(hf_directory, **template)
     if source == "byte":
-        return ByteTokenizer()
-    return HFTokenizer(source)
+        return ByteTokenizer(**template)
+    return HFTokenizer(source, **template)

@@ -18,20 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_rl_offload import known_warnings
+from nemo_rl_offload.config.cluster_settings import ClusterSettings
 from nemo_rl_offload.errors import UserInputError
 
 _LOG = logging.getLogger("nemo_rl_offload.cluster")
 DEFAULT_RAY_PORT = 6379
 CONNECT_TIMEOUT_S = 5.0
-
-
-def worker_count(cluster_cfg: dict[str, Any]) -> tuple[int, bool]:
-    """(number of workers of each policy group, on GPU) for a recipe's cluster section: one
-    per GPU when it names GPUs, else ``num_cpu_workers`` CPU workers."""
-    gpus = int(cluster_cfg.get("gpus_per_node", 0))
-    if gpus > 0:
-        return gpus * int(cluster_cfg.get("num_nodes", 1)), True
-    return int(cluster_cfg.get("num_cpu_workers", 1)), False
 
 
 @dataclass(frozen=True)
@@ -45,11 +37,10 @@ class ClusterInfo:
     connected_here: bool = True
 
 
-def requested_address(cluster_cfg: dict[str, Any]) -> tuple[str | None, str]:
+def requested_address(settings: ClusterSettings) -> tuple[str | None, str]:
     """The Ray address to join and where it was given (None: start an embedded cluster)."""
-    address = cluster_cfg.get("address")
-    if address:
-        return str(address), "cluster.address"
+    if settings.address:
+        return settings.address, "cluster.address"
     env = os.environ.get("RAY_ADDRESS")
     if env:
         return env, "RAY_ADDRESS"
@@ -90,7 +81,7 @@ def check_reachable(address: str, where: str, timeout_s: float = CONNECT_TIMEOUT
 
 
 def start_or_join(
-    cluster_cfg: dict[str, Any],
+    settings: ClusterSettings,
     *,
     num_cpus: int | None = None,
     num_gpus: int | None = None,
@@ -99,7 +90,7 @@ def start_or_join(
     """Connect this driver to Ray. ``num_cpus``/``num_gpus`` size an embedded cluster only."""
     import ray
 
-    address, where = requested_address(cluster_cfg)
+    address, where = requested_address(settings)
     # Every worker process hides megatron-core's known-harmless warnings before it imports
     # anything (known_warnings).
     runtime_env: dict[str, Any] = {"worker_process_setup_hook": known_warnings.SETUP_HOOK}

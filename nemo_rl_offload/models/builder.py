@@ -172,6 +172,10 @@ def layer_spec(
         from nemo_rl_offload.models.mlp_offload import offloading_mlp_builder
 
         spec.submodules.mlp = offloading_mlp_builder(spec.submodules.mlp, mlp_offload_modules)
+    if config.num_moe_experts:
+        from nemo_rl_offload.models.moe_decode import with_dense_decode
+
+        spec.submodules.mlp = with_dense_decode(spec.submodules.mlp)
     if config.num_moe_experts and config.moe_grouped_gemm:
         # Grouped experts without TE: TEGroupedMLP (where expert_fc1/moe_act are offloaded)
         # over pure-PyTorch grouped linears; the local spec would build SequentialMLP.

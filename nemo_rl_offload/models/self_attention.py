@@ -80,6 +80,25 @@ def rotary_tables(
     return cos, sin
 
 
+# The last packed layout :func:`packed_seqlens` read, by its cu_seqlens tensor: every layer of a
+# micro-batch asks for the same one, and reading it waits for the GPU.
+_LAST_SEQLENS: dict[str, Any] = {}
+
+
+def packed_seqlens(cu_seqlens: Tensor, positions: int) -> tuple[int, ...] | None:
+    """The sequence lengths of a packed batch whose rotary frequencies cover ``positions``
+    rows, or None when they have a row per packed token already. Read from the device once per
+    micro-batch, not once per layer: each read stops the host until the GPU catches up."""
+    last = _LAST_SEQLENS.get("entry")
+    if last is not None and last[0]() is cu_seqlens and last[1] == positions:
+        return last[2]
+    seqlens = None
+    if positions != int(cu_seqlens[-1].item()):
+        seqlens = tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+    _LAST_SEQLENS["entry"] = (weakref.ref(cu_seqlens), positions, seqlens)
+    return seqlens
+
+
 def owns_its_memory(tensor: Tensor) -> bool:
     """Whether ``tensor`` spans its whole storage (a copy of a view that does not would free
     the rest of the buffer once the view is no longer held)."""
@@ -101,7 +120,7 @@ _FORWARD = inspect.signature(SelfAttention.forward)
 
 class CompactKVSelfAttention(SelfAttention):
     """``SelfAttention`` whose ``get_query_key_value_tensors`` returns keys and values that
-    own their memory, and, in a training forward, the query and key with the rotary embedding
+    own their memory, and the query and key with the rotary embedding
     applied on tables shared by every layer (docs/design/local_layer_spec.md says why). The
     unsplit form (``split_qkv=False``, Megatron's fused-rotary path) is returned as it is."""
 
@@ -122,12 +141,13 @@ class CompactKVSelfAttention(SelfAttention):
             self._pending_rotary = None
 
     def _rotary_is_ours(self, arguments: dict[str, Any]) -> bool:
-        """A training forward on the unfused rotary path Megatron would take (no inference
-        context, no fused kernels, no flash decoding), on the code the path was checked on."""
+        """A forward (training, or a forward-only pass: log-probabilities, the sampler's) on
+        the unfused rotary path Megatron would take (no inference context, no fused kernels, no
+        flash decoding), on the code the path was checked on. In a forward-only pass of a packed
+        batch Megatron's path loops over the sequences on the host; these tables do not."""
         config = self.config
         return (
-            torch.is_grad_enabled()
-            and arguments.get("inference_context") is None
+            arguments.get("inference_context") is None
             and arguments.get("inference_params") is None
             and not InferenceMode.is_active()
             and not config.apply_rope_fusion
@@ -157,8 +177,7 @@ class CompactKVSelfAttention(SelfAttention):
                     cp_group=self.pg_collection.cp,
                 )
                 return rotated.unsqueeze(1)
-            if freqs.size(0) != int(cu_seqlens[-1].item()):  # else: a position per packed token
-                seqlens = tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+            seqlens = packed_seqlens(cu_seqlens, freqs.size(0))
         cos, sin = rotary_tables(freqs, t.dtype, self._yarn_concentration_factor, seqlens)
         rot_dim = cos.shape[-1]
         head, rest = t[..., :rot_dim], t[..., rot_dim:]

@@ -62,8 +62,8 @@ def _estimate(
     recipe: dict[str, Any], algorithm: str | None, where: str, base_dir: Path | None
 ) -> MemoryEstimate:
     from nemo_rl_offload.config import megatron_settings
+    from nemo_rl_offload.config.cluster_settings import cluster_settings
     from nemo_rl_offload.config.model_presets import section_architecture
-    from nemo_rl_offload.distributed.cluster import worker_count
     from nemo_rl_offload.planning.ledger_cache import cached_ledger
     from nemo_rl_offload.planning.memory_estimate import estimate_peak
     from nemo_rl_offload.policy.policy_group import holds_reference
@@ -84,7 +84,7 @@ def _estimate(
         section,
         ledger,
         where=where,
-        workers=worker_count(recipe.get("cluster") or {})[0],
+        workers=cluster_settings(recipe.get("cluster")).workers,
         trainable=policy,
         with_reference=policy and holds_reference(recipe, algorithm or ""),
         samples_per_step=_samples_per_step(recipe, algorithm) if policy else 0,

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from torch import Tensor
 
 from nemo_rl_offload.config.generation_settings import EngineSettings, SamplingSettings
@@ -24,6 +25,7 @@ from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.models.attention import kv_cache_attached
 from nemo_rl_offload.models.cached_forward import CachedForward
 from nemo_rl_offload.models.kv_cache import KVCache
+from nemo_rl_offload.models.moe_decode import dense_usable, experts_for_every_token
 from nemo_rl_offload.policy.decode_graphs import DecodeGraphs, windows
 from nemo_rl_offload.progress import Progress
 
@@ -138,14 +140,16 @@ def _allocate(forward: CachedForward, rows: int, max_len: int, device: torch.dev
     return KVCache.allocate(numbers, dtype=forward.dtype, device=device, **shape)
 
 
-def _graphable(forward: CachedForward, device: torch.device) -> bool:
-    """A decode step without host synchronisation (see docs/generation.md)."""
-    return (
-        device.type == "cuda"
-        and forward.pp == 1
-        and not forward.sp
-        and not forward.config.num_moe_experts
-    )
+def _graphable(forward: CachedForward, device: torch.device, *, recording: bool) -> bool:
+    """A decode step without host synchronisation (see docs/generation.md): an MoE model's
+    when every MoE layer takes the dense decode path (``models.moe_decode``) and no routes
+    are recorded (a graph's replay would not record them)."""
+    if device.type != "cuda" or forward.pp != 1 or forward.sp:
+        return False
+    if not forward.config.num_moe_experts:
+        return True
+    layers = [m for m in forward.gpt.modules() if isinstance(m, MoELayer)]
+    return not recording and all(dense_usable(layer) for layer in layers)
 
 
 def _stop_together() -> bool:
@@ -301,13 +305,13 @@ def _sample_rows(
 
     graphs = (
         DecodeGraphs(decode_step, cache)
-        if engine.cuda_graphs and _graphable(forward, device)
+        if engine.cuda_graphs and _graphable(forward, device, recording=recorder is not None)
         else None
     )
     spans = windows(longest + 1, max_len, engine.num_cuda_graphs if graphs else None)
     retired: list[DecodeGraphs] = []
     try:
-        with kv_cache_attached(forward.gpt, cache):
+        with kv_cache_attached(forward.gpt, cache), contextlib.ExitStack() as decoding:
             batch = torch.full((rows, prefill), pad_id, dtype=torch.long, device=device)
             batch[:count] = ids[:, :prefill]
             with recording():
@@ -315,6 +319,7 @@ def _sample_rows(
             if recorder:
                 recorder.prefill(rows, lengths)
             cache.decoding = True
+            decoding.enter_context(experts_for_every_token())
             for step in range(settings.max_new_tokens):
                 active = slots.active
                 if step > 0:

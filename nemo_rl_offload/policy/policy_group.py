@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from nemo_rl_offload.config.cluster_settings import ClusterSettings
 from nemo_rl_offload.config.generation_settings import SamplingSettings
 from nemo_rl_offload.config.policy_settings import PolicySettings
-from nemo_rl_offload.distributed.cluster import worker_count
 from nemo_rl_offload.distributed.sharding import split
 from nemo_rl_offload.distributed.worker_group import WorkerGroup
 from nemo_rl_offload.policy import checkpoint
@@ -90,7 +90,7 @@ class PolicyGroup:
         self,
         settings: PolicySettings,
         *,
-        cluster_cfg: dict[str, Any],
+        cluster: ClusterSettings,
         seed: int,
         trainable: bool,
         with_reference: bool = False,
@@ -98,7 +98,7 @@ class PolicyGroup:
         gpu_fraction: float = 1.0,
         logits_temperature: float = 1.0,
     ) -> None:
-        num_workers, self.on_gpu = worker_count(cluster_cfg)
+        num_workers, self.on_gpu = cluster.workers, cluster.on_gpu
         where = settings.where
         self.settings = settings
         self.where, self.holds_reference = where, with_reference

@@ -7,17 +7,30 @@ from pathlib import Path
 from typing import Any
 
 from nemo_rl_offload.config.model_presets import section_architecture
+from nemo_rl_offload.config.tokenizer_settings import TokenizerSettings
 from nemo_rl_offload.data.tokenizer import Tokenizer, load_tokenizer
 from nemo_rl_offload.errors import UserInputError
 
 
-def policy_tokenizer(policy: Mapping[str, Any]) -> Tokenizer:
+def policy_tokenizer(
+    policy: Mapping[str, Any], settings: TokenizerSettings | None = None
+) -> Tokenizer:
     """The policy section's tokenizer, checked against its model (and the model's Hugging Face
-    directory checked, so that a bad one fails here rather than in the workers)."""
+    directory checked, so that a bad one fails here rather than in the workers).
+
+    ``settings`` (:func:`~nemo_rl_offload.config.tokenizer_settings.tokenizer_settings` of the
+    section) sets its chat template and the template's keyword arguments; without them the
+    tokenizer keeps its own template and no defaults."""
     architecture = section_architecture(policy, base_dir=Path.cwd())
-    tokenizer_cfg = policy.get("tokenizer") or {}
+    if settings is None:
+        tokenizer_cfg = policy.get("tokenizer") or {}
+        settings = TokenizerSettings(name=tokenizer_cfg.get("name"))
     tokenizer = load_tokenizer(
-        tokenizer_cfg.get("name"), architecture.hf_directory, policy.get("model_name")
+        settings.name,
+        architecture.hf_directory,
+        policy.get("model_name"),
+        chat_template=settings.chat_template,
+        chat_template_kwargs=settings.chat_template_kwargs,
     )
     if tokenizer.vocab_size > architecture.vocab_size:
         raise UserInputError(

@@ -67,9 +67,9 @@ def serve(
         if source
         else None
     )
-    tokenizer = policy_tokenizer(policy_cfg)
+    tokenizer = policy_tokenizer(policy_cfg, settings.tokenizer)
     stop = stop or threading.Event()
-    info = cluster.start_or_join(recipe["cluster"], num_cpus=max(os.cpu_count() or 1, 4))
+    info = cluster.start_or_join(report.cluster, num_cpus=max(os.cpu_count() or 1, 4))
     # After Ray's start, which sets its own SIGTERM handler in the driver. The handler only
     # records the signal: setting an Event from a handler can deadlock on the Event's lock,
     # which the interrupted main thread may hold.
@@ -83,7 +83,7 @@ def serve(
     try:
         group = PolicyGroup(
             settings,
-            cluster_cfg=recipe["cluster"],
+            cluster=report.cluster,
             seed=_seed(recipe, report.algorithm),
             trainable=False,
             env_vars=report.worker_environment("policy") or None,

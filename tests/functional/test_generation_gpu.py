@@ -1,6 +1,8 @@
-"""The KV-cached sampler on a GPU, llama-1b in bf16: its per-token log-probabilities against the
-training forward's (policy worker ``token_logprobs`` over prompt + response), with decode-step
-CUDA graphs and eagerly, and its throughput at 64 prompts x 1024 new tokens.
+"""The KV-cached sampler on a GPU in bf16: its per-token log-probabilities against the training
+forward's (policy worker ``token_logprobs`` over prompt + response), with decode-step CUDA
+graphs and eagerly, for llama-1b and moe-1b (whose decode steps take the dense expert path,
+models/moe_decode.py, while the training forward routes), and llama-1b's throughput at 64
+prompts x 1024 new tokens.
 
     NEMO_RL_OFFLOAD_RESULTS=benchmarks/results/generation \\
         python3 -m pytest -m gpu -q tests/functional/test_generation_gpu.py
@@ -25,12 +27,12 @@ pytestmark = [
 MODEL = "llama-1b"
 
 
-def _worker(cuda_graphs: bool, max_len: int = 2048):
+def _worker(cuda_graphs: bool, max_len: int = 2048, model: str = MODEL):
     from nemo_rl_offload.policy.policy_worker import PolicyWorker
     from nemo_rl_offload.preflight import resolve_policy
 
     section = {
-        "model_name": MODEL,
+        "model_name": model,
         "precision": "bfloat16",
         "max_total_sequence_length": max_len,
         "megatron_cfg": {"enabled": True},
@@ -70,10 +72,17 @@ def _training_logprobs(worker, prompts, generated) -> list[np.ndarray]:
     ]
 
 
-def test_sampler_logprobs_match_the_training_forward_in_bf16():
+# How far the sampler may be from the training forward (NeMo-RL's token_mult_prob_error, the
+# mean absolute difference): an MoE step's near-tied experts can route differently on the two
+# paths' slightly different hidden states in bf16.
+TOLERANCE = {"llama-1b": (1.02, 0.02), "moe-1b": (1.05, 0.05)}
+
+
+@pytest.mark.parametrize("model", list(TOLERANCE))
+def test_sampler_logprobs_match_the_training_forward_in_bf16(model):
     from nemo_rl_offload.config.model_presets import architecture_for
 
-    vocab = architecture_for(MODEL).vocab_size
+    vocab = architecture_for(model).vocab_size
     prompts = _prompts(32, vocab, seed=0)
     settings = SamplingSettings(max_new_tokens=256)
     # One token in 40 stops a row: rows end at different steps, and the unfinished ones move
@@ -85,7 +94,7 @@ def test_sampler_logprobs_match_the_training_forward_in_bf16():
         ("eager", False, settings),
         ("graphs_rows_finishing", True, stopping),
     ]:
-        worker = _worker(graphs)
+        worker = _worker(graphs, model=model)
         generated = worker.generate(prompts, sampling, seed=5, pad_id=0)
         expected = _training_logprobs(worker, prompts, generated)
         diff = np.concatenate(
@@ -102,10 +111,13 @@ def test_sampler_logprobs_match_the_training_forward_in_bf16():
             "tokens": int(diff.size),
         }
         worker.close()
-    write_results("generation_logprobs", {"model": MODEL, "precision": "bfloat16", **results})
+    write_results(
+        f"generation_logprobs_{model}", {"model": model, "precision": "bfloat16", **results}
+    )
+    mult_error, abs_diff = TOLERANCE[model]
     for name, r in results.items():
-        assert r["token_mult_prob_error"] < 1.02, (name, r)
-        assert r["mean_abs_diff"] < 0.02, (name, r)
+        assert r["token_mult_prob_error"] < mult_error, (name, r)
+        assert r["mean_abs_diff"] < abs_diff, (name, r)
 
 
 def test_throughput_at_64_prompts_and_1024_new_tokens():

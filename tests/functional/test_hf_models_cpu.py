@@ -33,10 +33,11 @@ def _val_microbatches(model_dir: Path, overrides: list[str]) -> list[dict]:
     from nemo_rl_offload.data.tokenizer import load_tokenizer
     from nemo_rl_offload.preflight import load_and_check
 
-    recipe = load_and_check(str(TINY_SFT), overrides).recipe
+    report = load_and_check(str(TINY_SFT), overrides)
+    recipe = report.recipe
     cfg, policy = recipe["sft"], recipe["policy"]
     tokenizer = load_tokenizer(None, str(model_dir))
-    examples = load_split(recipe["data"], "sft", "val")
+    examples = load_split(report.run.data, "sft", "val")
     encoded = encode_and_check_lengths(
         examples, tokenizer, int(policy["max_total_sequence_length"]), "data"
     )

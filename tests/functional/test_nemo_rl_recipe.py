@@ -32,12 +32,12 @@ def _python_path() -> str:
 
 
 def _run(
-    tmp_path: Path, recipe: str, *overrides: str
+    tmp_path: Path, recipe: str, *overrides: str, recipes: Path = RECIPES
 ) -> tuple[subprocess.CompletedProcess, list[dict]]:
     done = subprocess.run(
         [
             sys.executable, "-m", "nemo_rl_offload.cli", COMMANDS[recipe],
-            "--config", str(RECIPES / f"{recipe}.yaml"),
+            "--config", str(recipes / f"{recipe}.yaml"),
             f"logger.log_dir={tmp_path / 'logs'}", *overrides,
         ],
         cwd=REPO, env={**os.environ, "PYTHONPATH": _python_path()},
@@ -77,22 +77,26 @@ QUANTIZED = [
 # What each CPU run changes beyond its recipe file: GRPO's file is the GPU run's. On CPU the
 # GRPO run takes the MoE preset with router replay, so one run covers both (the GPU runs the
 # dense model and the MoE with and without replay).
+# GRPO's recipe file is the GPU run's: on one CPU rank, a float32 tiny model and a short step.
+GRPO_ON_CPU = [
+    "policy.precision=float32",
+    "policy.generation.max_new_tokens=8",
+    "policy.train_global_batch_size=8",
+    "policy.train_micro_batch_size=4",
+    "policy.logprob_batch_size=4",
+    "grpo.num_prompts_per_step=2",
+    "grpo.max_num_steps=1",
+    "++policy.megatron_cfg.pipeline_dtype=null",
+    "++policy.megatron_cfg.optimizer.bf16=false",
+    "cluster.gpus_per_node=0",
+    "++cluster.num_cpu_workers=1",
+]
 CPU_OVERRIDES = {
     "grpo": [
         "policy.model_name=tiny-moe",
         REPLAY,
-        "policy.precision=float32",
+        *GRPO_ON_CPU,
         "policy.max_total_sequence_length=64",
-        "policy.generation.max_new_tokens=8",
-        "policy.train_global_batch_size=8",
-        "policy.train_micro_batch_size=4",
-        "policy.logprob_batch_size=4",
-        "grpo.num_prompts_per_step=2",
-        "grpo.max_num_steps=1",
-        "++policy.megatron_cfg.pipeline_dtype=null",
-        "++policy.megatron_cfg.optimizer.bf16=false",
-        "cluster.gpus_per_node=0",
-        "++cluster.num_cpu_workers=1",
         "++data.max_operand=30",
     ],
     "sft": [],
@@ -119,6 +123,24 @@ def test_nemo_rls_recipe_runs_on_cpu_workers(tmp_path, recipe):
         assert _routed(records) == [1.0]
         changed = [r["router_replay_changed"] for r in records if r.get("phase") == "train"]
         assert len(changed) == 1 and 0.0 <= changed[0] <= 1.0
+
+
+# NeMo-RL's recipes with their own data sections (tests/data/nemo_rl/runs/*.yaml: local copies of
+# the named datasets in their hub columns, NeMo-RL's prompt files, processors, chat templates
+# and the math environment). GRPO's file is the GPU one: on CPU the tiny dense model.
+OWN_DATA = REPO / "tests" / "data" / "nemo_rl" / "runs"
+OWN_DATA_CPU = {
+    "grpo": ["policy.model_name=tiny-dense", *GRPO_ON_CPU],
+    "sft": [],
+    "dpo": [],
+    "distillation": [],
+}
+
+
+@pytest.mark.parametrize("recipe", list(OWN_DATA_CPU))
+def test_nemo_rls_recipe_trains_on_its_own_data_section(tmp_path, recipe):
+    done, records = _run(tmp_path, recipe, *OWN_DATA_CPU[recipe], recipes=OWN_DATA)
+    _check(done, records, steps=1, warned=())
 
 
 @pytest.mark.gpu

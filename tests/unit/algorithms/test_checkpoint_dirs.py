@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.loop_runs import stand_in_run
 from support.tiny_checkpoints import write_policy
 
 from nemo_rl_offload.algorithms.common import Run
@@ -44,8 +45,7 @@ class CrashingPolicy(WritingPolicy):
 
 
 def make_run(root: Path, keep: int | None = 1) -> Run:
-    recipe = {"checkpointing": {"checkpoint_dir": str(root), "keep_top_k": keep}}
-    return Run("sft", recipe, None, None, None, None)
+    return stand_in_run("sft", checkpointing={"checkpoint_dir": str(root), "keep_top_k": keep})
 
 
 def test_a_stop_mid_save_leaves_the_previous_checkpoint_the_latest(tmp_path):

@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 
 import pytest
+from support.loop_runs import stand_in_run
 from support.tiny_checkpoints import write_policy
 
-from nemo_rl_offload.algorithms.common import Run
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.policy.checkpoint_dirs import (
     STATE_FILE,
@@ -109,8 +109,7 @@ def test_keep_top_k_reads_past_a_damaged_state_json(tmp_path):
         def save(self, directory: str) -> None:
             write_policy(directory)
 
-    recipe = {"checkpointing": {"checkpoint_dir": str(tmp_path), "keep_top_k": 2}}
-    run = Run("sft", recipe, None, None, None, None)
+    run = stand_in_run("sft", checkpointing={"checkpoint_dir": str(tmp_path), "keep_top_k": 2})
     run.save(Policy(), 3, {"position": 96})
     (tmp_path / "step_000003" / STATE_FILE).write_text("{")
     (tmp_path / "step_000004.bak").mkdir()

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support.loop_runs import stand_in_run
 
 from nemo_rl_offload.algorithms.common import Deadline, Run
 from nemo_rl_offload.config.checkpointing import parse_deadline
@@ -65,17 +66,22 @@ def test_the_deadline_is_due_when_another_mean_step_would_reach_it():
     assert not Deadline(101, clock=clock, started=clock.now - 70).due()  # no step yet: 70 < 101
 
 
-def make_run(root: Path, clock: Clock, deadline_s: float | None, *, enabled: bool = True) -> Run:
-    recipe = {
-        "checkpointing": {
-            "enabled": enabled,
-            "checkpoint_dir": str(root / "ckpt"),
-            "save_period": 10,
-            "checkpoint_must_save_by": "00:00:01:40",
-        }
+def make_run(
+    root: Path,
+    clock: Clock,
+    deadline_s: float | None,
+    *,
+    enabled: bool = True,
+    save_period: int = 10,
+) -> Run:
+    checkpointing = {
+        "enabled": enabled,
+        "checkpoint_dir": str(root / "ckpt"),
+        "save_period": save_period,
+        "checkpoint_must_save_by": "00:00:01:40",
     }
     logger = MetricsLogger(root / "logs", total_steps=10, stream=io.StringIO())
-    run = Run("sft", recipe, None, None, logger, None, max_steps=10)
+    run = stand_in_run("sft", checkpointing=checkpointing, logger=logger, max_steps=10)
     run.deadline = Deadline(deadline_s, clock=clock, started=clock.now)
     return run
 
@@ -112,8 +118,7 @@ def test_without_a_deadline_or_far_from_it_the_loop_runs_to_the_end(tmp_path):
 
 def test_a_deadline_at_a_step_that_saves_anyway_saves_once(tmp_path):
     clock, policy = Clock(), WritingPolicy()
-    run = make_run(tmp_path, clock, 100)
-    run.recipe["checkpointing"]["save_period"] = 2
+    run = make_run(tmp_path, clock, 100, save_period=2)
     assert loop(run, clock, policy, 35) == [1, 2]
     assert policy.saved == [".tmp_step_000002"]
 

@@ -16,6 +16,7 @@ from nemo_rl_offload.algorithms import grpo, rewards
 from nemo_rl_offload.algorithms.batching import TokenSequence
 from nemo_rl_offload.algorithms.common import EpochSampler
 from nemo_rl_offload.config.generation_settings import GenerationSettings
+from nemo_rl_offload.config.run_settings import LoggerSettings
 from nemo_rl_offload.data.tokenizer import ByteTokenizer
 from nemo_rl_offload.errors import UserInputError
 from nemo_rl_offload.policy.generation import Generated
@@ -108,9 +109,11 @@ def fake_run(grpo_cfg: dict, **generation) -> SimpleNamespace:
     }
     return SimpleNamespace(
         recipe=recipe,
-        policy_cfg=recipe["policy"],
         policy_settings=SimpleNamespace(
-            generation=GenerationSettings.from_section(recipe["policy"])
+            generation=GenerationSettings.from_section(recipe["policy"]), records_routes=False
+        ),
+        settings=SimpleNamespace(
+            logger=LoggerSettings("logs", False, False, num_val_samples_to_print=0)
         ),
         tokenizer=TOKENIZER,
         max_len=64,
@@ -148,9 +151,9 @@ class RightIsOne:
         return [1.0 if t.strip() == a else 0.0 for t, a in zip(texts, answers, strict=True)]
 
 
-def data(names: list[str]) -> tuple[list[TokenSequence], list[dict]]:
-    raw = [{"prompt": name, "answer": "1"} for name in names]
-    return [TokenSequence(TOKENIZER.encode(n), len(n)) for n in names], raw
+def data(names: list[str]) -> tuple[list[TokenSequence], list[str]]:
+    """The prompts and their answers (every answer is "1")."""
+    return [TokenSequence(TOKENIZER.encode(n), len(n)) for n in names], ["1"] * len(names)
 
 
 def collect(run, names, policy=None):
@@ -300,8 +303,7 @@ def test_advantage_clipping_reaches_the_training_sequences():
 def test_validation_samples_each_prompt_as_often_as_asked_and_reports_pass_at_k():
     run = fake_run({})
     policy = FakePolicy()
-    val, raw = data(["v0", "u0"])
-    answers = [r["answer"] for r in raw]
+    val, answers = data(["v0", "u0"])
     once = grpo.validate(run, policy, RightIsOne(), val, answers, 0)
     assert policy.calls == [2, 2] and "val_pass_k" not in once
     policy.calls.clear()

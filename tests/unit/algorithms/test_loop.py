@@ -9,8 +9,11 @@ from pathlib import Path
 
 from nemo_rl_offload.algorithms import loop
 from nemo_rl_offload.algorithms.common import EpochSampler, Run
+from nemo_rl_offload.config import run_settings
+from nemo_rl_offload.config.run_settings import ScheduleSettings
 from nemo_rl_offload.metrics_logger import MetricsLogger, read_metrics
 from nemo_rl_offload.policy.checkpoint_dirs import checkpoint_dirs
+from nemo_rl_offload.preflight import Report
 
 
 class StandInGroup:
@@ -28,11 +31,19 @@ class StandInGroup:
 
 def make_run(root: Path, section: dict, *, max_steps: int) -> Run:
     recipe = {
-        "grpo": section,
+        "grpo": {"max_num_steps": max_steps, "seed": 0, "val_period": 0, **section},
         "checkpointing": {"enabled": True, "checkpoint_dir": str(root / "ckpt")},
+        "logger": {"log_dir": str(root / "logs")},
     }
+    report = Report("grpo", recipe, None, run=run_settings.resolve(recipe, "grpo"))
     logger = MetricsLogger(root / "logs", total_steps=max_steps, stream=io.StringIO())
-    return Run("grpo", recipe, None, None, logger, None, max_steps=max_steps)
+    return Run("grpo", recipe, report, None, logger, None, max_steps=max_steps)
+
+
+def schedule(run: Run, section: dict) -> ScheduleSettings:
+    """The run's schedule with ``section``'s keys over it."""
+    recipe = {**run.recipe, "grpo": {**run.recipe["grpo"], **section}}
+    return run_settings.resolve(recipe, "grpo").schedule
 
 
 def body(
@@ -53,7 +64,7 @@ def body(
         sampler,
         train_step,
         validate=lambda step: {"val_reward": float(step)},
-        section=section,
+        schedule=schedule(run, section),
         stop_when=None
         if stop_at is None
         else (lambda m: "stop" if m["val_reward"] >= stop_at else None),

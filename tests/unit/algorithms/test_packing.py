@@ -8,7 +8,7 @@ import pytest
 
 from nemo_rl_offload.algorithms import packing
 from nemo_rl_offload.algorithms.batching import TokenSequence, make_microbatch
-from nemo_rl_offload.config.batch_checks import token_budgeted
+from nemo_rl_offload.config.batching_settings import BatchingSettings
 from nemo_rl_offload.errors import UserInputError
 
 PAD = 0
@@ -114,8 +114,8 @@ def test_settings_from_a_policy_section():
     assert packed.logprob_tokens == 64 * 2
     assert _settings("packing", microbatch_order="largest_first").largest_first
     assert _settings("dynamic").sequence_length_round == 16
-    assert token_budgeted({"dynamic_batching": {"enabled": True}})
-    assert not token_budgeted({"sequence_packing": {"enabled": False}})
+    assert BatchingSettings.mode_of({"dynamic_batching": {"enabled": True}}) != "rows"
+    assert BatchingSettings.mode_of({"sequence_packing": {"enabled": False}}) == "rows"
 
 
 def test_packed_training_steps_have_one_shape_and_the_same_count_on_every_rank():

@@ -9,6 +9,7 @@ import io
 from pathlib import Path
 
 import pytest
+from support.loop_runs import stand_in_run
 
 from nemo_rl_offload.algorithms import grpo
 from nemo_rl_offload.algorithms.common import Run, validation_due
@@ -26,12 +27,14 @@ class WritingPolicy:
 
 
 def make_run(root: Path, algorithm: str, section: dict, *, max_steps: int = 10) -> Run:
-    recipe = {
-        algorithm: section,
-        "checkpointing": {"enabled": True, "checkpoint_dir": str(root / "ckpt")},
-    }
     logger = MetricsLogger(root / "logs", total_steps=max_steps, stream=io.StringIO())
-    return Run(algorithm, recipe, None, None, logger, None, max_steps=max_steps)
+    return stand_in_run(
+        algorithm,
+        checkpointing={"checkpoint_dir": str(root / "ckpt")},
+        section=section,
+        logger=logger,
+        max_steps=max_steps,
+    )
 
 
 def validated_steps(

@@ -3,22 +3,23 @@
 
 from __future__ import annotations
 
-from nemo_rl_offload.config.quantization import calibration_batches, summary
+from nemo_rl_offload.config.quantization import calibration, calibration_batches, summary
 
 SEQUENCES = [list(range(100 * i, 100 * i + 7)) for i in range(5)]
 
 
 def test_the_first_examples_are_cut_into_full_rows_and_batched():
     cfg = {"quant_calib_size": 3, "quant_sequence_length": 4, "quant_batch_size": 2}
-    batches = calibration_batches(SEQUENCES, cfg)
+    batches = calibration_batches(SEQUENCES, calibration(cfg))
     stream = list(range(7)) + list(range(100, 107)) + list(range(200, 207))
     rows = [stream[i : i + 4] for i in range(0, 20, 4)]  # 21 tokens: the short last row goes
     assert batches == [rows[0:2], rows[2:4], rows[4:5]]
 
 
 def test_no_examples_no_batches_and_a_short_stream_is_one_row():
-    assert calibration_batches(SEQUENCES, {}) == []
-    one = calibration_batches(SEQUENCES, {"quant_calib_size": 1})  # NeMo-RL's 1024 tokens
+    assert calibration_batches(SEQUENCES, calibration({})) == []
+    # one example of the stream, rows of NeMo-RL's 1024 tokens
+    one = calibration_batches(SEQUENCES, calibration({"quant_calib_size": 1}))
     assert one == [[list(range(7))]]
 
 

@@ -93,11 +93,14 @@ def test_the_message_level_penalties_act_with_nemo_gym_only(key):
     assert "set env.should_use_nemo_gym: true" in line
 
 
-def test_nemo_gyms_rows_are_data_only_with_nemo_gym_on():
+def test_nemo_gyms_rows_are_data_only_with_nemo_gym_on(tmp_path):
+    from nemo_rl_offload.config.data_settings import check_data_section
+
     errors, warnings = ignored_keys.check(_recipe(), starting=True)
     assert not any(line.startswith(("data.", "warning: data.")) for line in errors + warnings)
-    errors, _ = ignored_keys.check(_recipe(env__should_use_nemo_gym=False), starting=True)
-    assert any(line.startswith("data.train:") for line in errors)
+    without = _recipe(env__should_use_nemo_gym=False)
+    lines = check_data_section(without, base_dir=tmp_path, starting=True)
+    assert any(line.startswith("data.") and "NeMo-Gym" in line for line in lines), lines
 
 
 def test_router_replay_goes_through_nemo_gym(gym_python):

@@ -160,14 +160,14 @@ def test_validation_sampling_equal_to_training_is_inert():
     assert ignored_keys.check(recipe) == ([], [])
 
 
-def test_nemo_rl_data_is_a_warning_for_validate_and_an_error_for_a_run():
+def test_nemo_rl_data_and_its_processor_switches_are_acted_on():
+    """data.train names NeMo-RL's datasets (config/data_settings.py checks them) and the
+    processors apply data.add_bos & co. there; the loader's other switches are refused."""
     recipe = {"data": {"train": {"dataset_name": "OpenMathInstruct-2"}, "add_bos": False}}
-    errors, warnings = ignored_keys.check(recipe)
-    assert errors == [] and len(warnings) == 1
-    assert warnings[0].startswith("warning: data.train: NeMo-RL's data pipeline")
-    assert "training commands refuse to start until you set data.dataset_name" in warnings[0]
-    errors, warnings = ignored_keys.check(recipe, starting=True)
-    assert len(errors) == 1 and errors[0].startswith("data.train: ") and warnings == []
+    assert ignored_keys.check(recipe) == ([], [])
+    assert ignored_keys.check(recipe, starting=True) == ([], [])
+    errors, _ = ignored_keys.check({"data": {**recipe["data"], "use_multiple_dataloader": True}})
+    assert len(errors) == 1 and errors[0].startswith("data.use_multiple_dataloader: true")
 
 
 def test_a_data_pipeline_key_without_nemo_rl_data_is_refused_unless_default():

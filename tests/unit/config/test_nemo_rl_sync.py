@@ -255,4 +255,10 @@ def test_a_run_refuses_what_validate_only_warns_about():
     recipe = load_recipe(EXEMPLARS / "grpo_math_1B_megatron.yaml")
     report = check_recipe(recipe, caps=_CAPS, megatron_crosscheck=False, starting=True)
     assert any(line.startswith("policy.model_name: Hugging Face model") for line in report.errors)
-    assert any(line.startswith("data.train: ") for line in report.errors)
+    assert any(line.startswith("data.default.prompt_file: ") for line in report.errors)
+    validated = check_recipe(
+        load_recipe(EXEMPLARS / "grpo_math_1B_megatron.yaml"), caps=_CAPS, megatron_crosscheck=False
+    )
+    assert validated.ok and any(
+        line.startswith("warning: data.default.prompt_file: ") for line in validated.warnings
+    )

@@ -219,6 +219,6 @@ def test_the_policy_and_each_teacher_model_share_a_gpu():
         "++on_policy_distillation={enabled: true, default_teacher_alias: a, "
         "teacher_model_by_agent_name: {a: tiny-dense, b: tiny-dense, c: tiny-moe}}",
     )
-    on_gpus = {**report.recipe, "cluster": {"gpus_per_node": 1, "num_nodes": 1}}
-    assert gpu_share(on_gpus) == pytest.approx(1 / 3)  # the policy, tiny-dense's and tiny-moe's
-    assert gpu_share(report.recipe) == 1.0  # CPU workers
+    # the policy, tiny-dense's and tiny-moe's
+    assert gpu_share(report.recipe, on_gpu=True) == pytest.approx(1 / 3)
+    assert gpu_share(report.recipe, on_gpu=False) == 1.0  # CPU workers

@@ -218,11 +218,20 @@ def _decode_graphs(model: str, **megatron_cfg: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "recipe",
     [
-        _decode_graphs("tiny-moe"),
+        _decode_graphs("tiny-moe", expert_model_parallel_size=2),
+        _decode_graphs("tiny-moe", model_overrides={"moe_expert_capacity_factor": 1.0}),
+        _decode_graphs("tiny-moe")
+        | {"policy": {**_decode_graphs("tiny-moe")["policy"], "router_replay": {"enabled": True}}},
         _decode_graphs("tiny-dense", pipeline_model_parallel_size=2),
         _decode_graphs("tiny-dense", tensor_model_parallel_size=2, sequence_parallel=True),
     ],
-    ids=["experts", "pipeline", "sequence_parallel"],
+    ids=[
+        "expert_parallel",
+        "token_dropping",
+        "recorded_routes",
+        "pipeline",
+        "sequence_parallel",
+    ],
 )
 def test_decode_graphs_the_sampler_cannot_capture_are_warned(recipe):
     errors, warnings = ignored_keys.check(recipe)
@@ -237,9 +246,11 @@ def test_decode_graphs_the_sampler_cannot_capture_are_warned(recipe):
     [
         _decode_graphs("tiny-dense"),
         _decode_graphs("tiny-dense", tensor_model_parallel_size=2),
+        _decode_graphs("tiny-moe"),  # the dense expert path (models/moe_decode.py)
+        _decode_graphs("tiny-moe", model_overrides={"moe_grouped_gemm": True}),
         _decode_graphs("tiny-moe") | {"policy": {"model_name": "tiny-moe"}},
     ],
-    ids=["dense", "tensor_parallel", "graphs_not_asked"],
+    ids=["dense", "tensor_parallel", "experts", "grouped_experts", "graphs_not_asked"],
 )
 def test_decode_graphs_that_run_or_are_not_asked_for_are_not_warned(recipe):
     assert ignored_keys.check(recipe) == ([], [])

@@ -7,10 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rl_offload.config.data_settings import DataSettings, data_settings
 from nemo_rl_offload.data import arithmetic
-from nemo_rl_offload.data.datasets import EncodedExample, encode_and_check_lengths, load_split
+from nemo_rl_offload.data.datasets import EncodedExample, encode_and_check_lengths
+from nemo_rl_offload.data.datasets import load_split as load_settings_split
 from nemo_rl_offload.data.tokenizer import ByteTokenizer
 from nemo_rl_offload.errors import UserInputError
+
+
+def load_split(cfg: dict, kind: str, split: str) -> list[dict]:
+    """The split of the ``data`` section ``cfg`` (this backend's own keys)."""
+    fields = {key: value for key, value in cfg.items() if key != "dataset_name"}
+    settings = DataSettings(source=cfg["dataset_name"], **fields)
+    return load_settings_split(settings, kind, split)  # type: ignore[arg-type]
 
 
 def _jsonl(path: Path, rows: list[dict]) -> str:
@@ -83,23 +92,24 @@ def test_jsonl_errors_name_the_recipe_key(tmp_path: Path) -> None:
     assert info.value.problems == [f"{missing}: no such file (data.val_data_path)"]
 
 
-def test_jsonl_prompt_answers_need_a_number(tmp_path: Path) -> None:
-    rows = [{"prompt": "a", "answer": "42"}, {"prompt": "b", "answer": "forty-two"}]
+def test_jsonl_prompt_answers_must_be_gradable(tmp_path: Path) -> None:
+    rows = [
+        {"prompt": "a", "answer": "42"},
+        {"prompt": "b", "answer": "\\frac{1}{2}"},
+        {"prompt": "c", "answer": "\\boxed{}"},
+    ]
     path = _jsonl(tmp_path / "q.jsonl", rows)
     with pytest.raises(UserInputError) as info:
         load_split({"dataset_name": "jsonl", "train_data_path": path}, "prompts", "train")
-    assert info.value.problems == [
-        f"{path}:2: answer 'forty-two' has no number; the math environment can only reward "
-        "numeric answers"
-    ]
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith(f"{path}:3: answer '\\\\boxed{{}}' cannot be graded")
+    assert "env.math.math_verify_impl" in info.value.problems[0]
 
 
-def test_unknown_dataset_name() -> None:
+def test_unknown_dataset_name(tmp_path: Path) -> None:
     with pytest.raises(UserInputError) as info:
-        load_split({"dataset_name": "gsm8k"}, "sft", "train")
-    assert info.value.problems == [
-        "data.dataset_name: unknown dataset 'gsm8k'; use arithmetic or jsonl"
-    ]
+        data_settings({"data": {"dataset_name": "no-such-set"}}, base_dir=tmp_path)
+    assert any("no-such-set" in line for line in info.value.problems)
 
 
 def test_encode_sft_marks_the_prompt() -> None:
@@ -117,7 +127,7 @@ def test_encode_preference_and_prompts() -> None:
         "x",
     )
     assert pair == EncodedExample([257, 97, 98, 258], 2, rejected_ids=[257, 97, 99, 100, 258])
-    assert prompt == EncodedExample([257, 120, 121], 3)
+    assert prompt == EncodedExample([257, 120, 121], 3, ground_truth="1")
 
 
 def test_encode_without_specials() -> None:

@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 _THIS_JOB = """
+from nemo_rl_offload.config.cluster_settings import ClusterSettings
 from nemo_rl_offload.distributed import cluster
-info = cluster.start_or_join({"gpus_per_node": 0, "num_nodes": 1}, num_cpus=3)
+info = cluster.start_or_join(ClusterSettings(), num_cpus=3)
 print("result", info.started_here, info.num_cpus, flush=True)
 cluster.shutdown(info)
 """
@@ -72,17 +73,18 @@ def test_connections_made_inside_kept_open_last_until_it_ends():
     the block's end disconnects (stopping the embedded cluster)."""
     import ray
 
+    from nemo_rl_offload.config.cluster_settings import ClusterSettings
     from nemo_rl_offload.distributed import cluster
 
     if ray.is_initialized():
         ray.shutdown()
     with cluster.kept_open():
         assert cluster.keeping()
-        first = cluster.start_or_join({"address": None}, num_cpus=1, num_gpus=0)
+        first = cluster.start_or_join(ClusterSettings(), num_cpus=1, num_gpus=0)
         assert first.connected_here and first.started_here
         cluster.shutdown(first)
         assert ray.is_initialized()
-        second = cluster.start_or_join({"address": None}, num_cpus=1, num_gpus=0)
+        second = cluster.start_or_join(ClusterSettings(), num_cpus=1, num_gpus=0)
         assert not second.connected_here
         cluster.shutdown(second)
         assert ray.is_initialized()

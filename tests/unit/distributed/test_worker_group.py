@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from nemo_rl_offload.config.cluster_settings import ClusterSettings
 from nemo_rl_offload.distributed import cluster, worker_group
 from nemo_rl_offload.distributed.worker_group import GroupStopped, WorkerError, WorkerGroup
 from nemo_rl_offload.errors import UserInputError
@@ -60,7 +61,7 @@ class EchoWorker:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    info = cluster.start_or_join({"address": None}, num_cpus=2, num_gpus=0)
+    info = cluster.start_or_join(ClusterSettings(), num_cpus=2, num_gpus=0)
     yield info
     cluster.shutdown(info)
 
@@ -203,18 +204,18 @@ def test_unreachable_address_fails_in_seconds(monkeypatch):
 
 
 def _address_and_where():
-    address, where = cluster.requested_address({"address": None})
+    address, where = cluster.requested_address(ClusterSettings())
     return address, where
 
 
 def test_recipe_address_wins_over_environment(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert cluster.requested_address({"address": "ray://head:10001"}) == (
+    assert cluster.requested_address(ClusterSettings(address="ray://head:10001")) == (
         "ray://head:10001",
         "cluster.address",
     )
     monkeypatch.delenv("RAY_ADDRESS")
-    assert cluster.requested_address({}) == (None, "")
+    assert cluster.requested_address(ClusterSettings()) == (None, "")
 
 
 @pytest.mark.parametrize(

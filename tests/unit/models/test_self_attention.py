@@ -51,6 +51,24 @@ def _attention_and_inputs(build_tiny, dtype: torch.dtype, seq: int = 12):
     return attention, freqs, hidden
 
 
+def _rotary_kwargs(freqs: torch.Tensor, packed: bool) -> dict:
+    """The attention's rotary arguments: padded, or a packed batch of two sequences (5 and 7
+    tokens) whose positions restart."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    kwargs: dict = {"rotary_pos_emb": freqs}
+    if packed:
+        cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+        kwargs["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=7,
+            max_seqlen_kv=7,
+        )
+    return kwargs
+
+
 def _forward_backward(forward, attention, hidden):
     """Output, the input's gradient and every parameter's, and the shapes autograd saved."""
     attention.zero_grad(set_to_none=True)
@@ -79,19 +97,9 @@ def test_the_rotary_embedding_trains_bit_for_bit_as_megatrons_and_hides_its_tabl
     output and gradients bit for bit; the rotary cos/sin tables ([s, 1, 1, head dim]), which
     Megatron's makes and keeps per call, are not handed to an outer saved-tensor hook (an
     offload group's would copy them for every layer)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     attention, freqs, hidden = _attention_and_inputs(build_tiny, dtype)
-    kwargs: dict = {"rotary_pos_emb": freqs}
-    if packed:
-        cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
-        kwargs["packed_seq_params"] = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu_seqlens,
-            cu_seqlens_kv=cu_seqlens,
-            max_seqlen_q=7,
-            max_seqlen_kv=7,
-        )
+    kwargs = _rotary_kwargs(freqs, packed)
     table = tuple(freqs.shape)
 
     def ours(h):
@@ -106,6 +114,31 @@ def test_the_rotary_embedding_trains_bit_for_bit_as_megatrons_and_hides_its_tabl
     assert torch.equal(out, plain_out)
     for grad, plain in zip(grads, plain_grads, strict=True):
         assert torch.equal(grad, plain)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_forward_only_pass_rotates_as_megatrons_without_a_loop_per_sequence(
+    build_tiny, packed, monkeypatch
+):
+    """Without gradients (log-probabilities, the sampler) the shared tables rotate too: the
+    output is Megatron's bit for bit, and Megatron's per-sequence path of a packed batch
+    (a host loop over the sequences) is not taken."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    attention, freqs, hidden = _attention_and_inputs(build_tiny, torch.bfloat16)
+    kwargs = _rotary_kwargs(freqs, packed)
+    with torch.no_grad():
+        plain, _ = SelfAttention.forward(attention, hidden, None, **kwargs)
+        calls: list[int] = []
+        original = rope_utils._apply_rotary_pos_emb_thd
+        monkeypatch.setattr(
+            rope_utils,
+            "_apply_rotary_pos_emb_thd",
+            lambda *a, **k: calls.append(1) or original(*a, **k),
+        )
+        ours, _ = attention(hidden, None, **kwargs)
+    assert torch.equal(ours, plain)
+    assert calls == []
 
 
 def test_every_layer_rotates_with_one_shared_pair_of_tables(build_tiny):
@@ -154,3 +187,23 @@ def test_forward_only_and_drifted_code_use_megatrons_rotary(build_tiny, monkeypa
         lambda h: attention(h, None, rotary_pos_emb=freqs), attention, hidden
     )
     assert tuple(freqs.shape) in saved  # Megatron's tables, kept
+
+
+def test_a_packed_layout_is_read_once_per_microbatch():
+    """Every layer of a micro-batch asks for the packed lengths; the device is read for the
+    first only (each read waits for the GPU), and a new micro-batch's layout is read anew."""
+    from nemo_rl_offload.models.self_attention import packed_seqlens
+
+    class Counting(torch.Tensor):
+        reads = 0
+
+        def item(self):  # type: ignore[override]
+            Counting.reads += 1
+            return super().item()
+
+    first = torch.tensor([0, 5, 12], dtype=torch.int32).as_subclass(Counting)
+    assert packed_seqlens(first, 16) == (5, 7)
+    assert packed_seqlens(first, 16) == (5, 7) and Counting.reads == 1
+    assert packed_seqlens(first, 12) is None  # a frequencies row per packed token
+    second = torch.tensor([0, 3, 12], dtype=torch.int32).as_subclass(Counting)
+    assert packed_seqlens(second, 16) == (3, 9) and Counting.reads == 3
