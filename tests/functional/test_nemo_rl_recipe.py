@@ -151,6 +151,32 @@ def test_nemo_rls_grpo_recipe_runs_on_a_gpu(tmp_path):
     assert all(r["peak_gpu_memory_gib"] > 0 for r in records if r.get("phase") == "train")
 
 
+# The same recipes on one GPU with llama-1b in bfloat16 (GRPO's file is the GPU run's already).
+OWN_DATA_GPU = {
+    "grpo": [],
+    **{
+        recipe: [
+            "policy.model_name=llama-1b",
+            "policy.precision=bfloat16",
+            "cluster.gpus_per_node=1",
+            *(["teacher.model_name=llama-1b", "teacher.precision=bfloat16"]
+              if recipe == "distillation" else []),
+        ]
+        for recipe in ("sft", "dpo", "distillation")
+    },
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", list(OWN_DATA_GPU))
+def test_nemo_rls_recipe_trains_on_its_own_data_section_on_a_gpu(tmp_path, recipe):
+    done, records = _run(tmp_path, recipe, *OWN_DATA_GPU[recipe], recipes=OWN_DATA)
+    steps = 2 if recipe == "grpo" else 1
+    _check(done, records, steps=steps, warned=())
+    assert all(r["peak_gpu_memory_gib"] > 0 for r in records if r.get("phase") == "train")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_router_replay_on_an_moe_policy_on_a_gpu(tmp_path):
