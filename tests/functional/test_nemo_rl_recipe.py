@@ -1,7 +1,9 @@
 """NeMo-RL's own exemplar recipes run here as written: grpo_math_1B_megatron.yaml, sft.yaml
-(a DTensor recipe), dpo.yaml and distillation_math_megatron.yaml, each with a preset model, the
-built-in data and one or two steps (tests/functional/nemo_rl_recipes/*.yaml say what they
-change: model, data, lengths, batch sizes, one rank, the sinks' run names).
+(a DTensor recipe), dpo.yaml and distillation_math_megatron.yaml, each with a preset model and
+one or two steps (tests/functional/nemo_rl_recipes/short/*.yaml say what they change: model,
+lengths, batch sizes, one rank, the sinks' run names): on CPU workers with their own data
+sections (tests/data/nemo_rl/runs/*.yaml: only the data's location changed), on the GPU also
+with the built-in data (tests/functional/nemo_rl_recipes/*.yaml).
 
 NeMo-RL's base recipes turn on settings that validated but stopped a run at its start: the
 precision-aware optimizer and RoPE fusion (both need Transformer Engine here: the distributed
@@ -74,10 +76,14 @@ QUANTIZED = [
     "++policy.quant_sequence_length=32",
 ]
 
-# What each CPU run changes beyond its recipe file: GRPO's file is the GPU run's. On CPU the
-# GRPO run takes the MoE preset with router replay, so one run covers both (the GPU runs the
-# dense model and the MoE with and without replay).
-# GRPO's recipe file is the GPU run's: on one CPU rank, a float32 tiny model and a short step.
+# NeMo-RL's recipes with their own data sections (tests/data/nemo_rl/runs/*.yaml: local copies of
+# the named datasets in their hub columns, NeMo-RL's prompt files, processors, chat templates
+# and the math environment).
+OWN_DATA = REPO / "tests" / "data" / "nemo_rl" / "runs"
+
+# What each CPU run changes beyond its recipe file. GRPO's file is the GPU run's: on one CPU
+# rank a float32 tiny model and a short step, the MoE preset with router replay, so one run
+# covers both (the GPU runs the dense model and the MoE with and without replay).
 GRPO_ON_CPU = [
     "policy.precision=float32",
     "policy.generation.max_new_tokens=8",
@@ -92,13 +98,7 @@ GRPO_ON_CPU = [
     "++cluster.num_cpu_workers=1",
 ]
 CPU_OVERRIDES = {
-    "grpo": [
-        "policy.model_name=tiny-moe",
-        REPLAY,
-        *GRPO_ON_CPU,
-        "policy.max_total_sequence_length=64",
-        "++data.max_operand=30",
-    ],
+    "grpo": ["policy.model_name=tiny-moe", REPLAY, *GRPO_ON_CPU],
     "sft": [],
     "dpo": [],
     # NeMo-RL's quantization-aware distillation (its qa_distillation recipe over this one):
@@ -113,8 +113,8 @@ def _routed(records: list[dict]) -> list[float]:
 
 
 @pytest.mark.parametrize("recipe", list(CPU_OVERRIDES))
-def test_nemo_rls_recipe_runs_on_cpu_workers(tmp_path, recipe):
-    done, records = _run(tmp_path, recipe, *CPU_OVERRIDES[recipe])
+def test_nemo_rls_recipe_trains_on_its_own_data_section_on_cpu_workers(tmp_path, recipe):
+    done, records = _run(tmp_path, recipe, *CPU_OVERRIDES[recipe], recipes=OWN_DATA)
     # CPU workers always run the distributed optimizer: nothing to say about precision.
     _check(done, records, steps=1, warned=("apply_rope_fusion",) if recipe == "grpo" else ())
     if recipe == "distillation":
@@ -123,24 +123,6 @@ def test_nemo_rls_recipe_runs_on_cpu_workers(tmp_path, recipe):
         assert _routed(records) == [1.0]
         changed = [r["router_replay_changed"] for r in records if r.get("phase") == "train"]
         assert len(changed) == 1 and 0.0 <= changed[0] <= 1.0
-
-
-# NeMo-RL's recipes with their own data sections (tests/data/nemo_rl/runs/*.yaml: local copies of
-# the named datasets in their hub columns, NeMo-RL's prompt files, processors, chat templates
-# and the math environment). GRPO's file is the GPU one: on CPU the tiny dense model.
-OWN_DATA = REPO / "tests" / "data" / "nemo_rl" / "runs"
-OWN_DATA_CPU = {
-    "grpo": ["policy.model_name=tiny-dense", *GRPO_ON_CPU],
-    "sft": [],
-    "dpo": [],
-    "distillation": [],
-}
-
-
-@pytest.mark.parametrize("recipe", list(OWN_DATA_CPU))
-def test_nemo_rls_recipe_trains_on_its_own_data_section(tmp_path, recipe):
-    done, records = _run(tmp_path, recipe, *OWN_DATA_CPU[recipe], recipes=OWN_DATA)
-    _check(done, records, steps=1, warned=())
 
 
 @pytest.mark.gpu
