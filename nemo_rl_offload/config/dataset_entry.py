@@ -26,6 +26,7 @@ from nemo_rl_offload.config.nemo_rl_datasets import (
     Family,
     spec_for,
 )
+from nemo_rl_offload.config.processor_names import processor_problem
 
 __all__ = [
     "DEFAULT_SEED",
@@ -278,6 +279,15 @@ def _common_values(
             value = None
         if name == "processor":
             values[name] = "default" if value is None else value  # NeMo-RL's set_processor
+            # A preference entry's rows always take preference_preprocessor (NeMo-RL binds no
+            # other), so only a response entry's name is checked against its algorithm.
+            problem = (
+                processor_problem(values[name], key(name), context.algorithm)
+                if context.family == "response" and isinstance(values[name], str)
+                else None
+            )
+            if problem is not None:
+                found.errors.append(problem)
         elif name == "env_name":
             values[name] = value
         elif name in spec.reads:

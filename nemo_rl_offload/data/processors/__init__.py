@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nemo_rl_offload.config.processor_flags import ProcessorFlags
+from nemo_rl_offload.config.processor_names import NOT_SUPPORTED
 from nemo_rl_offload.data.processors.conversation_processors import (
     preference_preprocessor,
     sft_processor,
@@ -32,7 +33,6 @@ __all__ = [
     "PROCESSORS",
     "Processor",
     "ProcessorFlags",
-    "check_processor",
     "process",
     "processor_named",
 ]
@@ -49,23 +49,6 @@ PROCESSORS: dict[str, Processor] = {
     "preference_preprocessor": preference_preprocessor,
     "sft_processor": sft_processor,
 }
-
-# NeMo-RL's processors that cannot run here, with why.
-NOT_SUPPORTED: dict[str, str] = {
-    "vlm_hf_data_processor": (
-        "NeMo-RL's vision/audio-language processor; image, audio and video data are not "
-        "supported (text-only models)"
-    ),
-    "kd_data_processor": (
-        "NeMo-RL's cross-tokenizer distillation processor (its xtoken recipes); distillation "
-        "across two tokenizers is not supported"
-    ),
-}
-
-
-def check_processor(name: object, key: str) -> None:
-    """One line naming ``key`` (``data.train[0].processor``) unless ``name`` is a processor."""
-    processor_named(name, key)
 
 
 def processor_named(name: object, key: str) -> Processor:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.nemo_rl_data import recipe_with
 
 from nemo_rl_offload.config.data_settings import (
     DataSettings,
@@ -30,7 +31,7 @@ EXEMPLARS = REPO / "tests" / "unit" / "reference_configs" / "nemo_rl"
 
 
 def settings(data: dict[str, Any], algorithm: str = "sft", **kw: Any) -> DataSettings:
-    return data_settings({algorithm: {}, "data": data}, base_dir=DATA, **kw)
+    return data_settings(recipe_with(data, algorithm), base_dir=DATA, **kw)
 
 
 def problems(data: dict[str, Any], algorithm: str = "sft", **kw: Any) -> list[str]:
@@ -40,7 +41,7 @@ def problems(data: dict[str, Any], algorithm: str = "sft", **kw: Any) -> list[st
 
 
 def check(data: dict[str, Any], algorithm: str = "sft", **kw: Any) -> list[str]:
-    return check_data_section({algorithm: {}, "data": data}, base_dir=DATA, **kw)
+    return check_data_section(recipe_with(data, algorithm), base_dir=DATA, **kw)
 
 
 # ------------------------------------------------------------------ legacy sources
@@ -150,7 +151,9 @@ def test_default_fills_what_an_entry_does_not_set():
 
 
 def test_nemo_rl_defaults_of_a_dataset_and_of_the_loader():
-    resolved = settings({"train": {"dataset_name": "OpenMathInstruct-2"}})
+    resolved = settings(
+        {"train": {"dataset_name": "OpenMathInstruct-2", "env_name": "math"}}, "grpo"
+    )
     (entry,) = resolved.train
     assert (entry.split, entry.output_key, entry.split_validation_size, entry.seed) == (
         "train_1M",
@@ -161,8 +164,8 @@ def test_nemo_rl_defaults_of_a_dataset_and_of_the_loader():
     assert entry.input_key is None  # OpenMathInstruct-2 reads its problem column only
     assert (entry.task_name, entry.processor, entry.env_name) == (
         "OpenMathInstruct-2",
-        "default",
-        None,
+        "default",  # NeMo-RL's default processor: math_hf_data_processor
+        "math",
     )
     assert (resolved.add_bos, resolved.add_eos, resolved.add_generation_prompt) == (
         True,
@@ -289,13 +292,14 @@ def test_a_prompt_file_is_read_from_the_working_directory():
 def test_a_prompt_file_is_found_above_the_recipe(tmp_path):
     recipe = DATA / "recipes" / "sft.yaml"  # tests/data/nemo_rl holds examples/prompts/
     data = {"train": {"dataset_name": "squad", "system_prompt_file": "examples/prompts/gsm8k.txt"}}
-    found = data_settings({"sft": {}, "data": data}, base_dir=tmp_path, recipe_path=recipe)
+    found = data_settings(recipe_with(data, "sft"), base_dir=tmp_path, recipe_path=recipe)
     assert found.train[0].system_prompt_file == str(DATA / "examples" / "prompts" / "gsm8k.txt")
 
 
 def test_a_missing_prompt_file_is_one_line_naming_it_and_its_key(tmp_path):
+    default = {"prompt_file": "prompts/none.txt", "processor": "sft_processor"}
     data = {"train": {"dataset_name": "squad"}, "validation": {"dataset_name": "squad"},
-            "default": {"prompt_file": "prompts/none.txt"}}  # fmt: skip
+            "default": default}  # fmt: skip
     with pytest.raises(UserInputError) as error:
         data_settings({"sft": {}, "data": data}, base_dir=tmp_path)
     assert error.value.problems == [
@@ -366,8 +370,8 @@ def test_settings_are_frozen_and_picklable():
 
 
 def test_entries_for_file_checks_skip_the_ones_that_do_not_resolve():
-    recipe = {"sft": {}, "data": {"train": [{"dataset_name": "nope"},
-              {"dataset_name": "ResponseDataset", "data_path": "a.jsonl"}]}}  # fmt: skip
+    recipe = recipe_with({"train": [{"dataset_name": "nope"},
+              {"dataset_name": "ResponseDataset", "data_path": "a.jsonl"}]}, "sft")  # fmt: skip
     (entry,) = dataset_entries(recipe, base_dir=DATA)
     assert entry.where == "data.train[1]"
 
@@ -413,8 +417,11 @@ EXPECTED_WARNINGS = {
 def test_nemo_rls_recipes_data_sections_resolve(path):
     loaded = yaml.safe_load(path.read_text())
     recipe = {loaded["algorithm"]: {}, "data": loaded["data"]}
-    if path.stem == "xtoken_off_policy_distillation":  # its raw text is on the hub: a local copy
-        recipe["data"]["train"]["data_files"] = "raw_text.txt"
+    if path.stem == "xtoken_off_policy_distillation":
+        # Its cross-tokenizer processor is refused at validate (it distils across tokenizers).
+        (line,) = [p for p in check_data_section(recipe, base_dir=DATA) if "processor" in p]
+        assert line.startswith("data.train.processor: 'kd_data_processor' is NeMo-RL's ")
+        return
     resolved = data_settings(recipe, base_dir=DATA)
     assert resolved.source == "nemo_rl" and resolved.train
     warnings = check_data_section(recipe, base_dir=DATA)
@@ -441,3 +448,32 @@ def test_nemo_rls_exemplars_resolve(name):
     resolved = data_settings(recipe, base_dir=DATA)
     assert resolved.source == "nemo_rl"
     assert check_data_section(recipe, base_dir=DATA) == []
+
+
+# ------------------------------------------------------------------ processors at validate
+
+
+def test_a_processor_must_make_what_the_algorithm_trains_on():
+    """An SFT conversation given to GRPO has no answer to grade (every reward would be 0), a
+    GRPO prompt given to SFT has nothing to train: both are refused before any data is read,
+    as are names that are not processors; a fitting name passes."""
+    sft_data = {"train": {"dataset_name": "squad", "processor": "sft_processor"}}
+    assert check(sft_data) == []
+    (line,) = check({"train": {"dataset_name": "squad", "processor": "default"}})
+    assert line.startswith("data.train.processor: default makes prompts with an answer")
+    assert line.endswith("use sft_processor")
+    math = {"dataset_name": "OpenMathInstruct-2", "env_name": "math"}
+    assert check({"train": {**math, "processor": "math_hf_data_processor"}}, "grpo") == []
+    (line,) = check({"train": {**math, "processor": "sft_processor"}}, "grpo")
+    assert line.startswith("data.train.processor: sft_processor makes conversations")
+    assert "math_hf_data_processor" in line
+    (line,) = check({"train": {**math, "processor": "math_processor"}}, "grpo")
+    assert line.startswith("data.train.processor: unknown processor 'math_processor'; ")
+    (line,) = check({"train": {**math, "processor": "vlm_hf_data_processor"}}, "grpo")
+    assert "not supported" in line
+
+
+def test_a_preference_entrys_processor_is_nemo_rls_own():
+    """NeMo-RL binds preference_preprocessor to every preference row, whatever the entry says."""
+    data = {"train": {"dataset_name": "HelpSteer3", "data_path": "helpsteer3.jsonl"}}
+    assert check(data, "dpo") == []

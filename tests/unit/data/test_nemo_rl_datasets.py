@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.nemo_rl_data import recipe_with
 
 from nemo_rl_offload.config.data_settings import DataSettings, data_settings
 from nemo_rl_offload.data import file_checks
@@ -59,7 +60,7 @@ def own_caches(tmp_path_factory, monkeypatch):
 
 
 def load(data: dict[str, Any], algorithm: str = "sft", base_dir: Path = DATA, **recipe: Any):
-    resolved = data_settings({algorithm: {}, "data": data, **recipe}, base_dir=base_dir)
+    resolved = data_settings(recipe_with(data, algorithm, **recipe), base_dir=base_dir)
     return load_rows(resolved)
 
 
@@ -352,7 +353,7 @@ def entry_checks(tmp_path: Path, data: dict[str, Any], starting: bool, algorithm
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        return file_checks.problems({algorithm: {}, "data": data}, algorithm, starting=starting)
+        return file_checks.problems(recipe_with(data, algorithm), algorithm, starting=starting)
     finally:
         os.chdir(cwd)
 

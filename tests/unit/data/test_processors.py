@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 from support.chat_tokenizers import save
 
+from nemo_rl_offload.config.processor_names import PROCESSOR_EXAMPLES
 from nemo_rl_offload.config.tokenizer_settings import tokenizer_settings
 from nemo_rl_offload.data.processors import (
     NOT_SUPPORTED,
     PROCESSORS,
     ProcessorFlags,
-    check_processor,
     process,
+    processor_named,
 )
 from nemo_rl_offload.data.processors.chat_turns import formatted_turns
 from nemo_rl_offload.data.rows import DataRow, EncodedExample, TaskSpec
@@ -134,16 +135,22 @@ def test_an_sft_conversation_masks_later_user_turns() -> None:
 # ----------------------------------------------------------------------------- the registry
 
 
+def test_the_registry_runs_every_name_validate_accepts() -> None:
+    """config/processor_names.py checks a recipe's names at validate; every name there runs."""
+    assert set(PROCESSORS) == set(PROCESSOR_EXAMPLES)
+    assert not set(PROCESSORS) & set(NOT_SUPPORTED)
+
+
 def test_known_processors_resolve_and_unknown_ones_are_one_line() -> None:
     for name in PROCESSORS:
-        check_processor(name, "data.default.processor")
+        assert processor_named(name, "data.default.processor") is PROCESSORS[name]
     with pytest.raises(UserInputError) as info:
-        check_processor("math_processor", "data.train[1].processor")
+        processor_named("math_processor", "data.train[1].processor")
     (line,) = info.value.problems
     assert line.startswith("data.train[1].processor: unknown processor 'math_processor'; ")
     assert "math_hf_data_processor" in line and "sft_processor" in line
     with pytest.raises(UserInputError, match="unknown processor None"):
-        check_processor(None, "data.default.processor")
+        processor_named(None, "data.default.processor")
 
 
 @pytest.mark.parametrize("name", sorted(NOT_SUPPORTED))

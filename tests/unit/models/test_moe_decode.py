@@ -25,7 +25,9 @@ def _moe_layer(build_tiny, grouped: bool = False):
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_dense_decode_equals_the_routed_experts(build_tiny, moe_globals_restored, tokens, grouped):
+def test_dense_decode_equals_the_routed_experts(
+    build_tiny, moe_globals_restored, monkeypatch, tokens, grouped
+):
     model, layer = _moe_layer(build_tiny, grouped)
     assert dense_usable(layer)
     model.eval()
@@ -35,44 +37,42 @@ def test_dense_decode_equals_the_routed_experts(build_tiny, moe_globals_restored
     with torch.no_grad():
         routed, routed_bias = layer(hidden)
         calls: list[int] = []
-        handle = layer.token_dispatcher.__class__.dispatch_preprocess
-        try:
-            layer.token_dispatcher.__class__.dispatch_preprocess = lambda self, *a, **k: (
-                calls.append(1) or handle(self, *a, **k)
-            )
-            with experts_for_every_token():
-                dense, dense_bias = layer(hidden)
-        finally:
-            layer.token_dispatcher.__class__.dispatch_preprocess = handle
+        handle = type(layer.token_dispatcher).dispatch_preprocess
+        monkeypatch.setattr(
+            type(layer.token_dispatcher),
+            "dispatch_preprocess",
+            lambda self, *a, **k: calls.append(1) or handle(self, *a, **k),
+        )
+        with experts_for_every_token():
+            dense, dense_bias = layer(hidden)
     assert calls == []  # no permutation by expert: nothing to read on the host
     assert routed_bias is None and dense_bias is None
     torch.testing.assert_close(dense, routed, rtol=1e-5, atol=1e-6)
 
 
-def test_outside_the_block_or_in_training_megatrons_path_runs(build_tiny, moe_globals_restored):
+def test_outside_the_block_or_in_training_megatrons_path_runs(
+    build_tiny, moe_globals_restored, monkeypatch
+):
     model, layer = _moe_layer(build_tiny)
     hidden = torch.randn(2, 2, layer.config.hidden_size)
-    calls: list[int] = []
-    original = type(layer).route
-
-    def counting_route(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    type(layer).route = counting_route
     dispatched: list[int] = []
     preprocess = type(layer).preprocess
-    type(layer).preprocess = lambda self, *a, **k: dispatched.append(1) or preprocess(self, *a, **k)
-    try:
-        model.eval()
-        with torch.no_grad():
-            layer(hidden)  # outside the block
-            model.train()
-            with experts_for_every_token():
-                layer(hidden)  # training
-    finally:
-        type(layer).route = original
-        type(layer).preprocess = preprocess
+
+    def counting(self, *args, **kwargs):
+        dispatched.append(1)
+        return preprocess(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(layer), "preprocess", counting)
+    model.eval()
+    with torch.no_grad():
+        layer(hidden)  # outside the block
+        assert dispatched == [1]
+        with experts_for_every_token():
+            layer(hidden)  # the dense path: nothing dispatched
+        assert dispatched == [1]
+        model.train()
+        with experts_for_every_token():
+            layer(hidden)  # training
     assert dispatched == [1, 1]
 
 
